@@ -1,0 +1,518 @@
+"""Qwen2 / Qwen2.5 decoder-only transformer in Flax Linen.
+
+Computes what `transformers`' `Qwen2ForCausalLM` computes (the parity reference, see
+tests/test_qwen2_parity.py). Modules only: no loss, optimizer, loop or fault logic live here.
+Faults and AQN reach the model from outside through `nn.intercept_methods`; for that every
+submodule is named after the HF checkpoint and the decoder layers are an unrolled loop, so a
+module path such as `layers_15/mlp/down_proj` carries the layer index.
+
+Axis letters used in names and einsums:
+  B batch, T query positions, S key positions (cache slots), N query heads, K kv heads,
+  G query heads per kv head (N // K), H head dim, D model dim, F mlp dim, V vocab.
+
+Call contract:
+  logits_BTV = model.apply({'params': p}, input_ids_BT, attention_mask=mask_BT)
+  logits_BTV, cache = model.apply({'params': p}, ids_BT, attention_mask=mask_BT, cache=cache)
+Logits are always float32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import flax.linen as nn
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+def _dtype(name: str) -> Any:
+    return _DTYPES[name]
+
+
+@dataclasses.dataclass(frozen=True)
+class Qwen2Config:
+    """Architecture plus numerics of a Qwen2 model (field names follow HF's `Qwen2Config`).
+
+    Presets: `Qwen2Config.preset(name)` with name in `PRESETS`, or the classmethods
+    (`qwen2p5_1p5b()`, ...). Variants by `dataclasses.replace(cfg, dtype='bfloat16')`.
+    """
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int | None = None  # None: hidden_size // num_attention_heads (HF's default)
+    rope_theta: float = 1e6
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = True
+    max_position_embeddings: int = 32768
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    pad_token_id: int | None = None
+    # Numerics: storage dtype of params and dtype of activations/matmuls. Softmax, RMSNorm
+    # statistics, RoPE angles and logits are always computed in float32.
+    param_dtype: str = "float32"
+    dtype: str = "float32"
+    # Rematerialise each decoder layer in the backward pass (saves activation memory).
+    remat: bool = False
+
+    def __post_init__(self):
+        for name in ("param_dtype", "dtype"):
+            value = getattr(self, name)
+            if value not in _DTYPES:
+                raise ValueError(f"Qwen2Config.{name}={value!r}; allowed: {sorted(_DTYPES)}")
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"Qwen2Config.{name}={value!r}; must be a positive int")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"Qwen2Config.num_attention_heads={self.num_attention_heads} must be a multiple"
+                f" of num_key_value_heads={self.num_key_value_heads} (grouped-query attention)"
+            )
+        if self.head_dim is None and self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"Qwen2Config.hidden_size={self.hidden_size} is not divisible by"
+                f" num_attention_heads={self.num_attention_heads}; set head_dim explicitly"
+            )
+        if self.resolved_head_dim % 2:
+            raise ValueError(f"Qwen2Config.head_dim={self.resolved_head_dim} must be even (RoPE)")
+
+    @property
+    def resolved_head_dim(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    # --- presets -----------------------------------------------------------------------------
+    @classmethod
+    def qwen2p5_0p5b(cls, **kw) -> Qwen2Config:
+        return cls.preset("qwen2p5_0p5b", **kw)
+
+    @classmethod
+    def qwen2p5_1p5b(cls, **kw) -> Qwen2Config:
+        return cls.preset("qwen2p5_1p5b", **kw)
+
+    @classmethod
+    def qwen2p5_3b(cls, **kw) -> Qwen2Config:
+        return cls.preset("qwen2p5_3b", **kw)
+
+    @classmethod
+    def qwen2p5_7b(cls, **kw) -> Qwen2Config:
+        return cls.preset("qwen2p5_7b", **kw)
+
+    @classmethod
+    def tiny(cls, **kw) -> Qwen2Config:
+        return cls.preset("tiny", **kw)
+
+    @classmethod
+    def preset(cls, name: str, **kw) -> Qwen2Config:
+        if name not in _PRESETS:
+            raise ValueError(f"model preset {name!r} is unknown; allowed: {sorted(_PRESETS)}")
+        return cls(**{**_PRESETS[name], **kw})
+
+
+_QWEN25_COMMON = dict(
+    rope_theta=1e6, rms_norm_eps=1e-6, bos_token_id=151643, eos_token_id=151645
+)
+# Architectures of the public Qwen2.5 checkpoints (REFERENCE.md; HF config.json of each).
+_PRESETS: dict[str, dict[str, Any]] = {
+    "qwen2p5_0p5b": dict(
+        vocab_size=151936,
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+        **_QWEN25_COMMON,
+    ),
+    "qwen2p5_1p5b": dict(
+        vocab_size=151936,
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+        **_QWEN25_COMMON,
+    ),
+    "qwen2p5_3b": dict(
+        vocab_size=151936,
+        hidden_size=2048,
+        intermediate_size=11008,
+        num_hidden_layers=36,
+        num_attention_heads=16,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+        **_QWEN25_COMMON,
+    ),
+    "qwen2p5_7b": dict(
+        vocab_size=152064,
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        tie_word_embeddings=False,
+        **_QWEN25_COMMON,
+    ),
+    # The embedded default: ~1.6M parameters, fast on a laptop CPU; vocab 256 holds the
+    # character tokenizer of the synthetic arithmetic task. 8 layers so that a per-layer
+    # diagnosis has interior layers to localise.
+    "tiny": dict(
+        vocab_size=256,
+        hidden_size=128,
+        intermediate_size=384,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rope_theta=1e4,
+        tie_word_embeddings=True,
+        max_position_embeddings=1024,
+        bos_token_id=2,
+        eos_token_id=1,
+        pad_token_id=0,
+    ),
+}
+PRESETS: tuple[str, ...] = tuple(_PRESETS)
+
+
+# --- KV cache ---------------------------------------------------------------------------------
+@flax.struct.dataclass
+class KVCache:
+    """Preallocated keys/values of every layer plus which slots hold real tokens.
+
+    k, v: one `[B, S, K, H]` array per layer. mask: `[B, S]` int32, 1 where a slot holds a
+    non-padding token. end: int32 scalar, the number of slots written so far (the next write
+    starts there; all sequences in the batch advance together, padding is masked, not skipped).
+    """
+
+    k: tuple[jax.Array, ...]
+    v: tuple[jax.Array, ...]
+    mask: jax.Array
+    end: jax.Array
+
+    @property
+    def max_len(self) -> int:
+        return self.mask.shape[1]
+
+
+def init_cache(config: Qwen2Config, batch_size: int, max_len: int) -> KVCache:
+    """An empty cache of `max_len` slots in the compute dtype."""
+    shape = (batch_size, max_len, config.num_key_value_heads, config.resolved_head_dim)
+    zeros = tuple(jnp.zeros(shape, _dtype(config.dtype)) for _ in range(config.num_hidden_layers))
+    return KVCache(
+        k=zeros,
+        v=tuple(jnp.zeros_like(z) for z in zeros),
+        mask=jnp.zeros((batch_size, max_len), jnp.int32),
+        end=jnp.zeros((), jnp.int32),
+    )
+
+
+# --- modules ----------------------------------------------------------------------------------
+def _partitioned(init, names: Sequence[str | None]):
+    return nn.with_logical_partitioning(init, tuple(names))
+
+
+class Linear(nn.Module):
+    """`y = x @ kernel (+ bias)`, kernel `[in, out]` (HF stores `weight` as `[out, in]`).
+
+    A module of its own (not `nn.Dense`) so that fault interceptors can select linears by exact
+    type and read `kernel`/`bias` to redo the product with operator-level error. Products
+    accumulate in float32 (as GPU/TPU matmul units do) and are returned in `dtype`.
+    """
+
+    features: int
+    use_bias: bool
+    kernel_axes: tuple[str | None, str | None]
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        kernel = self.param(
+            "kernel",
+            _partitioned(nn.initializers.normal(stddev=0.02), self.kernel_axes),
+            (x.shape[-1], self.features),
+            self.param_dtype,
+        )
+        y = jnp.einsum(
+            "...i,io->...o",
+            x.astype(self.dtype),
+            kernel.astype(self.dtype),
+            preferred_element_type=jnp.float32,
+        ).astype(self.dtype)
+        if self.use_bias:
+            bias = self.param(
+                "bias",
+                _partitioned(nn.initializers.zeros_init(), self.kernel_axes[1:]),
+                (self.features,),
+                self.param_dtype,
+            )
+            y = y + bias.astype(self.dtype)
+        return y
+
+
+class LMHead(nn.Module):
+    """Final projection to float32 logits `[B, T, V]`.
+
+    Untied: owns `kernel` `[D, V]`. Tied: no params; multiplies by the embedding table passed
+    in. A module in both cases so that the `lm_head` fault site exists for every checkpoint.
+    Logits accumulate and stay in float32: the log-probs of sampled tokens feed the RL ratio,
+    where bf16 rounding is visible.
+    """
+
+    vocab_size: int
+    tied: bool
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x_BTD: jax.Array, table_VD: jax.Array | None = None) -> jax.Array:
+        x_BTD = x_BTD.astype(self.dtype)
+        if self.tied:
+            return jnp.einsum(
+                "BTD,VD->BTV", x_BTD, table_VD.astype(self.dtype),
+                preferred_element_type=jnp.float32,
+            )
+        kernel_DV = self.param(
+            "kernel",
+            _partitioned(nn.initializers.normal(stddev=0.02), ("embed", "vocab")),
+            (x_BTD.shape[-1], self.vocab_size),
+            self.param_dtype,
+        )
+        return jnp.einsum(
+            "BTD,DV->BTV", x_BTD, kernel_DV.astype(self.dtype), preferred_element_type=jnp.float32
+        )
+
+
+class RMSNorm(nn.Module):
+    """HF Qwen2RMSNorm: variance in float32, normalised value cast back to the input dtype, then
+    multiplied by the weight; the cast order matters in bf16, so it is kept exactly."""
+
+    eps: float
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        weight = self.param(
+            "weight", _partitioned(nn.initializers.ones_init(), ("norm",)), (x.shape[-1],),
+            self.param_dtype,
+        )
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return weight.astype(self.dtype) * normed.astype(x.dtype).astype(self.dtype)
+
+
+def rope_cos_sin(positions_BT: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, ...]:
+    """cos/sin `[B, T, H]` of rotate-half RoPE (HF's default rope), angles in float32."""
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    freqs_BTh = positions_BT.astype(jnp.float32)[..., None] * inv_freq
+    emb_BTH = jnp.concatenate([freqs_BTh, freqs_BTh], axis=-1)
+    return jnp.cos(emb_BTH), jnp.sin(emb_BTH)
+
+
+def apply_rope(x_BTnH: jax.Array, cos_BTH: jax.Array, sin_BTH: jax.Array) -> jax.Array:
+    """x·cos + rotate_half(x)·sin with rotate_half(x) = [-x2, x1]; computed in float32."""
+    x = x_BTnH.astype(jnp.float32)
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    rotated = jnp.concatenate([-x2, x1], axis=-1)
+    out = x * cos_BTH[:, :, None, :] + rotated * sin_BTH[:, :, None, :]
+    return out.astype(x_BTnH.dtype)
+
+
+class Qwen2Attention(nn.Module):
+    """Grouped-query self-attention with q/k/v bias, RoPE, float32 softmax and an optional
+    KV cache. Returns `(out_BTD, layer_kv)`; layer_kv is None without a cache."""
+
+    config: Qwen2Config
+
+    @nn.compact
+    def __call__(self, x_BTD, positions_BT, key_mask_BS, query_slot_BT, kv=None):
+        cfg = self.config
+        N, K, H = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.resolved_head_dim
+        dt, pdt = _dtype(cfg.dtype), _dtype(cfg.param_dtype)
+        lin = dict(dtype=dt, param_dtype=pdt)
+        B, T, _ = x_BTD.shape
+        q_BTNH = Linear(N * H, True, ("embed", "heads"), name="q_proj", **lin)(x_BTD)
+        k_BTKH = Linear(K * H, True, ("embed", "kv_heads"), name="k_proj", **lin)(x_BTD)
+        v_BTKH = Linear(K * H, True, ("embed", "kv_heads"), name="v_proj", **lin)(x_BTD)
+        q_BTNH = q_BTNH.reshape(B, T, N, H)
+        k_BTKH = k_BTKH.reshape(B, T, K, H)
+        v_BTKH = v_BTKH.reshape(B, T, K, H)
+
+        cos, sin = rope_cos_sin(positions_BT, H, cfg.rope_theta)
+        q_BTNH = apply_rope(q_BTNH, cos, sin)
+        k_BTKH = apply_rope(k_BTKH, cos, sin)
+
+        if kv is not None:
+            # Write this chunk's keys/values at slots [end, end + T) and attend over all slots.
+            cache_k, cache_v, end = kv
+            k_BSKH = jax.lax.dynamic_update_slice(cache_k, k_BTKH.astype(cache_k.dtype),
+                                                  (0, end, 0, 0))
+            v_BSKH = jax.lax.dynamic_update_slice(cache_v, v_BTKH.astype(cache_v.dtype),
+                                                  (0, end, 0, 0))
+            kv = (k_BSKH, v_BSKH)
+        else:
+            k_BSKH, v_BSKH = k_BTKH, v_BTKH
+        S = k_BSKH.shape[1]
+
+        # Causal by slot index (a query sees keys written at or before its own slot) and only
+        # real tokens: left padding is masked out as keys.
+        allowed_BTS = (jnp.arange(S)[None, None, :] <= query_slot_BT[:, :, None]) & (
+            key_mask_BS[:, None, :] > 0
+        )
+        q_BTKGH = q_BTNH.reshape(B, T, K, N // K, H)
+        # Scores and softmax in float32: bf16 logits of the softmax lose the small differences
+        # that decide the attention pattern.
+        scores_BKGTS = jnp.einsum(
+            "BTKGH,BSKH->BKGTS", q_BTKGH, k_BSKH.astype(dt), preferred_element_type=jnp.float32
+        ) * (H**-0.5)
+        # A large finite negative (not -inf) keeps fully masked rows (padding queries) finite.
+        scores_BKGTS = jnp.where(
+            allowed_BTS[:, None, None], scores_BKGTS, jnp.finfo(jnp.float32).min
+        )
+        probs_BKGTS = jax.nn.softmax(scores_BKGTS, axis=-1).astype(dt)
+        out_BTKGH = jnp.einsum("BKGTS,BSKH->BTKGH", probs_BKGTS, v_BSKH.astype(dt))
+        out_BTD = Linear(cfg.hidden_size, False, ("heads", "embed"), name="o_proj", **lin)(
+            out_BTKGH.reshape(B, T, N * H)
+        )
+        return out_BTD, kv
+
+
+class Qwen2MLP(nn.Module):
+    """SwiGLU without bias: down(silu(gate(x)) * up(x))."""
+
+    config: Qwen2Config
+
+    @nn.compact
+    def __call__(self, x_BTD):
+        cfg = self.config
+        lin = dict(dtype=_dtype(cfg.dtype), param_dtype=_dtype(cfg.param_dtype))
+        gate_BTF = Linear(cfg.intermediate_size, False, ("embed", "mlp"), name="gate_proj", **lin)(
+            x_BTD
+        )
+        up_BTF = Linear(cfg.intermediate_size, False, ("embed", "mlp"), name="up_proj", **lin)(
+            x_BTD
+        )
+        return Linear(cfg.hidden_size, False, ("mlp", "embed"), name="down_proj", **lin)(
+            nn.silu(gate_BTF) * up_BTF
+        )
+
+
+class Qwen2DecoderLayer(nn.Module):
+    """Pre-norm block: h = x + attn(norm(x)); out = h + mlp(norm(h)).
+
+    Returns `(out_BTD, layer_kv)`. The output is the residual stream after this layer (where
+    the original system's deadzone fault sits)."""
+
+    config: Qwen2Config
+
+    @nn.compact
+    def __call__(self, x_BTD, positions_BT, key_mask_BS, query_slot_BT, kv=None):
+        cfg = self.config
+        norm = dict(eps=cfg.rms_norm_eps, dtype=_dtype(cfg.dtype), param_dtype=_dtype(cfg.param_dtype))
+        attn_BTD, kv = Qwen2Attention(cfg, name="self_attn")(
+            RMSNorm(name="input_layernorm", **norm)(x_BTD),
+            positions_BT,
+            key_mask_BS,
+            query_slot_BT,
+            kv,
+        )
+        h_BTD = x_BTD + attn_BTD
+        out_BTD = h_BTD + Qwen2MLP(cfg, name="mlp")(
+            RMSNorm(name="post_attention_layernorm", **norm)(h_BTD)
+        )
+        return out_BTD, kv
+
+
+class Qwen2ForCausalLM(nn.Module):
+    """The full model. Params: embed_tokens, layers_{i}, norm, lm_head (untied only)."""
+
+    config: Qwen2Config
+
+    @nn.compact
+    def __call__(
+        self,
+        input_ids_BT: jax.Array,
+        attention_mask: jax.Array | None = None,
+        positions: jax.Array | None = None,
+        cache: KVCache | None = None,
+    ):
+        """Logits `[B, T, V]` in float32, or `(logits, cache)` when a cache is given.
+
+        attention_mask: `[B, T]`, 1 for real tokens, 0 for (left) padding; default all ones.
+        positions: `[B, T]` RoPE positions. Default: the count of real tokens before each
+          token (`cumsum(mask) - 1`, continuing from the cache), so a left-padded prompt gets the
+          same positions as the unpadded one. This matches HF `generate`; HF's plain forward
+          defaults to `arange(T)` instead, so parity tests pass positions to HF explicitly.
+        cache: a `KVCache` from `init_cache`; this call's tokens are written at slots
+          `[cache.end, cache.end + T)` and the updated cache is returned.
+        """
+        cfg = self.config
+        dt, pdt = _dtype(cfg.dtype), _dtype(cfg.param_dtype)
+        B, T = input_ids_BT.shape
+        if attention_mask is None:
+            attention_mask = jnp.ones((B, T), jnp.int32)
+        attention_mask = attention_mask.astype(jnp.int32)
+
+        if cache is None:
+            start = jnp.zeros((), jnp.int32)
+            key_mask_BS = attention_mask
+            prior_tokens_B1 = jnp.zeros((B, 1), jnp.int32)
+        else:
+            start = cache.end
+            key_mask_BS = jax.lax.dynamic_update_slice(cache.mask, attention_mask, (0, start))
+            prior_tokens_B1 = jnp.sum(cache.mask, axis=1, keepdims=True)
+        if positions is None:
+            positions = jnp.maximum(prior_tokens_B1 + jnp.cumsum(attention_mask, axis=1) - 1, 0)
+        query_slot_BT = jnp.broadcast_to(start + jnp.arange(T, dtype=jnp.int32), (B, T))
+
+        embed = nn.Embed(
+            cfg.vocab_size,
+            cfg.hidden_size,
+            dtype=dt,
+            param_dtype=pdt,
+            embedding_init=_partitioned(nn.initializers.normal(stddev=0.02), ("vocab", "embed")),
+            name="embed_tokens",
+        )
+        x_BTD = embed(input_ids_BT)
+
+        layer_cls = Qwen2DecoderLayer
+        if cfg.remat:
+            layer_cls = nn.remat(Qwen2DecoderLayer, prevent_cse=True)
+        new_k, new_v = [], []
+        for i in range(cfg.num_hidden_layers):
+            kv = None if cache is None else (cache.k[i], cache.v[i], start)
+            x_BTD, kv = layer_cls(cfg, name=f"layers_{i}")(
+                x_BTD, positions, key_mask_BS, query_slot_BT, kv
+            )
+            if kv is not None:
+                new_k.append(kv[0])
+                new_v.append(kv[1])
+        x_BTD = RMSNorm(cfg.rms_norm_eps, dtype=dt, param_dtype=pdt, name="norm")(x_BTD)
+
+        head = LMHead(
+            cfg.vocab_size, cfg.tie_word_embeddings, dtype=dt, param_dtype=pdt, name="lm_head"
+        )
+        logits_BTV = head(x_BTD, embed.embedding if cfg.tie_word_embeddings else None)
+        logits_BTV = logits_BTV.astype(jnp.float32)
+        if cache is None:
+            return logits_BTV
+        return logits_BTV, KVCache(
+            k=tuple(new_k), v=tuple(new_v), mask=key_mask_BS, end=start + T
+        )
