@@ -9,6 +9,7 @@ import numpy as np
 from absl.testing import parameterized
 
 from aqn_jax.models.qwen2 import Qwen2Config, Qwen2ForCausalLM, init_cache
+
 from conftest import left_padded_batch, random_params
 
 CONFIG = Qwen2Config.tiny(num_hidden_layers=3)

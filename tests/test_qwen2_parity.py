@@ -8,6 +8,7 @@ import torch
 
 from aqn_jax.models.hf import load_hf_checkpoint
 from aqn_jax.models.qwen2 import Qwen2ForCausalLM
+
 from conftest import left_padded_batch
 
 CONFIGS = {

@@ -89,10 +89,12 @@ _CHECKED_FIELDS: dict[str, tuple[Any, str]] = {
     ),
     "rope_theta": (lambda v: float(v) > 0, "a positive float"),
     "rope_parameters": (
-        lambda v: isinstance(v, Mapping)
-        and v.get("rope_type", "default") == "default"
-        and float(v.get("partial_rotary_factor", 1.0)) == 1.0
-        and set(v) <= {"rope_type", "rope_theta", "partial_rotary_factor"},
+        lambda v: (
+            isinstance(v, Mapping)
+            and v.get("rope_type", "default") == "default"
+            and float(v.get("partial_rotary_factor", 1.0)) == 1.0
+            and set(v) <= {"rope_type", "rope_theta", "partial_rotary_factor"}
+        ),
         "{'rope_type': 'default', 'rope_theta': ...} (only the default RoPE is ported)",
     ),
 }
@@ -103,7 +105,9 @@ _NP_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": 
 def config_from_hf(hf: Mapping[str, Any], source: str = "config.json") -> tuple[Qwen2Config, list]:
     """Qwen2Config from an HF config dict; returns (config, names of ignored fields)."""
     if hf.get("model_type") != "qwen2":
-        raise ValueError(f"{source}: model_type={hf.get('model_type')!r}; only 'qwen2' is supported")
+        raise ValueError(
+            f"{source}: model_type={hf.get('model_type')!r}; only 'qwen2' is supported"
+        )
     archs = hf.get("architectures") or ["Qwen2ForCausalLM"]
     if "Qwen2ForCausalLM" not in archs:
         raise ValueError(f"{source}: architectures={archs}; expected 'Qwen2ForCausalLM'")
@@ -141,9 +145,7 @@ def config_from_hf(hf: Mapping[str, Any], source: str = "config.json") -> tuple[
     kw["eos_token_id"] = _first(kw.get("eos_token_id"))
     kw["bos_token_id"] = _first(kw.get("bos_token_id"))
     kw["pad_token_id"] = _first(kw.get("pad_token_id"))
-    config = Qwen2Config(
-        **kw, rope_theta=float(theta), param_dtype=storage, dtype=storage
-    )
+    config = Qwen2Config(**kw, rope_theta=float(theta), param_dtype=storage, dtype=storage)
     return config, ignored
 
 
@@ -237,7 +239,9 @@ def load_hf_checkpoint(path: str, dtype: str | None = None) -> tuple[Qwen2Config
     files = _weight_files(path)
     derived = [k for k in files if k.endswith(DERIVED_KEY_SUFFIXES)]
     tied_head = config.tie_word_embeddings and "lm_head.weight" in files
-    unexpected = sorted(set(files) - set(expected) - set(derived) - ({"lm_head.weight"} if tied_head else set()))
+    unexpected = sorted(
+        set(files) - set(expected) - set(derived) - ({"lm_head.weight"} if tied_head else set())
+    )
     missing = sorted(set(expected) - set(files))
     if missing or unexpected:
         raise ValueError(
@@ -317,7 +321,9 @@ def save_hf_checkpoint(
             raise ValueError(f"params lack {'/'.join(flax_path)} (HF key {key})") from e
         want = _lookup(shapes, flax_path).shape
         if value.shape != want:
-            raise ValueError(f"params {'/'.join(flax_path)} has shape {value.shape}; expected {want}")
+            raise ValueError(
+                f"params {'/'.join(flax_path)} has shape {value.shape}; expected {want}"
+            )
         tensors[key] = np.ascontiguousarray(value.T if transpose else value)
 
     os.makedirs(path, exist_ok=True)

@@ -124,9 +124,7 @@ class Qwen2Config:
         return cls(**{**_PRESETS[name], **kw})
 
 
-_QWEN25_COMMON = dict(
-    rope_theta=1e6, rms_norm_eps=1e-6, bos_token_id=151643, eos_token_id=151645
-)
+_QWEN25_COMMON = dict(rope_theta=1e6, rms_norm_eps=1e-6, bos_token_id=151643, eos_token_id=151645)
 # Architectures of the public Qwen2.5 checkpoints (REFERENCE.md; HF config.json of each).
 _PRESETS: dict[str, dict[str, Any]] = {
     "qwen2p5_0p5b": dict(
@@ -285,7 +283,9 @@ class LMHead(nn.Module):
         x_BTD = x_BTD.astype(self.dtype)
         if self.tied:
             return jnp.einsum(
-                "BTD,VD->BTV", x_BTD, table_VD.astype(self.dtype),
+                "BTD,VD->BTV",
+                x_BTD,
+                table_VD.astype(self.dtype),
                 preferred_element_type=jnp.float32,
             )
         kernel_DV = self.param(
@@ -310,7 +310,9 @@ class RMSNorm(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         weight = self.param(
-            "weight", _partitioned(nn.initializers.ones_init(), ("norm",)), (x.shape[-1],),
+            "weight",
+            _partitioned(nn.initializers.ones_init(), ("norm",)),
+            (x.shape[-1],),
             self.param_dtype,
         )
         x32 = x.astype(jnp.float32)
@@ -362,10 +364,12 @@ class Qwen2Attention(nn.Module):
         if kv is not None:
             # Write this chunk's keys/values at slots [end, end + T) and attend over all slots.
             cache_k, cache_v, end = kv
-            k_BSKH = jax.lax.dynamic_update_slice(cache_k, k_BTKH.astype(cache_k.dtype),
-                                                  (0, end, 0, 0))
-            v_BSKH = jax.lax.dynamic_update_slice(cache_v, v_BTKH.astype(cache_v.dtype),
-                                                  (0, end, 0, 0))
+            k_BSKH = jax.lax.dynamic_update_slice(
+                cache_k, k_BTKH.astype(cache_k.dtype), (0, end, 0, 0)
+            )
+            v_BSKH = jax.lax.dynamic_update_slice(
+                cache_v, v_BTKH.astype(cache_v.dtype), (0, end, 0, 0)
+            )
             kv = (k_BSKH, v_BSKH)
         else:
             k_BSKH, v_BSKH = k_BTKH, v_BTKH
@@ -425,7 +429,9 @@ class Qwen2DecoderLayer(nn.Module):
     @nn.compact
     def __call__(self, x_BTD, positions_BT, key_mask_BS, query_slot_BT, kv=None):
         cfg = self.config
-        norm = dict(eps=cfg.rms_norm_eps, dtype=_dtype(cfg.dtype), param_dtype=_dtype(cfg.param_dtype))
+        norm = dict(
+            eps=cfg.rms_norm_eps, dtype=_dtype(cfg.dtype), param_dtype=_dtype(cfg.param_dtype)
+        )
         attn_BTD, kv = Qwen2Attention(cfg, name="self_attn")(
             RMSNorm(name="input_layernorm", **norm)(x_BTD),
             positions_BT,
@@ -513,6 +519,4 @@ class Qwen2ForCausalLM(nn.Module):
         logits_BTV = logits_BTV.astype(jnp.float32)
         if cache is None:
             return logits_BTV
-        return logits_BTV, KVCache(
-            k=tuple(new_k), v=tuple(new_v), mask=key_mask_BS, end=start + T
-        )
+        return logits_BTV, KVCache(k=tuple(new_k), v=tuple(new_v), mask=key_mask_BS, end=start + T)

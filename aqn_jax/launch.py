@@ -1,0 +1,58 @@
+"""Entry point of every job.
+
+  python -m aqn_jax.launch --config=configs/<name>.py [--config.a.b=v] [--workdir=DIR]
+
+Parses the ml_collections config, logs the devices, and hands over to
+`aqn_jax.jobs.<config.job>.run(config, workdir)`. Nothing else lives here.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import pkgutil
+
+import jax
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+from aqn_jax import jobs
+
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", None, "Experiment config file.", lock_config=True
+)
+_WORKDIR = flags.DEFINE_string(
+    "workdir", None, "Run directory (results, checkpoints). Default: runs/<config file stem>."
+)
+
+
+def available_jobs() -> list[str]:
+    return sorted(m.name for m in pkgutil.iter_modules(jobs.__path__) if not m.name.startswith("_"))
+
+
+def run(config, workdir: str) -> None:
+    job = config.get("job")
+    if job not in available_jobs():
+        raise ValueError(f"config.job={job!r}; allowed: {available_jobs()}")
+    logging.info("JAX %s, %d devices: %s", jax.__version__, jax.device_count(), jax.devices())
+    os.makedirs(workdir, exist_ok=True)
+    importlib.import_module(f"aqn_jax.jobs.{job}").run(config, workdir)
+
+
+def main(argv=None) -> None:
+    def _main(argv):
+        if len(argv) > 1:
+            raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+        if _CONFIG.value is None:
+            raise app.UsageError("--config=configs/<name>.py is required")
+        workdir = _WORKDIR.value
+        if not workdir:
+            stem = os.path.splitext(os.path.basename(config_flags.get_config_filename(_CONFIG)))[0]
+            workdir = os.path.join("runs", stem.split(":")[0])
+        run(_CONFIG.value, workdir)
+
+    app.run(_main, argv=argv)
+
+
+if __name__ == "__main__":
+    main()

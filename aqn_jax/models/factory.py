@@ -1,0 +1,78 @@
+"""From the `config.model` section of an experiment config to a Qwen2Config and params.
+
+Validation (`model_config`) reads only config.json and never compiles, so a bad field fails
+in a second, not after a compile.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+import flax.linen as nn
+import jax
+import numpy as np
+
+from .hf import config_from_hf, load_hf_checkpoint
+from .qwen2 import _DTYPES, PRESETS, Qwen2Config, Qwen2ForCausalLM
+
+
+def model_config(model_cfg: Any) -> Qwen2Config:
+    """Qwen2Config for `config.model` (fields: preset, hf_path, param_dtype, dtype, remat).
+
+    hf_path set: the architecture comes from its config.json (preset is ignored); otherwise
+    from the named preset. Raises ValueError naming the field on bad input.
+    """
+    for field in ("param_dtype", "dtype"):
+        value = model_cfg[field]
+        if value not in _DTYPES:
+            raise ValueError(f"config.model.{field}={value!r}; allowed: {sorted(_DTYPES)}")
+    numerics = dict(
+        param_dtype=model_cfg.param_dtype, dtype=model_cfg.dtype, remat=bool(model_cfg.remat)
+    )
+    if model_cfg.hf_path:
+        path = os.path.expanduser(model_cfg.hf_path)
+        config_json = os.path.join(path, "config.json")
+        if not os.path.isfile(config_json):
+            raise ValueError(
+                f"config.model.hf_path={model_cfg.hf_path!r}: no config.json there; expected a"
+                " local Hugging Face snapshot directory (config.json + *.safetensors)"
+            )
+        with open(config_json) as f:
+            config, _ = config_from_hf(json.load(f), source=config_json)
+        return dataclasses.replace(config, **numerics)
+    if model_cfg.preset not in PRESETS:
+        raise ValueError(
+            f"config.model.preset={model_cfg.preset!r}; allowed: {list(PRESETS)}"
+            " (or set config.model.hf_path to a local HF snapshot)"
+        )
+    return Qwen2Config.preset(model_cfg.preset, **numerics)
+
+
+def init_params(config: Qwen2Config, seed: int) -> dict:
+    """Random params (Linen init, std 0.02), jitted, without logical-axis boxes."""
+    model = Qwen2ForCausalLM(config)
+    init = jax.jit(lambda key: nn.unbox(model.init(key, np.zeros((1, 1), np.int32)))["params"])
+    return init(jax.random.key(seed))
+
+
+def load_model(model_cfg: Any, seed: int) -> tuple[Qwen2Config, dict]:
+    """(config, params): the HF snapshot's weights, or a random init of the preset."""
+    config = model_config(model_cfg)
+    if model_cfg.hf_path:
+        _, params = load_hf_checkpoint(os.path.expanduser(model_cfg.hf_path), config.param_dtype)
+        return config, params
+    return config, init_params(config, seed)
+
+
+def logical_axes(config: Qwen2Config) -> dict:
+    """Param tree of logical axis-name tuples (e.g. ('embed', 'heads')), from eval_shape."""
+    model = Qwen2ForCausalLM(config)
+    boxed = jax.eval_shape(lambda: model.init(jax.random.key(0), np.zeros((1, 1), np.int32)))
+    return jax.tree_util.tree_map(
+        lambda box: tuple(box.names),
+        boxed["params"],
+        is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned),
+    )

@@ -1,0 +1,336 @@
+"""Prefill throughput of our jitted Flax Qwen2 forward vs transformers' PyTorch Qwen2ForCausalLM.
+
+Purpose: on the same CPU, same config and the same random f32 weights, time a full forward
+(logits for every position) of a batch of random token ids with a full attention mask, for
+the `tiny` preset and the Qwen2.5-0.5B architecture, and set the throughput against the f32
+matmul peak of each framework measured in the same process. Also checks that both frameworks
+give the same logits on the benchmark batch.
+
+Command (from the repository root):
+
+    .venv/bin/python bench/forward.py [--presets tiny,qwen2p5_0p5b] [--batch 4] [--seq 256]
+        [--repeats R] [--record]
+
+Method:
+  * Weights: numpy N(0, 0.02) float32 for every matrix, embedding and bias, 1.0 for the
+    RMSNorm weights. Written with `save_hf_checkpoint` into a temporary directory and loaded
+    by `transformers.Qwen2ForCausalLM.from_pretrained(..., dtype=torch.float32)` (the default
+    attention implementation, sdpa), so both frameworks hold identical weights; the
+    directory (~2 GB for 0.5B) is deleted afterwards.
+  * Ours: `jax.jit(lambda p, ids, m: model.apply({"params": p}, ids, attention_mask=m))`,
+    one warm-up call (compile, excluded), then the median of R calls with
+    `.block_until_ready()`.
+  * Torch: `torch.set_num_threads(os.cpu_count())`, `model.eval()`, `torch.inference_mode()`,
+    one warm-up call, then the median of R calls. `logits_to_keep=0` keeps all positions.
+  * Peaks: best of several f32 2048x2048 matmuls, jitted `jnp.dot` (XLA) and `torch.mm`.
+  * FLOPs of one forward (analytic, 2 per multiply-add): per token and layer the q, k, v, o,
+    gate, up and down projections; per sequence and layer the attention scores and the
+    probs @ V product counted in FULL, 2*2*T*T*N*H (not halved for causality: our forward
+    computes the masked half too; torch's sdpa may skip it, which then shows as a higher
+    percentage of peak); the lm_head 2*D*V per token. Embedding lookups, norms, RoPE, softmax
+    and activations are not counted.
+
+Prints informational lines as it goes (compile time, logit difference, times, peaks before
+and after the forwards; the larger peak of each framework is used, as the host may be shared),
+then at the end, per preset, exactly one line
+
+    BENCH forward_<preset> ratio=<ours_tok_s/torch_tok_s> ours_tok_s=.. torch_tok_s=..
+        ours_pct_peak=.. torch_pct_peak=.. batch=4 seq=256 dtype=f32
+
+(on one line), where ours_pct_peak is % of the XLA peak and torch_pct_peak % of the torch
+peak, plus one line
+
+    BENCH matmul_peak ratio=<xla/torch> xla_gflops=.. torch_gflops=..
+
+With --record (only then) a markdown table of the results is appended to WORKSPACE.md in the
+repository root under `### bench/forward.py — <date> <cpu model, cores>` with the command line.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+import argparse
+import datetime
+import gc
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+import transformers
+
+from aqn_jax.models.hf import abstract_params, save_hf_checkpoint
+from aqn_jax.models.qwen2 import PRESETS, Qwen2Config, Qwen2ForCausalLM
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_REPEATS = {"tiny": 5, "qwen2p5_0p5b": 3}
+MATMUL_N = 2048
+MATMUL_TRIES = 7
+# Max |logit| difference allowed between the frameworks (N(0, 0.02) weights, f32).
+LOGIT_TOL = 1e-3
+
+
+def random_params(config: Qwen2Config, seed: int = 0) -> dict:
+    """numpy params: N(0, 0.02) float32 everywhere, 1.0 for the RMSNorm weights."""
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract_params(config))
+    rng = np.random.default_rng(seed)
+    out = []
+    for path, leaf in leaves:
+        if "norm" in jax.tree_util.keystr(path):
+            value = np.ones(leaf.shape, np.float32)
+        else:
+            value = rng.standard_normal(leaf.shape, dtype=np.float32)
+            value *= np.float32(0.02)
+        out.append(value)
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def attention_flops(cfg: Qwen2Config, batch: int, seq: int) -> float:
+    """Scores (QK^T) and probs @ V of all layers, full T x T (not halved for causality)."""
+    N, H = cfg.num_attention_heads, cfg.resolved_head_dim
+    return cfg.num_hidden_layers * batch * 2 * 2 * seq * seq * N * H
+
+
+def forward_flops(cfg: Qwen2Config, batch: int, seq: int) -> float:
+    """FLOPs of one forward over [batch, seq] (2 per MAC, attention counted in full)."""
+    D, F, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    N, K, H = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.resolved_head_dim
+    tokens = batch * seq
+    proj_macs = D * N * H + 2 * D * K * H + N * H * D + 3 * D * F  # q, k, v, o, gate, up, down
+    projections = cfg.num_hidden_layers * 2 * proj_macs * tokens
+    return projections + attention_flops(cfg, batch, seq) + 2 * D * V * tokens
+
+
+def time_calls(fn, repeats: int) -> list[float]:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def matmul_peaks(n: int = MATMUL_N, tries: int = MATMUL_TRIES) -> tuple[float, float]:
+    """Best-of-`tries` f32 n x n matmul GFLOP/s for XLA (jitted jnp.dot) and torch.mm.
+
+    The two frameworks' tries alternate, so that a slow spell of a shared host hits both.
+    """
+    flops = 2.0 * n**3
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((n, n), dtype=np.float32)
+    b = rng.standard_normal((n, n), dtype=np.float32)
+    dot = jax.jit(jnp.dot)
+    ja, jb = jax.device_put(a), jax.device_put(b)
+    ta, tb = torch.from_numpy(a), torch.from_numpy(b)
+    xla_times, torch_times = [], []
+    with torch.inference_mode():
+        dot(ja, jb).block_until_ready()
+        torch.mm(ta, tb)
+        for _ in range(tries):
+            xla_times += time_calls(lambda: dot(ja, jb).block_until_ready(), 1)
+            torch_times += time_calls(lambda: torch.mm(ta, tb), 1)
+    return flops / min(xla_times) / 1e9, flops / min(torch_times) / 1e9
+
+
+def run_ours(name, cfg, params_np, ids, mask, repeats) -> tuple[np.ndarray, list[float]]:
+    """Logits of the warm-up call and times of `repeats` timed calls of our jitted forward."""
+    model = Qwen2ForCausalLM(cfg)
+    params = jax.device_put(params_np)
+    fwd = jax.jit(lambda p, i, m: model.apply({"params": p}, i, attention_mask=m))
+    j_ids, j_mask = jax.device_put(ids), jax.device_put(mask)
+    t0 = time.perf_counter()
+    logits = np.asarray(fwd(params, j_ids, j_mask).block_until_ready())
+    print(f"{name}: jax compile + first call {time.perf_counter() - t0:.1f}s")
+    times = time_calls(lambda: fwd(params, j_ids, j_mask).block_until_ready(), repeats)
+    jax.clear_caches()
+    return logits, times
+
+
+def run_torch(name, ckpt, ids, mask, repeats) -> tuple[np.ndarray, list[float]]:
+    """Same for transformers' Qwen2ForCausalLM loaded from the checkpoint directory."""
+    hf = transformers.Qwen2ForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
+    hf.eval()
+    print(f"{name}: torch attn_implementation={hf.config._attn_implementation}")
+    t_ids, t_mask = torch.from_numpy(ids.astype(np.int64)), torch.from_numpy(mask)
+
+    def forward():
+        return hf(input_ids=t_ids, attention_mask=t_mask, logits_to_keep=0).logits
+
+    with torch.inference_mode():
+        ref = forward()
+        vocab = hf.config.vocab_size
+        assert tuple(ref.shape) == (*ids.shape, vocab), (tuple(ref.shape), ids.shape, vocab)
+        logits = ref.numpy().copy()
+        del ref
+        times = time_calls(forward, repeats)
+    return logits, times
+
+
+def bench_preset(name: str, batch: int, seq: int, repeats: int) -> dict:
+    cfg = Qwen2Config.preset(name)
+    rng = np.random.default_rng(1)
+    ids = rng.integers(0, cfg.vocab_size, size=(batch, seq), dtype=np.int32)
+    mask = np.ones((batch, seq), np.int32)
+    t0 = time.perf_counter()
+    params_np = random_params(cfg)
+    n_params = sum(x.size for x in jax.tree_util.tree_leaves(params_np))
+    print(f"{name}: {n_params / 1e6:.1f}M params, built in {time.perf_counter() - t0:.1f}s")
+
+    with tempfile.TemporaryDirectory(prefix="bench_forward_") as ckpt:
+        save_hf_checkpoint(ckpt, cfg, params_np)
+        ours_logits, ours_times = run_ours(name, cfg, params_np, ids, mask, repeats)
+        del params_np
+        gc.collect()
+        ref_logits, torch_times = run_torch(name, ckpt, ids, mask, repeats)
+        gc.collect()
+
+    diff = float(np.abs(ours_logits - ref_logits).max())
+    scale = float(np.abs(ref_logits).max())
+    print(f"{name}: max |logit diff| {diff:.2e} (max |logit| {scale:.2f}), tolerance {LOGIT_TOL}")
+    del ours_logits, ref_logits
+    gc.collect()
+    assert diff <= LOGIT_TOL, f"{name}: logits differ by {diff:.2e} > {LOGIT_TOL}"
+
+    tokens = batch * seq
+    ours_s, torch_s = statistics.median(ours_times), statistics.median(torch_times)
+    print(
+        f"{name}: ours times {[round(t, 4) for t in ours_times]} s,"
+        f" torch times {[round(t, 4) for t in torch_times]} s"
+    )
+    return dict(
+        preset=name,
+        flops=forward_flops(cfg, batch, seq),
+        attn_flops=attention_flops(cfg, batch, seq),
+        ours_s=ours_s,
+        torch_s=torch_s,
+        ours_tok_s=tokens / ours_s,
+        torch_tok_s=tokens / torch_s,
+        diff=diff,
+        repeats=repeats,
+    )
+
+
+def cpu_description() -> str:
+    model = "unknown CPU"
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return f"{model}, {os.cpu_count()} cores"
+
+
+def record(
+    results: list[dict], peaks: tuple[float, float], batch: int, seq: int, load: str
+) -> Path:
+    """Append a markdown section with the results to WORKSPACE.md (append only)."""
+    xla, tt = peaks
+    date = datetime.date.today().isoformat()
+    lines = [
+        "",
+        f"### bench/forward.py — {date} {cpu_description()}",
+        "",
+        f"Command: `{shlex.join(['python', *sys.argv])}`",
+        "",
+        f"Prefill, batch={batch} seq={seq}, f32, full attention mask, median of R calls;"
+        " FLOPs analytic (attention counted in full, not causal-halved); % of peak against"
+        f" each framework's own f32 matmul peak. Load average before the run: {load}.",
+        "",
+        "| preset | R | ours tok/s | torch tok/s | ratio | ours GFLOP/s (% XLA peak)"
+        " | torch GFLOP/s (% torch peak) | max logit diff |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        og, tg = r["flops"] / r["ours_s"] / 1e9, r["flops"] / r["torch_s"] / 1e9
+        lines.append(
+            f"| {r['preset']} | {r['repeats']} | {r['ours_tok_s']:.1f} | {r['torch_tok_s']:.1f}"
+            f" | {r['ours_tok_s'] / r['torch_tok_s']:.3f} | {og:.1f} ({100 * og / xla:.1f}%)"
+            f" | {tg:.1f} ({100 * tg / tt:.1f}%) | {r['diff']:.2e} |"
+        )
+    lines.append(
+        f"| matmul peak f32 {MATMUL_N}² | best of {MATMUL_TRIES} | XLA {xla:.1f} GFLOP/s"
+        f" | torch {tt:.1f} GFLOP/s | {xla / tt:.3f} | | | |"
+    )
+    path = REPO / "WORKSPACE.md"
+    with open(path, "a") as f:
+        f.write("\n".join(lines) + "\n")
+    return path
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--presets", default="tiny,qwen2p5_0p5b")
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument(
+        "--repeats", type=int, default=None, help="timed calls (default: 5 tiny, 3 others)"
+    )
+    parser.add_argument("--record", action="store_true", help="append a table to WORKSPACE.md")
+    args = parser.parse_args(argv)
+    presets = [p.strip() for p in args.presets.split(",") if p.strip()]
+    for p in presets:
+        if p not in PRESETS:
+            parser.error(f"unknown preset {p!r}; allowed: {', '.join(PRESETS)}")
+    if args.repeats is not None and args.repeats < 1:
+        parser.error("--repeats must be >= 1")
+
+    torch.set_num_threads(os.cpu_count())
+    transformers.utils.logging.disable_progress_bar()
+    print(
+        f"machine: {cpu_description()}; jax {jax.__version__} ({jax.default_backend()}),"
+        f" torch {torch.__version__} ({torch.get_num_threads()} threads),"
+        f" transformers {transformers.__version__}"
+    )
+
+    # Other processes on the machine distort every number here (torch's OpenMP threads suffer
+    # most); the load average before the run shows whether the machine was quiet.
+    load = "{:.2f} {:.2f} {:.2f}".format(*os.getloadavg())
+    print(f"load average before (1, 5, 15 min): {load}")
+    # Peaks before and after the forwards; the larger of the two is used (the host is shared
+    # and a slow spell lowers a best-of-N; see the printed values for the spread).
+    before = matmul_peaks()
+    print(f"matmul peak before: xla {before[0]:.1f} torch {before[1]:.1f} GFLOP/s")
+    results = []
+    for name in presets:
+        repeats = args.repeats or DEFAULT_REPEATS.get(name, 3)
+        r = bench_preset(name, args.batch, args.seq, repeats)
+        results.append(r)
+        og, tg = r["flops"] / r["ours_s"] / 1e9, r["flops"] / r["torch_s"] / 1e9
+        print(
+            f"{name}: {r['flops'] / 1e9:.1f} GFLOP per forward, of which attention"
+            f" {100 * r['attn_flops'] / r['flops']:.1f}% (counted in full);"
+            f" ours {og:.1f} GFLOP/s, torch {tg:.1f} GFLOP/s",
+            flush=True,
+        )
+        gc.collect()
+    after = matmul_peaks()
+    print(f"matmul peak after: xla {after[0]:.1f} torch {after[1]:.1f} GFLOP/s")
+    peaks = xla, tt = max(before[0], after[0]), max(before[1], after[1])
+    for r in results:
+        og, tg = r["flops"] / r["ours_s"] / 1e9, r["flops"] / r["torch_s"] / 1e9
+        print(
+            f"BENCH forward_{r['preset']} ratio={r['ours_tok_s'] / r['torch_tok_s']:.3f}"
+            f" ours_tok_s={r['ours_tok_s']:.1f} torch_tok_s={r['torch_tok_s']:.1f}"
+            f" ours_pct_peak={100 * og / xla:.1f} torch_pct_peak={100 * tg / tt:.1f}"
+            f" batch={args.batch} seq={args.seq} dtype=f32"
+        )
+    print(f"BENCH matmul_peak ratio={xla / tt:.3f} xla_gflops={xla:.1f} torch_gflops={tt:.1f}")
+    if args.record:
+        print(f"recorded in {record(results, peaks, args.batch, args.seq, load)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,96 @@
+"""End-to-end smoke runs of `python -m aqn_jax.launch` and its errors on bad input."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Tiny preset: embed 256*128; per layer q 128*128+128, k,v 128*64+64, o 128*128,
+# mlp 3*128*384, two norms 2*128; final norm 128; tied head.
+TINY_PARAMS = (
+    256 * 128
+    + 8 * (128 * 128 + 128 + 2 * (128 * 64 + 64) + 128 * 128 + 3 * 128 * 384 + 2 * 128)
+    + 128
+)
+
+
+def _launch(*args, workdir):
+    env = dict(os.environ, HF_HUB_OFFLINE="1", JAX_PLATFORMS="cpu")
+    return subprocess.run(
+        [sys.executable, "-m", "aqn_jax.launch", *args, f"--workdir={workdir}"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_model_summary_embedded_default(tmp_path):
+    proc = _launch("--config=configs/model_summary.py", workdir=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"total parameters: {TINY_PARAMS:,}" in proc.stdout
+    summary = json.loads((tmp_path / "model_summary.json").read_text())
+    assert summary["param_count"] == TINY_PARAMS == 1_609_856
+    assert summary["config"]["num_hidden_layers"] == 8
+    assert len(summary["top5_next_tokens"]) == 5
+    assert {r["path"] for r in summary["params"]} >= {
+        "embed_tokens/embedding",
+        "layers_7/mlp/down_proj/kernel",
+        "norm/weight",
+    }
+
+
+def test_model_summary_from_hf_snapshot(hf_factory, tmp_path):
+    from aqn_jax.data.tokenizers import CharTokenizer
+
+    path, hf_model = hf_factory(seed=9, tie_word_embeddings=False, vocab_size=200)
+    CharTokenizer().save(tmp_path / "tok")
+    proc = _launch(
+        "--config=configs/model_summary.py",
+        f"--config.model.hf_path={path}",
+        f"--config.tokenizer_path={tmp_path / 'tok'}",
+        "--config.model.dtype=bfloat16",
+        workdir=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "model_summary.json").read_text())
+    assert summary["param_count"] == sum(p.numel() for p in hf_model.parameters())
+    assert summary["config"]["dtype"] == "bfloat16"
+    assert summary["config"]["tie_word_embeddings"] is False
+
+
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("--config.model.preset=qwen9", "config.model.preset='qwen9'; allowed:"),
+        ("--config.model.dtype=float64", "config.model.dtype='float64'; allowed:"),
+        ("--config.model.hf_path=/nonexistent/dir", "config.model.hf_path='/nonexistent/dir'"),
+        ("--config.job=nope", "config.job='nope'; allowed: \\['model_summary'"),
+    ],
+)
+def test_bad_config_fails_before_work(tmp_path, override, message):
+    import re
+
+    proc = _launch("--config=configs/model_summary.py", override, workdir=tmp_path)
+    assert proc.returncode != 0
+    assert re.search(message, proc.stderr), proc.stderr[-2000:]
+    assert not (tmp_path / "model_summary.json").exists()
+
+
+def test_tokenizer_larger_than_model_vocab(hf_factory, tmp_path):
+    from aqn_jax.data.tokenizers import CharTokenizer
+
+    path, _ = hf_factory(seed=10, vocab_size=97)  # CharTokenizer has 178 ids
+    CharTokenizer().save(tmp_path / "tok")
+    proc = _launch(
+        "--config=configs/model_summary.py",
+        f"--config.model.hf_path={path}",
+        f"--config.tokenizer_path={tmp_path / 'tok'}",
+        workdir=tmp_path,
+    )
+    assert proc.returncode != 0
+    assert "the tokenizer has 178 ids but the model's vocab_size is 97" in proc.stderr
