@@ -22,7 +22,12 @@ Method:
     `.block_until_ready()`.
   * Torch: `torch.set_num_threads(os.cpu_count())`, `model.eval()`, `torch.inference_mode()`,
     one warm-up call, then the median of R calls. `logits_to_keep=0` keeps all positions.
-  * Peaks: best of several f32 2048x2048 matmuls, jitted `jnp.dot` (XLA) and `torch.mm`.
+  * The timed calls alternate ours, torch, ours, torch, ... so that a slow spell of the host
+    (other processes, throttling of the VM's vCPUs) does not fall on one framework only.
+  * Peaks: best of 7 f32 2048x2048 matmuls, jitted `jnp.dot` (XLA) and `torch.mm`
+    alternating, measured before and after the forwards; the larger of the two is used.
+  * The machine is a small VM that others may share: the 1-min load average before the run
+    is printed (and recorded), with a WARNING above 0.5.
   * FLOPs of one forward (analytic, 2 per multiply-add): per token and layer the q, k, v, o,
     gate, up and down projections; per sequence and layer the attention scores and the
     probs @ V product counted in FULL, 2*2*T*T*N*H (not halved for causality: our forward
@@ -30,8 +35,7 @@ Method:
     percentage of peak); the lm_head 2*D*V per token. Embedding lookups, norms, RoPE, softmax
     and activations are not counted.
 
-Prints informational lines as it goes (compile time, logit difference, times, peaks before
-and after the forwards; the larger peak of each framework is used, as the host may be shared),
+Prints informational lines as it goes (load, compile time, logit difference, times, peaks),
 then at the end, per preset, exactly one line
 
     BENCH forward_<preset> ratio=<ours_tok_s/torch_tok_s> ours_tok_s=.. torch_tok_s=..
@@ -142,38 +146,26 @@ def matmul_peaks(n: int = MATMUL_N, tries: int = MATMUL_TRIES) -> tuple[float, f
     return flops / min(xla_times) / 1e9, flops / min(torch_times) / 1e9
 
 
-def run_ours(name, cfg, params_np, ids, mask, repeats) -> tuple[np.ndarray, list[float]]:
-    """Logits of the warm-up call and times of `repeats` timed calls of our jitted forward."""
+def make_ours(cfg: Qwen2Config, params_np: dict, ids: np.ndarray, mask: np.ndarray):
+    """A no-argument call of our jitted forward on the batch (blocks until done)."""
     model = Qwen2ForCausalLM(cfg)
     params = jax.device_put(params_np)
-    fwd = jax.jit(lambda p, i, m: model.apply({"params": p}, i, attention_mask=m))
+    fwd = jax.jit(lambda p, ids, m: model.apply({"params": p}, ids, attention_mask=m))
     j_ids, j_mask = jax.device_put(ids), jax.device_put(mask)
-    t0 = time.perf_counter()
-    logits = np.asarray(fwd(params, j_ids, j_mask).block_until_ready())
-    print(f"{name}: jax compile + first call {time.perf_counter() - t0:.1f}s")
-    times = time_calls(lambda: fwd(params, j_ids, j_mask).block_until_ready(), repeats)
-    jax.clear_caches()
-    return logits, times
+    return lambda: fwd(params, j_ids, j_mask).block_until_ready()
 
 
-def run_torch(name, ckpt, ids, mask, repeats) -> tuple[np.ndarray, list[float]]:
+def make_torch(ckpt: str, ids: np.ndarray, mask: np.ndarray):
     """Same for transformers' Qwen2ForCausalLM loaded from the checkpoint directory."""
     hf = transformers.Qwen2ForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
     hf.eval()
-    print(f"{name}: torch attn_implementation={hf.config._attn_implementation}")
     t_ids, t_mask = torch.from_numpy(ids.astype(np.int64)), torch.from_numpy(mask)
 
     def forward():
-        return hf(input_ids=t_ids, attention_mask=t_mask, logits_to_keep=0).logits
+        with torch.inference_mode():
+            return hf(input_ids=t_ids, attention_mask=t_mask, logits_to_keep=0).logits
 
-    with torch.inference_mode():
-        ref = forward()
-        vocab = hf.config.vocab_size
-        assert tuple(ref.shape) == (*ids.shape, vocab), (tuple(ref.shape), ids.shape, vocab)
-        logits = ref.numpy().copy()
-        del ref
-        times = time_calls(forward, repeats)
-    return logits, times
+    return forward, hf.config._attn_implementation
 
 
 def bench_preset(name: str, batch: int, seq: int, repeats: int) -> dict:
@@ -186,20 +178,41 @@ def bench_preset(name: str, batch: int, seq: int, repeats: int) -> dict:
     n_params = sum(x.size for x in jax.tree_util.tree_leaves(params_np))
     print(f"{name}: {n_params / 1e6:.1f}M params, built in {time.perf_counter() - t0:.1f}s")
 
-    with tempfile.TemporaryDirectory(prefix="bench_forward_") as ckpt:
-        save_hf_checkpoint(ckpt, cfg, params_np)
-        ours_logits, ours_times = run_ours(name, cfg, params_np, ids, mask, repeats)
-        del params_np
-        gc.collect()
-        ref_logits, torch_times = run_torch(name, ckpt, ids, mask, repeats)
-        gc.collect()
+    # The checkpoint directory lives until the torch model is gone (its weights may be
+    # memory-mapped from the safetensors file).
+    ckpt_dir = tempfile.TemporaryDirectory(prefix="bench_forward_")
+    save_hf_checkpoint(ckpt_dir.name, cfg, params_np)
+    torch_call, attn = make_torch(ckpt_dir.name, ids, mask)
+    print(f"{name}: torch attn_implementation={attn}")
+    ours_call = make_ours(cfg, params_np, ids, mask)
+    del params_np
+    gc.collect()
 
+    # Warm-up (compile for ours), also the logits compared below.
+    t0 = time.perf_counter()
+    ours_logits = np.asarray(ours_call())
+    print(f"{name}: jax compile + first call {time.perf_counter() - t0:.1f}s")
+    ref = torch_call()
+    assert tuple(ref.shape) == (batch, seq, cfg.vocab_size), tuple(ref.shape)
+    ref_logits = ref.numpy().copy()
+    del ref
     diff = float(np.abs(ours_logits - ref_logits).max())
     scale = float(np.abs(ref_logits).max())
     print(f"{name}: max |logit diff| {diff:.2e} (max |logit| {scale:.2f}), tolerance {LOGIT_TOL}")
     del ours_logits, ref_logits
     gc.collect()
     assert diff <= LOGIT_TOL, f"{name}: logits differ by {diff:.2e} > {LOGIT_TOL}"
+
+    # Timed calls alternate between the frameworks, so that a slow spell of the (possibly
+    # shared or throttled) host does not fall on one of them only.
+    ours_times, torch_times = [], []
+    for _ in range(repeats):
+        ours_times += time_calls(ours_call, 1)
+        torch_times += time_calls(torch_call, 1)
+    del ours_call, torch_call
+    jax.clear_caches()
+    gc.collect()
+    ckpt_dir.cleanup()
 
     tokens = batch * seq
     ours_s, torch_s = statistics.median(ours_times), statistics.median(torch_times)
@@ -299,6 +312,8 @@ def main(argv: list[str] | None = None) -> None:
     # most); the load average before the run shows whether the machine was quiet.
     load = "{:.2f} {:.2f} {:.2f}".format(*os.getloadavg())
     print(f"load average before (1, 5, 15 min): {load}")
+    if os.getloadavg()[0] > 0.5:
+        print("WARNING: the machine is busy (1-min load > 0.5); timings will be distorted")
     # Peaks before and after the forwards; the larger of the two is used (the host is shared
     # and a slow spell lowers a best-of-N; see the printed values for the spread).
     before = matmul_peaks()

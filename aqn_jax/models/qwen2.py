@@ -247,12 +247,7 @@ class Linear(nn.Module):
             (x.shape[-1], self.features),
             self.param_dtype,
         )
-        y = jnp.einsum(
-            "...i,io->...o",
-            x.astype(self.dtype),
-            kernel.astype(self.dtype),
-            preferred_element_type=jnp.float32,
-        ).astype(self.dtype)
+        bias = None
         if self.use_bias:
             bias = self.param(
                 "bias",
@@ -260,8 +255,15 @@ class Linear(nn.Module):
                 (self.features,),
                 self.param_dtype,
             )
-            y = y + bias.astype(self.dtype)
-        return y
+        return linear(x, kernel, bias, self.dtype)
+
+
+def linear(x: jax.Array, kernel: jax.Array, bias: jax.Array | None, dtype: Any) -> jax.Array:
+    """The computation of `Linear`, shared with fault transforms that redo it."""
+    y = jnp.einsum(
+        "...i,io->...o", x.astype(dtype), kernel.astype(dtype), preferred_element_type=jnp.float32
+    ).astype(dtype)
+    return y if bias is None else y + bias.astype(dtype)
 
 
 class LMHead(nn.Module):
@@ -315,9 +317,14 @@ class RMSNorm(nn.Module):
             (x.shape[-1],),
             self.param_dtype,
         )
-        x32 = x.astype(jnp.float32)
-        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return weight.astype(self.dtype) * normed.astype(x.dtype).astype(self.dtype)
+        return rms_norm(x, weight, self.eps, self.dtype)
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, dtype: Any) -> jax.Array:
+    """The computation of `RMSNorm`, shared with transforms that perturb its weight (AQN)."""
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return weight.astype(dtype) * normed.astype(x.dtype).astype(dtype)
 
 
 def rope_cos_sin(positions_BT: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, ...]:

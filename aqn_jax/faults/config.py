@@ -1,0 +1,344 @@
+"""`config.faults` and `config.aqn` (ml_collections) -> a validated FaultPlan.
+
+Every experiment scripts faults the same way:
+
+  --config.faults.deadzone.enabled=True --config.faults.deadzone.layers=15
+  --config.faults.noise.enabled=True --config.faults.noise.scale=0.05
+  --config.aqn.enabled=True --config.aqn.layers='(15,)'
+
+Layers are 'all', an int, a tuple of ints, or a string of those ('5', '(3,5)', '3,5', '10:15'
+for a range); AQN also takes 'healthy' (all but the deadzone's layers) and 'srdd' (the layers
+and sigmas found by the SRDD diagnosis, passed in as `srdd_sigmas`). Validation names the field
+and runs before anything compiles.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import ml_collections
+
+from aqn_jax.aqn.schedules import SCHEDULES, sigma_at
+
+from . import ops
+from .intercept import (
+    PHASES,
+    Deadzone,
+    FaultPlan,
+    Injection,
+    Noise,
+    NoisyLinear,
+    NormWeightNoise,
+    Quantize,
+    Scale,
+)
+from .sites import LINEAR_KINDS, POINTS, SiteSelector, expand_kinds
+
+AQN_SIGMA = "aqn_sigma"  # the traced value carrying this step's AQN sigma
+AQN_FORMS = ("norm_weight", "activation")
+AQN_ORDERS = ("between", "after_fault", "before_fault")
+
+
+def faults_config() -> ml_collections.ConfigDict:
+    """The hardware-fault section, everything off (a clean device)."""
+    c = ml_collections.ConfigDict()
+    c.deadzone = ml_collections.ConfigDict()
+    c.deadzone.enabled = False  # MXFP4-style deadzone (REFERENCE.md)
+    c.deadzone.layers = "15"  # decoder layer ids: 'all', 5, '(3,5)', '10:15'
+    c.deadzone.site = "layer"  # module kind(s); 'layer' = the residual stream after the layer
+    c.deadzone.point = "output"  # input | output of the module
+    c.deadzone.threshold = 0.01  # flush |h| < threshold * amax; in (0, 1)
+    c.deadzone.granularity = "tensor"  # amax over: tensor (original) | token | block
+    c.deadzone.block_size = 32  # lanes per block for granularity='block'
+    c.deadzone.sparsity = 1.0  # fraction of lanes that are faulty, (0, 1]
+    c.deadzone.sparsity_seed = 0  # seed of the fixed faulty-lane mask
+    c.deadzone.grad = "mask"  # mask: zero grad where flushed (original) | ste
+    c.deadzone.phases = PHASES  # the device is faulty in every phase
+
+    c.noise = ml_collections.ConfigDict()
+    c.noise.enabled = False  # hardware error model of the original (seeds 002/003)
+    c.noise.kind = "relative_gaussian"  # relative_gaussian | absolute_gaussian | systematic_bias
+    c.noise.scale = 0.05  # relative: 0.05 = 5% error; absolute: std; bias: magnitude
+    c.noise.sites = ("linear",)  # module kinds or groups (linear, rmsnorm)
+    c.noise.layers = "all"
+    c.noise.point = "output"  # input: op(x + e) | output: op(x) + e
+    c.noise.forward = True  # error in the forward pass
+    c.noise.backward = False  # error on dX and dW of linears (operator level)
+    c.noise.phases = PHASES
+
+    c.quant = ml_collections.ConfigDict()
+    c.quant.enabled = False  # fake quantisation (MX / NVFP4) at sites
+    c.quant.format = (
+        "mxfp4"  # mxfp4 | mxfp6_e2m3 | mxfp6_e3m2 | mxfp8_e4m3 | mxfp8_e5m2 | mxint8 | nvfp4
+    )
+    c.quant.sites = ("linear",)
+    c.quant.layers = "all"
+    c.quant.point = "input"  # linear inputs: blocks along the contraction axis
+    c.quant.scale_rule = "floor"  # floor (OCP MX) | ceil (NVIDIA TE, torchao RCEIL)
+    c.quant.rounding = "away"  # away (microxcaling default) | even
+    c.quant.block_size = 32
+    c.quant.phases = PHASES
+    return c
+
+
+def aqn_config() -> ml_collections.ConfigDict:
+    """The AQN section (off by default)."""
+    c = ml_collections.ConfigDict()
+    c.enabled = False
+    c.form = "activation"  # activation: y + sigma*randn*|y| at sites | norm_weight: QeRL
+    c.layers = "all"  # 'all' (global) | 'healthy' | 'srdd' | ids (targeted), e.g. '(15,)'
+    c.sites = ("layer",)  # activation form: module kinds (norm_weight always uses rmsnorm)
+    c.sigma_start = 0.05  # QeRL default
+    c.sigma_end = 0.0005
+    c.num_stages = 10  # schedule intervals (the first is a sigma-0 warm-up)
+    c.num_epochs = 2  # epoch_aware only
+    c.schedule = "qerl"  # qerl | epoch_aware | constant | linear | cosine
+    # Where AQN noise sits relative to a deadzone at the same site: between (deadzone, noise,
+    # deadzone again: the original DeadzoneMatMul) | after_fault | before_fault.
+    c.order = "between"
+    c.phases = ("rollout",)  # QeRL: the rollout model only; validation never gets noise
+    return c
+
+
+def parse_layers(value: Any, field: str, num_layers: int, named=("all",)) -> Any:
+    """'all' / a named selection, or a sorted tuple of layer ids within the model."""
+    given = value
+    if isinstance(value, str):
+        text = value.strip()
+        if text in named:
+            return text
+        if ":" in text and not text.startswith("("):
+            lo, hi = text.split(":")
+            value = range(int(lo), int(hi))
+        else:
+            try:
+                value = ast.literal_eval(text)
+            except (ValueError, SyntaxError) as e:
+                raise ValueError(
+                    f"{field}={text!r}; expected {' | '.join(map(repr, named))}, an int, a tuple"
+                    " of ints or 'lo:hi'"
+                ) from e
+    if isinstance(value, int):
+        value = (value,)
+    try:
+        layers = tuple(sorted({int(i) for i in value}))
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{field}={value!r}; expected layer ids") from e
+    bad = [i for i in layers if not 0 <= i < num_layers]
+    if bad or not layers:
+        raise ValueError(
+            f"{field}={given!r} but the model has {num_layers} layers (ids 0..{num_layers - 1})"
+        )
+    return layers
+
+
+def _phases(value, field) -> tuple[str, ...]:
+    phases = (value,) if isinstance(value, str) else tuple(value)
+    bad = [p for p in phases if p not in PHASES]
+    if bad or not phases:
+        raise ValueError(f"{field}={phases}; allowed: subsets of {PHASES}")
+    return phases
+
+
+def _choice(value, field, allowed):
+    if value not in allowed:
+        raise ValueError(f"{field}={value!r}; allowed: {tuple(allowed)}")
+    return value
+
+
+def _kinds(value, field):
+    return expand_kinds((value,) if isinstance(value, str) else tuple(value), field)
+
+
+def build_plan(
+    config: Any, num_layers: int, srdd_sigmas: Mapping[int, float] | None = None
+) -> FaultPlan:
+    """The FaultPlan of `config.faults` and `config.aqn` for a model of `num_layers` layers.
+
+    srdd_sigmas: {layer: sigma} from the SRDD diagnosis, required by aqn.layers='srdd'.
+    """
+    injections: list[Injection] = []
+    faults = config.faults
+    deadzone: list[Injection] = []
+    fault_layers: tuple[int, ...] = ()
+
+    dz = faults.deadzone
+    if dz.enabled:
+        layers = parse_layers(dz.layers, "config.faults.deadzone.layers", num_layers)
+        fault_layers = () if layers == "all" else layers
+        kinds = _kinds(dz.site, "config.faults.deadzone.site")
+        point = _choice(dz.point, "config.faults.deadzone.point", POINTS)
+        phases = _phases(dz.phases, "config.faults.deadzone.phases")
+
+        def make_deadzone(name, again):
+            try:
+                transform = Deadzone(
+                    float(dz.threshold),
+                    granularity=dz.granularity,
+                    block_size=int(dz.block_size),
+                    sparsity=float(dz.sparsity),
+                    sparsity_seed=int(dz.sparsity_seed),
+                    grad=dz.grad,
+                    reuse_threshold=again,
+                )
+            except ValueError as e:
+                raise ValueError(f"config.faults.deadzone.{e}") from e
+            return Injection(name, SiteSelector(kinds, layers, point), transform, phases)
+
+        deadzone = [make_deadzone("deadzone", False)]
+
+    nz = faults.noise
+    if nz.enabled:
+        _choice(nz.kind, "config.faults.noise.kind", ops.NOISE_KINDS)
+        if nz.scale < 0:
+            raise ValueError(f"config.faults.noise.scale={nz.scale}; must be >= 0")
+        if not (nz.forward or nz.backward):
+            raise ValueError("config.faults.noise: forward=False and backward=False inject nothing")
+        layers = parse_layers(nz.layers, "config.faults.noise.layers", num_layers)
+        kinds = _kinds(nz.sites, "config.faults.noise.sites")
+        point = _choice(nz.point, "config.faults.noise.point", POINTS)
+        phases = _phases(nz.phases, "config.faults.noise.phases")
+        scale = Scale(float(nz.scale))
+        if nz.backward:
+            wrong = [k for k in kinds if k not in LINEAR_KINDS]
+            if wrong:
+                raise ValueError(
+                    f"config.faults.noise.backward=True adds error to dX and dW of linears; "
+                    f"config.faults.noise.sites has non-linear kinds {wrong}"
+                )
+            if nz.kind != "relative_gaussian":
+                raise ValueError(
+                    f"config.faults.noise.kind={nz.kind!r}: operator-level (backward) error is"
+                    " relative_gaussian only"
+                )
+            injections.append(
+                Injection(
+                    "noise",
+                    SiteSelector(kinds, layers, "output"),
+                    NoisyLinear(scale, forward=nz.forward and point == "output", backward=True),
+                    phases,
+                )
+            )
+            if nz.forward and point == "input":
+                injections.append(
+                    Injection(
+                        "noise_input",
+                        SiteSelector(kinds, layers, "input"),
+                        Noise(nz.kind, scale),
+                        phases,
+                    )
+                )
+        else:
+            injections.append(
+                Injection(
+                    "noise", SiteSelector(kinds, layers, point), Noise(nz.kind, scale), phases
+                )
+            )
+
+    qt = faults.quant
+    if qt.enabled:
+        try:
+            transform = Quantize(
+                qt.format,
+                scale_rule=qt.scale_rule,
+                rounding=qt.rounding,
+                block_size=int(qt.block_size),
+            )
+        except ValueError as e:
+            raise ValueError(f"config.faults.quant.{e}") from e
+        injections.append(
+            Injection(
+                "quant",
+                SiteSelector(
+                    _kinds(qt.sites, "config.faults.quant.sites"),
+                    parse_layers(qt.layers, "config.faults.quant.layers", num_layers),
+                    _choice(qt.point, "config.faults.quant.point", POINTS),
+                ),
+                transform,
+                _phases(qt.phases, "config.faults.quant.phases"),
+            )
+        )
+
+    aqn = config.aqn
+    aqn_injection = None
+    if aqn.enabled:
+        aqn_injection = _aqn_injection(aqn, num_layers, fault_layers, srdd_sigmas)
+    # Composition at a shared site follows list order.
+    order = _choice(aqn.order, "config.aqn.order", AQN_ORDERS)
+    if aqn_injection is None:
+        injections = deadzone + injections
+    elif order == "before_fault":
+        injections = [aqn_injection] + deadzone + injections
+    elif order == "after_fault" or not deadzone:
+        injections = deadzone + [aqn_injection] + injections
+    else:  # between: deadzone -> AQN noise -> the same deadzone again
+        again = Injection(
+            "deadzone_after_aqn",
+            deadzone[0].sites,
+            dataclasses.replace(deadzone[0].transform, reuse_threshold=True),
+            tuple(p for p in deadzone[0].phases if p in aqn_injection.phases),
+        )
+        injections = deadzone + [aqn_injection] + ([again] if again.phases else []) + injections
+    plan = FaultPlan(injections)
+    plan.validate(num_layers)
+    return plan
+
+
+def _aqn_injection(aqn, num_layers, fault_layers, srdd_sigmas) -> Injection:
+    form = _choice(aqn.form, "config.aqn.form", AQN_FORMS)
+    _choice(aqn.schedule, "config.aqn.schedule", SCHEDULES)
+    for name in ("sigma_start", "sigma_end"):
+        if aqn[name] < 0:
+            raise ValueError(f"config.aqn.{name}={aqn[name]}; must be >= 0")
+    if aqn.schedule in ("qerl", "epoch_aware") and (aqn.sigma_start <= 0 or aqn.sigma_end <= 0):
+        raise ValueError(
+            f"config.aqn.schedule={aqn.schedule!r} is geometric: sigma_start={aqn.sigma_start} and"
+            f" sigma_end={aqn.sigma_end} must be > 0"
+        )
+    phases = _phases(aqn.phases, "config.aqn.phases")
+    layers = parse_layers(aqn.layers, "config.aqn.layers", num_layers, ("all", "healthy", "srdd"))
+    layer_scales = None
+    if layers == "healthy":
+        if not fault_layers:
+            raise ValueError(
+                "config.aqn.layers='healthy' means all layers but the faulty ones; enable"
+                " config.faults.deadzone with explicit layers"
+            )
+        layers = tuple(i for i in range(num_layers) if i not in fault_layers)
+    elif layers == "srdd":
+        if not srdd_sigmas:
+            raise ValueError(
+                "config.aqn.layers='srdd' targets the layers the SRDD diagnosis finds: run the"
+                " diagnosis first and pass its sigma map (srdd_sigmas)"
+            )
+        layers = tuple(sorted(srdd_sigmas))
+        # The schedule scales sigma over time; the map sets each layer's level relative to
+        # sigma_start.
+        layer_scales = {i: float(s) / aqn.sigma_start for i, s in srdd_sigmas.items()}
+    scale = Scale(1.0, value=AQN_SIGMA, layer_scales=layer_scales)
+    if form == "norm_weight":
+        sites = SiteSelector(("rmsnorm",), layers, "output")
+        transform = NormWeightNoise(scale)
+    else:
+        sites = SiteSelector(_kinds(aqn.sites, "config.aqn.sites"), layers, "output")
+        transform = Noise("relative_gaussian", scale)
+    return Injection("aqn", sites, transform, phases)
+
+
+def aqn_sigma(config: Any, step: int, total_steps: int) -> float:
+    """This step's AQN sigma (0.0 when AQN is off)."""
+    aqn = config.aqn
+    if not aqn.enabled:
+        return 0.0
+    return sigma_at(
+        aqn.schedule,
+        step,
+        total_steps,
+        aqn.sigma_start,
+        aqn.sigma_end,
+        num_stages=aqn.num_stages,
+        num_epochs=aqn.num_epochs,
+    )

@@ -1,0 +1,419 @@
+"""Fake quantisation to the block-scaled low-precision formats: OCP MX v1.0 and NVIDIA NVFP4.
+
+Why fake quantisation: to simulate a low-precision datapath during RL post-training we only
+need the values that hardware would compute with, `q * scale`, in the model's own dtype; the
+rest of the model then runs unchanged. Every function here returns that dequantised array, is
+pure and jit-compatible, and takes its format choices as static Python arguments.
+
+What is matched, exactly (tests/test_fault_formats.py checks it bit for bit against an
+independent numpy transliteration of microsoft/microxcaling's algorithm):
+
+* MX (`quantize_mx`): one shared power-of-two scale per block of `block_size` (32) contiguous
+  elements along the contraction axis; elements rounded to nearest (ties away from zero, the
+  microxcaling default, or to even), subnormals of the element format kept, saturating at the
+  element format's largest normal. A NaN or Inf anywhere in a block makes the whole block NaN.
+* NVFP4 (`quantize_nvfp4`): per-tensor float32 scale times a per-16-block float8_e4m3 scale,
+  e2m1 elements, round half to even (NVIDIA Transformer Engine's recipe).
+
+Where we differ from a reference on purpose:
+
+* Exactness. floor(log2 amax) comes from the float32 exponent field and element rounding
+  uses `lax.round` on an exactly scaled value, as microxcaling's C++/CUDA kernels do on the
+  bits. Its pure-PyTorch path instead takes a float32 `log2`, which rounds up for an amax
+  just below a power of two, and rounds with a float32 `floor(|a| + 0.5)`, which rounds the
+  largest float below some half-steps the wrong way; we do not reproduce those two slips.
+* float32 subnormals (|x| < 2**-126) are flushed to zero, in the inputs and in the outputs, on
+  every backend. XLA CPU flushes them anyway, but not consistently (a multiply by 1.0 is
+  folded away and keeps one), so we make it explicit and backend-independent. This only
+  touches values below 1.2e-38. Zeros keep the sign of their input.
+* NVFP4's per-tensor amax is taken over the finite values, so a NaN or Inf poisons only its
+  own block (as in MX) instead of the whole tensor; and the tensor is first normalised by an
+  exact power of two so that the per-tensor scale `amax / 2688` cannot underflow. Both are
+  no-ops for finite tensors whose scales are normal float32 numbers.
+
+Gradients: `grad="ste"` is the straight-through estimator (identity), which is what the
+reference libraries use. `grad="mask"` passes no gradient to an element that was flushed to
+zero while its input was non-zero: that is this project's (and the original system's) fault
+model for deadzones, not a convention of quantisation libraries.
+
+Pitfalls avoided (see shared/REFERENCE.md): ml_dtypes float4/float6 casts turn NaN into 0 and
+Inf into max, and only round half to even, so no element rounding here goes through a cast;
+`jnp.exp2` is inexact on XLA CPU, so powers of two are built from their bits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+
+class FormatSpec(NamedTuple):
+    """An element format, in OCP MX terms.
+
+    ebits: exponent bits (0 for the MX int8 fixed-point format).
+    mbits: explicit mantissa bits, i.e. without sign and implicit bit (microxcaling's `mbits`
+        is this plus 2). For int8 the fraction bits of its 1.6 fixed-point value.
+    emax: exponent of the largest normal; the MX shared scale is `2**(floor(log2 amax) - emax)`.
+    max_normal: largest magnitude; quantisation saturates there.
+    emin: exponent of the smallest normal, `1 - bias`; below it the format is subnormal
+        (for int8, 0: its step is 2**-mbits everywhere).
+    """
+
+    ebits: int
+    mbits: int
+    emax: int
+    max_normal: float
+    emin: int
+
+    @property
+    def min_subnormal(self) -> float:
+        """Smallest non-zero magnitude: one unit in the last place at exponent `emin`."""
+        return 2.0 ** (self.emin - self.mbits)
+
+
+def _fp_spec(ebits: int, mbits: int, emax: int, max_normal: float) -> FormatSpec:
+    return FormatSpec(ebits, mbits, emax, max_normal, emin=2 - 2 ** (ebits - 1))
+
+
+FORMAT_SPECS: dict[str, FormatSpec] = {
+    "mxfp4": _fp_spec(2, 1, 2, 6.0),
+    "mxfp6_e2m3": _fp_spec(2, 3, 2, 7.5),
+    "mxfp6_e3m2": _fp_spec(3, 2, 4, 28.0),
+    "mxfp8_e4m3": _fp_spec(4, 3, 8, 448.0),
+    "mxfp8_e5m2": _fp_spec(5, 2, 15, 57344.0),
+    # Elements k / 64 with k in [-127, 127]: fixed point 1.6, no exponent.
+    "mxint8": FormatSpec(ebits=0, mbits=6, emax=0, max_normal=127.0 / 64.0, emin=0),
+    # NVFP4's elements are e2m1, like MXFP4's; its block scales are E4M3_SPEC.
+    "nvfp4": _fp_spec(2, 1, 2, 6.0),
+}
+E4M3_SPEC = FORMAT_SPECS["mxfp8_e4m3"]
+
+MX_FORMATS = ("mxfp4", "mxfp6_e2m3", "mxfp6_e3m2", "mxfp8_e4m3", "mxfp8_e5m2", "mxint8")
+MX_BLOCK_SIZE = 32
+NVFP4_BLOCK_SIZE = 16
+SCALE_RULES = ("floor", "ceil")
+ROUNDINGS = ("away", "even")
+GRADS = ("ste", "mask")
+
+# MX's shared scale is an E8M0 number: exponents -127..127 (255 encodes NaN).
+_SCALE_EMIN, _SCALE_EMAX = -127, 127
+_F32_MIN_NORMAL = 2.0**-126
+# NVFP4's per-tensor scale maps the tensor amax to (largest e4m3) * (largest e2m1).
+_NVFP4_GLOBAL_RANGE = 448.0 * 6.0
+
+_ROUNDING_METHODS = {
+    "away": lax.RoundingMethod.AWAY_FROM_ZERO,
+    "even": lax.RoundingMethod.TO_NEAREST_EVEN,
+}
+
+
+def _check_choice(name: str, value, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name}={value!r} is not supported; allowed values: {allowed}")
+
+
+# --------------------------------------------------------------------------------------------
+# Exact float32 bit-level helpers
+# --------------------------------------------------------------------------------------------
+
+
+def _floor_log2(a: jax.Array) -> jax.Array:
+    """floor(log2 a) for float32 a >= 0, exactly, read from the exponent field (int32).
+
+    A float `log2` can round up to the next integer for a just below a power of two; the
+    exponent field cannot. Only meaningful for normal a: zero (and flushed subnormals) give
+    -127, Inf and NaN 128.
+    """
+    bits = lax.bitcast_convert_type(a, jnp.int32)
+    return lax.shift_right_logical(bits, 23) - 127
+
+
+def _mantissa_field(a: jax.Array) -> jax.Array:
+    """The 23 trailing mantissa bits of float32 a >= 0 (int32), for exact ratio comparisons."""
+    return lax.bitcast_convert_type(a, jnp.int32) & 0x7FFFFF
+
+
+def _pow2(e: jax.Array) -> jax.Array:
+    """2.0**e (float32) for int32 e in [-126, 127], exactly, built from its exponent field."""
+    return lax.bitcast_convert_type(lax.shift_left(e + 127, 23), jnp.float32)
+
+
+def _scale_by_pow2(v: jax.Array, e) -> jax.Array:
+    """v * 2**e for float32 v that is normal, zero, Inf or NaN, and int32 e; exact.
+
+    Done on the bits, by adding e to the exponent field: a result below the normal range is
+    a zero of v's sign (the flush this module applies to every output anyway), one above it
+    is an Inf of v's sign. Why not `v * 2.0**e`: `jnp.exp2` is inexact on XLA CPU, 2**-127
+    (the smallest MX scale) is a subnormal that XLA flushes, and XLA may reassociate a chain
+    of multiplications by broadcast factors; integer adds are immune to all three.
+    """
+    e = jnp.asarray(e, jnp.int32)
+    bits = lax.bitcast_convert_type(v, jnp.int32)
+    field = lax.shift_right_logical(bits, 23) & 0xFF
+    new_field = field + e
+    sign = bits & jnp.int32(-(2**31))
+    zero = lax.bitcast_convert_type(sign, jnp.float32)
+    inf = lax.bitcast_convert_type(sign | 0x7F800000, jnp.float32)
+    scaled = lax.bitcast_convert_type(bits + lax.shift_left(e, 23), jnp.float32)
+    out = jnp.where(new_field < 1, zero, jnp.where(new_field > 254, inf, scaled))
+    out = jnp.where(field == 255, v, out)  # Inf and NaN unchanged
+    return jnp.where(field == 0, zero, out)  # zero, and subnormals read as zero
+
+
+def _ieee(op, x, y) -> jax.Array:
+    """op(x, y) rounded once, as written, with no algebraic rewrite by XLA.
+
+    XLA turns `a / broadcast(b)` into `a * broadcast(1 / b)` (also for non-constant b, e.g. a
+    per-block or per-tensor scale), which is not correctly rounded, and may reassociate
+    products with broadcast factors. An optimisation barrier on the materialised operands
+    hides their structure, so the division or product is the IEEE one the references use.
+    """
+    x, y = lax.optimization_barrier(tuple(jnp.broadcast_arrays(x, y)))
+    return op(x, y)
+
+
+def _flush_subnormals(x: jax.Array) -> jax.Array:
+    """float32 subnormals to zero of the same sign (see the module docstring)."""
+    return jnp.where(jnp.abs(x) < _F32_MIN_NORMAL, jnp.copysign(jnp.zeros_like(x), x), x)
+
+
+def _round_to_element(a: jax.Array, spec: FormatSpec, rounding: str) -> jax.Array:
+    """Nearest value of the element format to a >= 0 (float32), saturated at max_normal.
+
+    Arithmetic, not a dtype cast, so that ties can go away from zero and NaN stays NaN: the
+    value's exponent clamped below at the format's emin (which keeps its subnormals) sets
+    the step 2**(p - mbits); scaling by the inverse step is exact, `lax.round` rounds the
+    integer count of steps exactly, and scaling back is exact.
+    """
+    # p - mbits lies in [emin - mbits, emax + 1 - mbits] (within [-17, 16]) for the a that
+    # reach here, so both powers of two are normal and each product is one exact multiply
+    # by an elementwise factor (no broadcast that XLA could reassociate).
+    p = jnp.clip(_floor_log2(a), spec.emin, spec.emax + 1)
+    steps = lax.round(a * _pow2(spec.mbits - p), _ROUNDING_METHODS[rounding])
+    return jnp.minimum(steps * _pow2(p - spec.mbits), jnp.float32(spec.max_normal))
+
+
+# --------------------------------------------------------------------------------------------
+# MX
+# --------------------------------------------------------------------------------------------
+
+
+def _mx_shared_exponent(amax: jax.Array, spec: FormatSpec, scale_rule: str) -> jax.Array:
+    """Unclamped exponent of the MX shared scale for block amax (float32, finite, >= 0).
+
+    "floor" (OCP MX v1.0, microxcaling): floor(log2 amax) - emax; the block max can land up
+    to 2**(emax + 1) and is clipped to max_normal, by up to 25% for fp4.
+    "ceil" (NVIDIA TE MXFP8, torchao RCEIL): ceil(log2(amax / max_normal)), the smallest
+    scale that fits the block max without clipping. Computed exactly from exponents and
+    mantissa fields: with amax = 1.ma * 2**ea and max_normal = 1.mm * 2**em the ratio lies in
+    (1/2, 1] * 2**(ea - em) when ma <= mm and in (1, 2) * 2**(ea - em) otherwise.
+    """
+    e_amax = _floor_log2(amax)
+    if scale_rule == "floor":
+        return e_amax - spec.emax
+    max_bits = int(np.float32(spec.max_normal).view(np.int32))
+    e_max, mant_max = (max_bits >> 23) - 127, max_bits & 0x7FFFFF
+    return e_amax - e_max + (_mantissa_field(amax) > mant_max).astype(jnp.int32)
+
+
+def _mx_kernel(x, spec: FormatSpec, scale_rule: str, rounding: str):
+    """MX fake quantisation of float32 blocks x[..., n_blocks, block] -> (out, keep_grad)."""
+    finite = jnp.isfinite(x)
+    x = _flush_subnormals(x)
+    mag = jnp.where(finite, jnp.abs(x), 0.0)
+    amax = jnp.max(mag, axis=-1, keepdims=True)
+    e = _mx_shared_exponent(amax, spec, scale_rule)
+    # An E8M0 scale above 2**127 does not exist: NaN, as for NaN/Inf inputs.
+    poisoned = (e > _SCALE_EMAX) | ~jnp.all(finite, axis=-1, keepdims=True)
+    e = jnp.clip(e, _SCALE_EMIN, _SCALE_EMAX)
+    q = _round_to_element(_scale_by_pow2(mag, -e), spec, rounding)
+    out = _scale_by_pow2(q, e)  # flushes results below the float32 normal range
+    keep = (out != 0) | (x == 0) | poisoned
+    out = jnp.where(poisoned, jnp.nan, jnp.copysign(out, x))
+    return out, keep
+
+
+def quantize_mx(
+    x: jax.Array,
+    fmt: str,
+    *,
+    axis: int = -1,
+    block_size: int = MX_BLOCK_SIZE,
+    scale_rule: str = "floor",
+    rounding: str = "away",
+    grad: str = "ste",
+) -> jax.Array:
+    """MX fake quantisation of x: quantise to `fmt`, return the dequantised values (x's dtype).
+
+    fmt: one of MX_FORMATS. Blocks are `block_size` contiguous elements along `axis` (the
+    contraction axis of the matmul the tensor feeds), whose length must be a multiple of
+    block_size. scale_rule: "floor" (OCP / microxcaling) or "ceil" (TE MXFP8 / torchao
+    RCEIL), see `_mx_shared_exponent`. rounding: "away" (ties away from zero, microxcaling's
+    default) or "even". grad: "ste" or "mask" (see the module docstring). Computed in float32.
+    Corners of the ceil rule at float32's top: an element within half a step of 2**128
+    rounds up to Inf, and an int8 block with amax > 127/64 * 2**127 needs a scale above
+    2**127, so it is NaN like a poisoned block.
+
+    An element flushes to zero when it rounds below half the element format's smallest
+    subnormal relative to its block's scale; `mx_flush_threshold` gives that bound.
+    """
+    _check_choice("fmt", fmt, MX_FORMATS)
+    _check_choice("scale_rule", scale_rule, SCALE_RULES)
+    _check_choice("rounding", rounding, ROUNDINGS)
+    return _apply(
+        _Quantizer("mx", fmt, axis, block_size, scale_rule, rounding, grad), jnp.asarray(x)
+    )
+
+
+def mx_flush_threshold(amax, fmt: str = "mxfp4", *, scale_rule: str = "floor") -> jax.Array:
+    """Flush bound of an MX block with max magnitude `amax` (float32, amax's shape).
+
+    An element v of that block quantises to zero iff |v| < threshold with rounding "away",
+    iff |v| <= threshold with rounding "even" (the tie at the threshold goes to zero). For
+    MXFP4 with the floor rule the threshold is 2**(floor(log2 amax) - 4), between amax/32
+    and amax/16. Why: deadzone fault models and diagnostics need the real format's bound.
+    """
+    _check_choice("fmt", fmt, MX_FORMATS)
+    _check_choice("scale_rule", scale_rule, SCALE_RULES)
+    return _mx_flush_threshold(jnp.asarray(amax, jnp.float32), fmt, scale_rule)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _mx_flush_threshold(amax: jax.Array, fmt: str, scale_rule: str) -> jax.Array:
+    spec = FORMAT_SPECS[fmt]
+    finite = jnp.isfinite(amax)
+    amax = jnp.where(finite, _flush_subnormals(jnp.abs(amax)), 0.0)
+    e = _mx_shared_exponent(amax, spec, scale_rule)
+    threshold = jnp.full(amax.shape, spec.min_subnormal / 2, jnp.float32)
+    threshold = _scale_by_pow2(threshold, jnp.clip(e, _SCALE_EMIN, _SCALE_EMAX))
+    return jnp.where(finite & (e <= _SCALE_EMAX), threshold, jnp.nan)  # NaN blocks: no bound
+
+
+# --------------------------------------------------------------------------------------------
+# NVFP4
+# --------------------------------------------------------------------------------------------
+
+
+def _nvfp4_kernel(x, _spec: FormatSpec, _scale_rule: str, _rounding: str):
+    """NVFP4 fake quantisation of float32 blocks x[..., n_blocks, 16] -> (out, keep_grad).
+
+    Follows TE's recipe in this order of float32 operations: s_global = amax / 2688,
+    s_block = e4m3(block_amax / 6 / s_global), q = e2m1(min(|x| / (s_block * s_global), 6)),
+    out = q * s_block * s_global. Working on magnitudes and restoring the sign is the same
+    thing, since both roundings are symmetric. A block whose s_block rounds to 0 (block amax
+    <= global amax * 2**-10 / 448, roughly: NVFP4's second deadzone) flushes entirely.
+    """
+    elem = FORMAT_SPECS["nvfp4"]
+    finite = jnp.isfinite(x)
+    x = _flush_subnormals(x)
+    mag = jnp.where(finite, jnp.abs(x), 0.0)
+    gmax = jnp.max(mag)
+    # Exact power-of-two normalisation to gmax in [1, 2): keeps s_global normal for tiny
+    # tensors and changes nothing otherwise (every step is equivariant under it).
+    k = jnp.clip(_floor_log2(gmax), -126, 127)
+    mag = _scale_by_pow2(mag, -k)
+    s_global = _ieee(lax.div, _scale_by_pow2(gmax, -k), jnp.float32(_NVFP4_GLOBAL_RANGE))
+    block_amax = jnp.max(mag, axis=-1, keepdims=True)
+    r = _ieee(lax.div, _ieee(lax.div, block_amax, jnp.float32(6.0)), s_global)
+    s_block = _round_to_element(r, E4M3_SPEC, "even")
+    denom = s_block * s_global
+    live = denom > 0  # False for an all-zero tensor and for blocks in the second deadzone
+    ratio = _ieee(lax.div, mag, jnp.where(live, denom, 1.0))
+    q = _round_to_element(jnp.minimum(ratio, jnp.float32(elem.max_normal)), elem, "even")
+    # q * s_block is exact (2 and 4 significant bits); then one rounding by s_global.
+    out = _ieee(lax.mul, jnp.where(live, q * s_block, 0.0), s_global)
+    out = _scale_by_pow2(out, k)  # flushes results below the float32 normal range
+    poisoned = ~jnp.all(finite, axis=-1, keepdims=True)
+    keep = (out != 0) | (x == 0) | poisoned
+    out = jnp.where(poisoned, jnp.nan, jnp.copysign(out, x))
+    return out, keep
+
+
+def quantize_nvfp4(x: jax.Array, *, axis: int = -1, grad: str = "ste") -> jax.Array:
+    """NVFP4 fake quantisation of x (blocks of 16 along `axis`); dequantised, in x's dtype.
+
+    grad: "ste" or "mask" (see the module docstring). An all-zero tensor stays zero; a NaN
+    or Inf makes its own block NaN. See `_nvfp4_kernel` for the exact arithmetic.
+    """
+    return _apply(
+        _Quantizer("nvfp4", "nvfp4", axis, NVFP4_BLOCK_SIZE, "floor", "even", grad),
+        jnp.asarray(x),
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Blocking and gradients, shared by both
+# --------------------------------------------------------------------------------------------
+
+_KERNELS = {"mx": _mx_kernel, "nvfp4": _nvfp4_kernel}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Quantizer:
+    """Static description of one fake quantiser (hashable: a nondiff argument of custom_vjp)."""
+
+    kind: str
+    fmt: str
+    axis: int
+    block_size: int
+    scale_rule: str
+    rounding: str
+    grad: str
+
+    def __post_init__(self):
+        _check_choice("grad", self.grad, GRADS)
+        if (
+            not isinstance(self.block_size, int)
+            or isinstance(self.block_size, bool)
+            or self.block_size < 1
+        ):
+            raise ValueError(f"block_size={self.block_size!r} must be a positive int")
+
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """(dequantised x in x's dtype, bool mask of elements that pass gradient with 'mask')."""
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise TypeError(f"x.dtype={x.dtype} is not supported; allowed: floating dtypes")
+        if not -x.ndim <= self.axis < x.ndim:
+            raise ValueError(f"axis={self.axis} is out of range for x of shape {x.shape}")
+        n = x.shape[self.axis]
+        if n % self.block_size:
+            raise ValueError(
+                f"the length of axis {self.axis} of x (shape {x.shape}) is {n}, not a multiple"
+                f" of block_size={self.block_size}; allowed: lengths divisible by block_size"
+            )
+        moved = jnp.moveaxis(x.astype(jnp.float32), self.axis, -1)
+        blocks = moved.reshape(*moved.shape[:-1], n // self.block_size, self.block_size)
+        spec = FORMAT_SPECS[self.fmt]
+        out, keep = _KERNELS[self.kind](blocks, spec, self.scale_rule, self.rounding)
+        out = jnp.moveaxis(out.reshape(moved.shape), -1, self.axis).astype(x.dtype)
+        keep = jnp.moveaxis(keep.reshape(moved.shape), -1, self.axis)
+        return out, keep
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _fake_quantize(quantizer: _Quantizer, x: jax.Array) -> jax.Array:
+    return quantizer(x)[0]
+
+
+def _fake_quantize_fwd(quantizer: _Quantizer, x: jax.Array):
+    out, keep = quantizer(x)
+    return out, (keep if quantizer.grad == "mask" else None)
+
+
+def _fake_quantize_bwd(quantizer: _Quantizer, keep, g):
+    if keep is None:  # straight-through
+        return (g,)
+    return (jnp.where(keep, g, jnp.zeros_like(g)),)
+
+
+_fake_quantize.defvjp(_fake_quantize_fwd, _fake_quantize_bwd)
+
+# One compiled program per quantiser (a no-op inside an outer jit): called eagerly, dozens of
+# small ops would each be dispatched and compiled on their own.
+_apply = jax.jit(_fake_quantize, static_argnums=0)

@@ -1,0 +1,351 @@
+"""Fault operators: pure array functions that model faulty hardware.
+
+Each function here is usable alone, is jit-compatible, and takes its magnitude (`threshold`,
+`scale`) as an ordinary argument, so a traced scalar works and a new value does not retrace.
+Wiring them into a model (which modules, which layers, which phase) is the interceptors' job;
+nothing here knows about modules or parameters.
+
+Three families, following the hardware-error models of the original system (see
+shared/REFERENCE.md, "Hardware-error models of the original system"):
+
+* Deadzone, the original system's stand-in for MXFP4's flush-to-zero: values with
+  `|x| < threshold * amax` are set to exactly 0.
+* Noise kinds: the error terms `relative_gaussian`, `absolute_gaussian`, `systematic_bias`.
+* Noisy linear: the operator-level "noisy ops" of the original, relative error on the output of
+  `y = x W` and on both products of its backward pass.
+
+Fault model for gradients (this project's, shared with the original system; not a convention
+of quantisation libraries, which use straight-through gradients): a flushed value passes no
+gradient, and injected errors are constants, never differentiated through.
+
+Axis letters (noisy linear): i / D input features, o / O output features, `...` any leading
+axes (commonly B batch, T tokens), N those leading axes flattened into one.
+"""
+
+from __future__ import annotations
+
+import functools
+import numbers
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+GRANULARITIES = ("tensor", "token", "block")
+DEADZONE_GRADS = ("mask", "ste")
+NOISE_KINDS = ("relative_gaussian", "absolute_gaussian", "systematic_bias")
+
+
+def _check_choice(name: str, value, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name}={value!r} is not supported; allowed values: {allowed}")
+
+
+def _check_concrete_nonnegative(name: str, value) -> None:
+    """Rejects a negative Python number; traced or array values are left to the caller."""
+    if isinstance(value, numbers.Real) and not value >= 0:
+        raise ValueError(f"{name}={value!r} must be a non-negative number")
+
+
+# --------------------------------------------------------------------------------------------
+# Deadzone
+# --------------------------------------------------------------------------------------------
+
+
+def deadzone_threshold(
+    x: jax.Array,
+    threshold,
+    *,
+    granularity: str = "tensor",
+    block_size: int = 32,
+) -> jax.Array:
+    """The flush threshold `threshold * amax`, float32, broadcastable to `x`.
+
+    granularity picks the set of values amax is taken over:
+      * "tensor": the whole tensor, the original system's semantics. This makes the fault
+        batch-dependent: whether a token's value flushes depends on the largest value anywhere
+        in the batch, so the same token can flush in one batch and survive in another.
+      * "token": the last axis, i.e. per token of a [..., D] activation; batch-independent.
+      * "block": contiguous blocks of `block_size` along the last axis, as block-scaled formats
+        (MX, NVFP4) share one scale per block. Returned repeated to `x.shape`.
+
+    amax is computed in float32 (a bfloat16 max is exact, but `threshold * amax` should not be
+    rounded to bfloat16) and is a constant for differentiation: the threshold is a property of
+    the hardware's scale, not a path for gradients.
+    """
+    _check_choice("granularity", granularity, GRANULARITIES)
+    _check_concrete_nonnegative("threshold", threshold)
+    x = jnp.asarray(x)
+    if granularity != "tensor" and x.ndim == 0:
+        raise ValueError(
+            f"granularity={granularity!r} needs an array with a last axis; got a scalar"
+        )
+    abs_x = jnp.abs(x.astype(jnp.float32))
+    if granularity == "tensor":
+        amax = jnp.max(abs_x, keepdims=True)
+    elif granularity == "token":
+        amax = jnp.max(abs_x, axis=-1, keepdims=True)
+    else:
+        if not isinstance(block_size, numbers.Integral) or block_size <= 0:
+            raise ValueError(f"block_size={block_size!r} must be a positive integer")
+        d = x.shape[-1]
+        if d % block_size:
+            raise ValueError(
+                f"block_size={block_size} does not divide the last axis of x (size {d}); "
+                f"granularity='block' needs a last-axis size that is a multiple of block_size"
+            )
+        blocks = abs_x.reshape(*x.shape[:-1], d // block_size, block_size)
+        amax = jnp.max(blocks, axis=-1, keepdims=True)
+        amax = jnp.broadcast_to(amax, blocks.shape).reshape(x.shape)
+    amax = jax.lax.stop_gradient(amax)
+    return jnp.asarray(threshold, jnp.float32) * amax
+
+
+def deadzone_flush_mask(
+    x: jax.Array,
+    threshold,
+    *,
+    granularity: str = "tensor",
+    block_size: int = 32,
+    sparsity_mask=None,
+) -> jax.Array:
+    """Boolean array, True where an element flushes: `|x| < thr` and, if given, sparsity_mask.
+
+    The comparison is strict so that threshold 0 flushes nothing (not even exact zeros, which
+    would make no difference to the values but would cut their gradient under grad="mask").
+    `sparsity_mask` (see `make_sparsity_mask`) marks the faulty lanes; it must broadcast to
+    `x.shape` (a [D] mask applies the same lanes to every token).
+    """
+    x = jnp.asarray(x)
+    thr = deadzone_threshold(x, threshold, granularity=granularity, block_size=block_size)
+    flush = jnp.abs(x.astype(jnp.float32)) < thr
+    if sparsity_mask is not None:
+        sparsity_mask = jnp.asarray(sparsity_mask, jnp.bool_)
+        try:
+            shape = jnp.broadcast_shapes(sparsity_mask.shape, x.shape)
+        except ValueError:
+            shape = None
+        if shape != x.shape:
+            raise ValueError(
+                f"sparsity_mask has shape {sparsity_mask.shape}, which does not broadcast to "
+                f"x.shape={x.shape}; use a [{x.shape[-1] if x.ndim else ''}] mask over the "
+                f"last axis"
+            )
+        flush = flush & sparsity_mask
+    return flush
+
+
+@jax.custom_vjp
+def _flush_mask_grad(x: jax.Array, flush: jax.Array) -> jax.Array:
+    return jnp.where(flush, jnp.zeros((), x.dtype), x)
+
+
+def _flush_mask_grad_fwd(x, flush):
+    return _flush_mask_grad(x, flush), flush
+
+
+def _flush_mask_grad_bwd(flush, g):
+    # A flushed value is a constant 0: its gradient is cut, exactly where it flushed.
+    return jnp.where(flush, jnp.zeros((), g.dtype), g), None
+
+
+_flush_mask_grad.defvjp(_flush_mask_grad_fwd, _flush_mask_grad_bwd)
+
+
+@jax.custom_vjp
+def _flush_ste(x: jax.Array, flush: jax.Array) -> jax.Array:
+    return jnp.where(flush, jnp.zeros((), x.dtype), x)
+
+
+def _flush_ste_fwd(x, flush):
+    return _flush_ste(x, flush), None
+
+
+def _flush_ste_bwd(_, g):
+    # Straight-through: the quantisation-library convention, gradient as if no flush happened.
+    return g, None
+
+
+_flush_ste.defvjp(_flush_ste_fwd, _flush_ste_bwd)
+
+
+def deadzone(
+    x: jax.Array,
+    threshold,
+    *,
+    granularity: str = "tensor",
+    block_size: int = 32,
+    sparsity_mask=None,
+    grad: str = "mask",
+) -> jax.Array:
+    """Flushes to exactly 0 (in x's dtype) the elements where `deadzone_flush_mask` is True.
+
+    grad="mask" zeroes the gradient exactly where a value flushed: this project's fault model
+    (the original system's), not a quantisation-library convention. grad="ste" is the
+    straight-through gradient (identity everywhere) that quantisation libraries use. Neither
+    gives `threshold` a gradient: it only moves a hard comparison.
+    """
+    _check_choice("grad", grad, DEADZONE_GRADS)
+    x = jnp.asarray(x)
+    flush = deadzone_flush_mask(
+        x, threshold, granularity=granularity, block_size=block_size, sparsity_mask=sparsity_mask
+    )
+    return deadzone_apply(x, flush, grad=grad)
+
+
+def deadzone_apply(x: jax.Array, flush: jax.Array, *, grad: str = "mask") -> jax.Array:
+    """Flush x where the given bool mask is True, with the `grad` backward of `deadzone`.
+
+    For callers that compute the mask themselves (the interceptor reuses one threshold across
+    a deadzone -> noise -> deadzone chain and reports the flushed fraction).
+    """
+    _check_choice("grad", grad, DEADZONE_GRADS)
+    apply = _flush_mask_grad if grad == "mask" else _flush_ste
+    return apply(x, flush)
+
+
+def make_sparsity_mask(seed: int, size: int, fraction: float) -> np.ndarray:
+    """A fixed bool [size] mask with True at `round(fraction * size)` positions.
+
+    Drawn once per run with numpy (`default_rng(seed).permutation`, first n positions), so it
+    does not depend on JAX's PRNG or on the step: the same hardware lanes stay faulty for the
+    whole run. It is applied over the LAST axis of x (hardware lanes / hidden units) and so is
+    the same for every token. Python's `round` rounds halves to even.
+    """
+    if not isinstance(size, numbers.Integral) or size < 0:
+        raise ValueError(f"size={size!r} must be a non-negative integer")
+    if not isinstance(fraction, numbers.Real) or not 0.0 <= fraction <= 1.0:
+        raise ValueError(f"fraction={fraction!r} must be a number in [0, 1]")
+    n = int(round(fraction * size))
+    mask = np.zeros(size, dtype=bool)
+    mask[np.random.default_rng(seed).permutation(size)[:n]] = True
+    return mask
+
+
+# --------------------------------------------------------------------------------------------
+# Noise kinds
+# --------------------------------------------------------------------------------------------
+
+
+def noise_error(kind: str, x: jax.Array, scale, key: jax.Array | None) -> jax.Array:
+    """The error term e of `kind` for x, in x's dtype.
+
+    relative_gaussian `randn * |x| * scale`; absolute_gaussian `randn * scale`; systematic_bias
+    `sign(x) * scale` (key unused, may be None). randn is drawn in float32 with
+    `jax.random.normal(key, x.shape, jnp.float32)` and e computed in float32, then cast.
+
+    e is wrapped in stop_gradient: the fault model treats an injected error as a constant, so
+    the gradient of `x + e` with respect to x is exactly 1 (relative noise would otherwise
+    leak `randn * sign(x) * scale` into the gradient).
+    """
+    _check_choice("kind", kind, NOISE_KINDS)
+    if kind != "systematic_bias":
+        _check_concrete_nonnegative("scale", scale)
+        if key is None:
+            raise ValueError(f"key=None but kind={kind!r} draws random numbers; pass a PRNG key")
+    x = jnp.asarray(x)
+    x32 = x.astype(jnp.float32)
+    scale = jnp.asarray(scale, jnp.float32)
+    if kind == "relative_gaussian":
+        e = jax.random.normal(key, x.shape, jnp.float32) * jnp.abs(x32) * scale
+    elif kind == "absolute_gaussian":
+        e = jax.random.normal(key, x.shape, jnp.float32) * scale
+    else:
+        e = jnp.sign(x32) * scale
+    return jax.lax.stop_gradient(e.astype(x.dtype))
+
+
+def add_noise(kind: str, x: jax.Array, scale, key: jax.Array | None) -> jax.Array:
+    """`x + noise_error(kind, x, scale, key)`; gradient w.r.t. x is the identity."""
+    x = jnp.asarray(x)
+    return x + noise_error(kind, x, scale, key)
+
+
+# --------------------------------------------------------------------------------------------
+# Noisy linear (operator level)
+# --------------------------------------------------------------------------------------------
+
+
+def _linear(x: jax.Array, w: jax.Array, b: jax.Array | None) -> jax.Array:
+    # The model's Linear module computes exactly this, so scale 0 is bit-identical to it.
+    y = jnp.einsum("...i,io->...o", x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+    if b is not None:
+        y = y + b.astype(x.dtype)
+    return y
+
+
+def _relative_error_f32(v: jax.Array, scale: jax.Array, key: jax.Array) -> jax.Array:
+    return jax.random.normal(key, v.shape, jnp.float32) * jnp.abs(v) * scale
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _noisy_linear(forward: bool, backward: bool, x, w, b, key, scale):
+    y = _linear(x, w, b)
+    if forward:
+        y = y + noise_error("relative_gaussian", y, scale, jax.random.fold_in(key, 0))
+    return y
+
+
+def _noisy_linear_fwd(forward, backward, x, w, b, key, scale):
+    return _noisy_linear(forward, backward, x, w, b, key, scale), (x, w, b, key, scale)
+
+
+def _noisy_linear_bwd(forward, backward, res, g):
+    x, w, b, key, scale = res
+    # Flatten the leading axes so dW and db sum over all of them (B and T for [B, T, D]).
+    x_ND = x.reshape(-1, x.shape[-1])
+    g_NO = g.reshape(-1, g.shape[-1])
+    dx = jnp.einsum("...o,io->...i", g, w, preferred_element_type=jnp.float32)
+    dw = jnp.einsum("ni,no->io", x_ND, g_NO, preferred_element_type=jnp.float32)
+    if backward:
+        # Each product gets error relative to itself, as a faulty matmul unit would produce.
+        dx = dx + _relative_error_f32(dx, scale, jax.random.fold_in(key, 1))
+        dw = dw + _relative_error_f32(dw, scale, jax.random.fold_in(key, 2))
+    db = None if b is None else jnp.sum(g_NO.astype(jnp.float32), axis=0).astype(b.dtype)
+    return dx.astype(x.dtype), dw.astype(w.dtype), db, None, None
+
+
+_noisy_linear.defvjp(_noisy_linear_fwd, _noisy_linear_bwd)
+
+
+def noisy_linear(
+    x: jax.Array,
+    w: jax.Array,
+    b: jax.Array | None,
+    key: jax.Array,
+    scale,
+    *,
+    forward: bool = True,
+    backward: bool = True,
+) -> jax.Array:
+    """`y = x W (+ b)` on a faulty matmul unit: relative error on y, dX and dW.
+
+    The product is `einsum("...i,io->...o", x, w, preferred_element_type=float32)` cast to
+    x's dtype, plus `b` cast to x's dtype: the Linear module's expression, so with scale 0 this
+    is bit-identical to it (pass x and w already cast to the module's compute dtype).
+
+    forward: y gets `randn * |y| * scale` (key folded with 0).
+    backward: dX = g Wᵀ gets `randn * |dX| * scale` (fold 1) and dW = xᵀ g, summed over all
+    leading axes, gets `randn * |dW| * scale` (fold 2); db = sum of g has no error. The errors
+    are computed in float32 and the gradients cast back to the dtypes of x, w, b. key and scale
+    get no gradient. With both flags False (or scale 0) gradients are those of plain autodiff.
+    """
+    x, w = jnp.asarray(x), jnp.asarray(w)
+    if w.ndim != 2:
+        raise ValueError(f"w must be a [D, O] matrix; got w.shape={w.shape}")
+    if x.ndim < 1 or x.shape[-1] != w.shape[0]:
+        raise ValueError(
+            f"x.shape={x.shape} does not match w.shape={w.shape}: x's last axis must equal "
+            f"w's first ({w.shape[0]})"
+        )
+    if b is not None:
+        b = jnp.asarray(b)
+        if b.shape != (w.shape[1],):
+            raise ValueError(
+                f"b.shape={b.shape} must be ({w.shape[1]},) to match w.shape={w.shape}"
+            )
+    if key is None:
+        raise ValueError("key=None: noisy_linear draws its errors from key; pass a PRNG key")
+    _check_concrete_nonnegative("scale", scale)
+    scale = jnp.asarray(scale, jnp.float32)
+    return _noisy_linear(bool(forward), bool(backward), x, w, b, key, scale)

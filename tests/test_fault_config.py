@@ -1,0 +1,246 @@
+"""config.faults / config.aqn -> FaultPlan: validation that names the field, the built plans,
+and the AQN schedules (QeRL's ten values)."""
+
+import ml_collections
+import numpy as np
+import pytest
+
+from aqn_jax.aqn.schedules import qerl_sigmas, sigma_at
+from aqn_jax.faults.config import aqn_config, aqn_sigma, build_plan, faults_config, parse_layers
+from aqn_jax.faults.intercept import Deadzone, Noise, NoisyLinear, NormWeightNoise, Quantize
+from aqn_jax.models.hf import abstract_params
+from aqn_jax.models.qwen2 import Qwen2Config, Qwen2ForCausalLM
+
+NUM_LAYERS = 8
+
+
+def make_config(**sections):
+    c = ml_collections.ConfigDict()
+    c.faults = faults_config()
+    c.aqn = aqn_config()
+    c.faults.deadzone.layers = "3"  # the default (15) is for the 28-layer 1.5B model
+    for dotted, value in sections.items():
+        node = c
+        *parents, leaf = dotted.split("__")
+        for p in parents:
+            node = node[p]
+        node[leaf] = value
+    return c
+
+
+# --- schedules ----------------------------------------------------------------------------------
+def test_qerl_schedule_reproduces_reference_values():
+    # REFERENCE.md: sigma_start 5e-2, sigma_end 5e-4, K = 10.
+    expected = [0, 0.05, 0.0281, 0.0158, 0.00889, 0.005, 0.00281, 0.00158, 0.000889, 0.0005]
+    got = qerl_sigmas(0.05, 0.0005, 10)
+    np.testing.assert_allclose(got, expected, rtol=2e-3)
+    # Exact form: 0.05 * 0.01 ** ((i - 1) / 8).
+    np.testing.assert_allclose(got[1:], [0.05 * 0.01 ** ((i - 1) / 8) for i in range(1, 10)])
+    # Steps split evenly into 10 intervals: 100 steps -> 10 per interval.
+    per_step = [sigma_at("qerl", s, 100, 0.05, 0.0005, 10) for s in range(100)]
+    assert per_step[:10] == [0.0] * 10
+    assert per_step[10:20] == [got[1]] * 10 and per_step[99] == got[9]
+    assert sigma_at("qerl", 100, 100, 0.05, 0.0005, 10) == got[9]  # capped at the last interval
+
+
+def test_epoch_aware_schedule():
+    # 2 epochs of 50 steps, 0.05 -> 0.0005: epoch 0 runs 0.05 -> 0.005, epoch 1 0.005 -> 0.0005,
+    # each with its own sigma-0 warm-up interval.
+    s = [
+        sigma_at("epoch_aware", t, 100, 0.05, 0.0005, num_stages=5, num_epochs=2)
+        for t in range(100)
+    ]
+    assert s[:10] == [0.0] * 10 and s[50:60] == [0.0] * 10
+    np.testing.assert_allclose(s[10], 0.05)
+    np.testing.assert_allclose(s[40], 0.005)
+    np.testing.assert_allclose(s[60], 0.005)
+    np.testing.assert_allclose(s[99], 0.0005)
+    np.testing.assert_allclose(s[20], 0.05 * 0.1 ** (1 / 3))
+
+
+def test_simple_schedules():
+    assert sigma_at("constant", 7, 10, 0.02, 0.0) == 0.02
+    np.testing.assert_allclose(sigma_at("linear", 5, 10, 0.04, 0.0), 0.02)
+    np.testing.assert_allclose(sigma_at("cosine", 0, 10, 0.04, 0.0), 0.04)
+    np.testing.assert_allclose(sigma_at("cosine", 5, 10, 0.04, 0.0), 0.02)
+    np.testing.assert_allclose(sigma_at("cosine", 10, 10, 0.04, 0.0), 0.0, atol=1e-12)
+    cfg = make_config(aqn__enabled=True)
+    assert aqn_sigma(cfg, 15, 100) == pytest.approx(0.05)
+    assert aqn_sigma(make_config(), 15, 100) == 0.0
+
+
+# --- layers -------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "value,expected",
+    [
+        (5, (5,)),
+        ("5", (5,)),
+        ("(3,5)", (3, 5)),
+        ("3,5", (3, 5)),
+        ((5, 3), (3, 5)),
+        ("2:5", (2, 3, 4)),
+        ("all", "all"),
+        (range(1, 3), (1, 2)),
+    ],
+)
+def test_parse_layers(value, expected):
+    assert parse_layers(value, "f", NUM_LAYERS) == expected
+
+
+@pytest.mark.parametrize("value", [8, "(1,9)", -1, "x", ()])
+def test_parse_layers_rejects(value):
+    with pytest.raises(ValueError, match="config.faults.deadzone.layers="):
+        parse_layers(value, "config.faults.deadzone.layers", NUM_LAYERS)
+
+
+# --- validation names the field -------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (
+            {"faults__deadzone__enabled": True, "faults__deadzone__layers": "9"},
+            r"config.faults.deadzone.layers='9' but the model has 8 layers",
+        ),
+        (
+            {"faults__deadzone__enabled": True, "faults__deadzone__threshold": 1.5},
+            r"config.faults.deadzone.threshold=1.5; must be in \(0, 1\)",
+        ),
+        (
+            {"faults__deadzone__enabled": True, "faults__deadzone__threshold": 0.0},
+            r"threshold=0.0; must be in \(0, 1\)",
+        ),
+        (
+            {"faults__deadzone__enabled": True, "faults__deadzone__site": "mlpp"},
+            r"config.faults.deadzone.site=\('mlpp',\).*unknown module kind 'mlpp'",
+        ),
+        (
+            {"faults__deadzone__enabled": True, "faults__deadzone__granularity": "row"},
+            r"config.faults.deadzone.granularity='row'",
+        ),
+        (
+            {"faults__deadzone__enabled": True, "faults__deadzone__phases": ("rollout", "warmup")},
+            r"config.faults.deadzone.phases=\('rollout', 'warmup'\)",
+        ),
+        (
+            {"faults__noise__enabled": True, "faults__noise__scale": -0.1},
+            r"config.faults.noise.scale=-0.1; must be >= 0",
+        ),
+        (
+            {"faults__noise__enabled": True, "faults__noise__kind": "uniform"},
+            r"config.faults.noise.kind='uniform'",
+        ),
+        (
+            {
+                "faults__noise__enabled": True,
+                "faults__noise__backward": True,
+                "faults__noise__sites": ("rmsnorm",),
+            },
+            r"config.faults.noise.sites has non-linear kinds",
+        ),
+        (
+            {"faults__quant__enabled": True, "faults__quant__format": "mxfp3"},
+            r"config.faults.quant.format='mxfp3'",
+        ),
+        (
+            {"faults__quant__enabled": True, "faults__quant__scale_rule": "round"},
+            r"config.faults.quant.scale_rule='round'",
+        ),
+        ({"aqn__enabled": True, "aqn__layers": "healthy"}, r"config.aqn.layers='healthy'"),
+        ({"aqn__enabled": True, "aqn__layers": "srdd"}, r"config.aqn.layers='srdd'"),
+        ({"aqn__enabled": True, "aqn__sigma_start": -1.0}, r"config.aqn.sigma_start=-1.0"),
+        ({"aqn__enabled": True, "aqn__schedule": "step"}, r"config.aqn.schedule='step'"),
+        ({"aqn__enabled": True, "aqn__form": "weights"}, r"config.aqn.form='weights'"),
+        ({"aqn__enabled": True, "aqn__phases": ("train", "test")}, r"config.aqn.phases="),
+        ({"aqn__order": "sideways"}, r"config.aqn.order='sideways'"),
+    ],
+)
+def test_bad_fields_are_named(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        build_plan(make_config(**overrides), NUM_LAYERS)
+
+
+# --- built plans ----------------------------------------------------------------------------------
+def test_targeted_aqn_between_deadzones_is_the_original_deadzone_matmul():
+    cfg = make_config(
+        faults__deadzone__enabled=True,
+        faults__deadzone__layers="3",
+        aqn__enabled=True,
+        aqn__layers="(3,)",
+    )
+    plan = build_plan(cfg, NUM_LAYERS)
+    assert [i.name for i in plan.injections] == ["deadzone", "aqn", "deadzone_after_aqn"]
+    dz, aqn, again = plan.injections
+    assert isinstance(dz.transform, Deadzone) and not dz.transform.reuse_threshold
+    assert isinstance(aqn.transform, Noise) and aqn.transform.kind == "relative_gaussian"
+    assert again.transform.reuse_threshold and again.phases == ("rollout",)
+    assert dz.phases == ("rollout", "train", "eval") and aqn.phases == ("rollout",)
+    assert aqn.sites.layers == (3,) and dz.sites.layers == (3,)
+
+
+def test_healthy_and_global_aqn_layers():
+    base = dict(faults__deadzone__enabled=True, faults__deadzone__layers="(2,5)", aqn__enabled=True)
+    healthy = build_plan(make_config(**base, aqn__layers="healthy"), NUM_LAYERS)
+    assert healthy.injections[1].sites.layers == (0, 1, 3, 4, 6, 7)
+    glob = build_plan(make_config(**base, aqn__layers="all", aqn__order="after_fault"), NUM_LAYERS)
+    assert [i.name for i in glob.injections] == ["deadzone", "aqn"]
+    assert glob.injections[1].sites.layers == "all"
+    before = build_plan(make_config(**base, aqn__order="before_fault"), NUM_LAYERS)
+    assert [i.name for i in before.injections] == ["aqn", "deadzone"]
+
+
+def test_srdd_sigma_map_becomes_layer_scales():
+    cfg = make_config(aqn__enabled=True, aqn__layers="srdd", aqn__form="norm_weight")
+    plan = build_plan(cfg, NUM_LAYERS, srdd_sigmas={4: 0.075, 6: 0.025})
+    (aqn,) = plan.injections
+    assert isinstance(aqn.transform, NormWeightNoise)
+    assert aqn.sites.layers == (4, 6) and aqn.sites.kinds == (
+        "input_layernorm",
+        "post_attention_layernorm",
+        "norm",
+    )
+    assert aqn.transform.scale.layer_scales == {4: pytest.approx(1.5), 6: pytest.approx(0.5)}
+
+
+def test_noise_forward_backward_modes():
+    fwd = build_plan(make_config(faults__noise__enabled=True), NUM_LAYERS)
+    assert isinstance(fwd.injections[0].transform, Noise)
+    both = build_plan(
+        make_config(faults__noise__enabled=True, faults__noise__backward=True), NUM_LAYERS
+    )
+    t = both.injections[0].transform
+    assert isinstance(t, NoisyLinear) and t.forward and t.backward
+    bwd = build_plan(
+        make_config(
+            faults__noise__enabled=True, faults__noise__backward=True, faults__noise__forward=False
+        ),
+        NUM_LAYERS,
+    )
+    assert not bwd.injections[0].transform.forward
+    q = build_plan(make_config(faults__quant__enabled=True), NUM_LAYERS).injections[0]
+    assert isinstance(q.transform, Quantize) and q.sites.point == "input"
+
+
+def test_every_default_arm_matches_modules_on_the_tiny_model():
+    """The plans the experiments use hit exactly the modules they name."""
+    config = Qwen2Config.tiny()
+    params = abstract_params(config)
+    model = Qwen2ForCausalLM(config)
+    cfg = make_config(
+        faults__deadzone__enabled=True,
+        faults__deadzone__layers="5",
+        faults__noise__enabled=True,
+        faults__noise__backward=True,
+        faults__quant__enabled=True,
+        aqn__enabled=True,
+        aqn__layers="healthy",
+    )
+    plan = build_plan(cfg, NUM_LAYERS)
+    rollout = plan.trace_manifest(model, params, "rollout")
+    assert rollout["deadzone"] == ["layers_5/layer:output"]
+    assert rollout["deadzone_after_aqn"] == ["layers_5/layer:output"]
+    assert len(rollout["aqn"]) == 7 and "layers_5/layer:output" not in rollout["aqn"]
+    assert len(rollout["noise"]) == 7 * 8 and len(rollout["quant"]) == 7 * 8
+    train = plan.trace_manifest(model, params, "train")
+    assert set(train) == {"deadzone", "noise", "quant"}  # AQN is rollout-only by default
+    manifest = plan.manifest_json()
+    assert '"layers_5/layer:output"' in manifest
