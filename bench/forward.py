@@ -58,45 +58,26 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import argparse
-import datetime
 import gc
-import shlex
 import statistics
-import sys
 import tempfile
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
 import transformers
+from common import check_load, cpu_description, random_params, record
 
-from aqn_jax.models.hf import abstract_params, save_hf_checkpoint
+from aqn_jax.models.hf import save_hf_checkpoint
 from aqn_jax.models.qwen2 import PRESETS, Qwen2Config, Qwen2ForCausalLM
 
-REPO = Path(__file__).resolve().parents[1]
 DEFAULT_REPEATS = {"tiny": 5, "qwen2p5_0p5b": 3}
 MATMUL_N = 2048
 MATMUL_TRIES = 7
 # Max |logit| difference allowed between the frameworks (N(0, 0.02) weights, f32).
 LOGIT_TOL = 1e-3
-
-
-def random_params(config: Qwen2Config, seed: int = 0) -> dict:
-    """numpy params: N(0, 0.02) float32 everywhere, 1.0 for the RMSNorm weights."""
-    leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract_params(config))
-    rng = np.random.default_rng(seed)
-    out = []
-    for path, leaf in leaves:
-        if "norm" in jax.tree_util.keystr(path):
-            value = np.ones(leaf.shape, np.float32)
-        else:
-            value = rng.standard_normal(leaf.shape, dtype=np.float32)
-            value *= np.float32(0.02)
-        out.append(value)
-    return jax.tree_util.tree_unflatten(treedef, out)
 
 
 def attention_flops(cfg: Qwen2Config, batch: int, seq: int) -> float:
@@ -233,54 +214,32 @@ def bench_preset(name: str, batch: int, seq: int, repeats: int) -> dict:
     )
 
 
-def cpu_description() -> str:
-    model = "unknown CPU"
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    model = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    return f"{model}, {os.cpu_count()} cores"
-
-
-def record(
+def record_results(
     results: list[dict], peaks: tuple[float, float], batch: int, seq: int, load: str
-) -> Path:
-    """Append a markdown section with the results to WORKSPACE.md (append only)."""
+):
     xla, tt = peaks
-    date = datetime.date.today().isoformat()
-    lines = [
-        "",
-        f"### bench/forward.py — {date} {cpu_description()}",
-        "",
-        f"Command: `{shlex.join(['python', *sys.argv])}`",
-        "",
-        f"Prefill, batch={batch} seq={seq}, f32, full attention mask, median of R calls;"
-        " FLOPs analytic (attention counted in full, not causal-halved); % of peak against"
-        f" each framework's own f32 matmul peak. Load average before the run: {load}.",
-        "",
+    table = [
         "| preset | R | ours tok/s | torch tok/s | ratio | ours GFLOP/s (% XLA peak)"
         " | torch GFLOP/s (% torch peak) | max logit diff |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         og, tg = r["flops"] / r["ours_s"] / 1e9, r["flops"] / r["torch_s"] / 1e9
-        lines.append(
+        table.append(
             f"| {r['preset']} | {r['repeats']} | {r['ours_tok_s']:.1f} | {r['torch_tok_s']:.1f}"
             f" | {r['ours_tok_s'] / r['torch_tok_s']:.3f} | {og:.1f} ({100 * og / xla:.1f}%)"
             f" | {tg:.1f} ({100 * tg / tt:.1f}%) | {r['diff']:.2e} |"
         )
-    lines.append(
+    table.append(
         f"| matmul peak f32 {MATMUL_N}² | best of {MATMUL_TRIES} | XLA {xla:.1f} GFLOP/s"
         f" | torch {tt:.1f} GFLOP/s | {xla / tt:.3f} | | | |"
     )
-    path = REPO / "WORKSPACE.md"
-    with open(path, "a") as f:
-        f.write("\n".join(lines) + "\n")
-    return path
+    intro = (
+        f"Prefill, batch={batch} seq={seq}, f32, full attention mask, median of R calls;"
+        " FLOPs analytic (attention counted in full, not causal-halved); % of peak against"
+        f" each framework's own f32 matmul peak. Load average before the run: {load}."
+    )
+    return record("bench/forward.py", intro, table)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -310,10 +269,7 @@ def main(argv: list[str] | None = None) -> None:
 
     # Other processes on the machine distort every number here (torch's OpenMP threads suffer
     # most); the load average before the run shows whether the machine was quiet.
-    load = "{:.2f} {:.2f} {:.2f}".format(*os.getloadavg())
-    print(f"load average before (1, 5, 15 min): {load}")
-    if os.getloadavg()[0] > 0.5:
-        print("WARNING: the machine is busy (1-min load > 0.5); timings will be distorted")
+    load = check_load()
     # Peaks before and after the forwards; the larger of the two is used (the host is shared
     # and a slow spell lowers a best-of-N; see the printed values for the spread).
     before = matmul_peaks()
@@ -344,7 +300,7 @@ def main(argv: list[str] | None = None) -> None:
         )
     print(f"BENCH matmul_peak ratio={xla / tt:.3f} xla_gflops={xla:.1f} torch_gflops={tt:.1f}")
     if args.record:
-        print(f"recorded in {record(results, peaks, args.batch, args.seq, load)}")
+        print(f"recorded in {record_results(results, peaks, args.batch, args.seq, load)}")
 
 
 if __name__ == "__main__":

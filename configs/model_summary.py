@@ -6,12 +6,19 @@ tokenizer's chat template and one jitted forward.
   python -m aqn_jax.launch --config=configs/model_summary.py
   python -m aqn_jax.launch --config=configs/model_summary.py \
       --config.model.hf_path=/models/Qwen2.5-0.5B-Instruct
+  python -m aqn_jax.launch --config=configs/model_summary.py \
+      --config.faults.deadzone.enabled=True --config.faults.deadzone.layers=3 \
+      --config.aqn.enabled=True --config.aqn.layers='(3,)' --config.phase=rollout
 
 Expected: a parameter table (1,609,856 params for `tiny`), the prompt length and the top-5
-next tokens, `runs/model_summary/model_summary.json`; about 10 s on a laptop CPU.
+next tokens, the fault plan with the modules each injection hits per phase, the telemetry and
+the logit change the faults cause; `runs/model_summary/{model_summary,manifest}.json`; about
+10 s on a laptop CPU.
 """
 
 import ml_collections
+
+from aqn_jax.faults.config import aqn_config, faults_config
 
 
 def get_config() -> ml_collections.ConfigDict:
@@ -35,4 +42,13 @@ def get_config() -> ml_collections.ConfigDict:
     config.tokenizer_path = ""
     # The user message of the sample forward pass (rendered through the chat template).
     config.prompt = "Tom has 12 apples and buys 7 more. How many apples does he have?"
+
+    # --- faults and AQN (aqn_jax/faults/config.py documents every field) ----------------------
+    config.faults = faults_config()
+    config.faults.deadzone.layers = "3"  # the tiny model has 8 layers (the 1.5B default is 15)
+    config.aqn = aqn_config()
+    config.aqn.layers = "all"
+    config.phase = "eval"  # which phase's injections the sample forward runs: rollout|train|eval
+    config.step = 20  # RL step whose AQN sigma the forward uses ...
+    config.total_steps = 100  # ... out of this many steps (sigma schedule)
     return config

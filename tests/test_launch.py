@@ -94,3 +94,38 @@ def test_tokenizer_larger_than_model_vocab(hf_factory, tmp_path):
     )
     assert proc.returncode != 0
     assert "the tokenizer has 178 ids but the model's vocab_size is 97" in proc.stderr
+
+
+def test_model_summary_with_faults_writes_manifest(tmp_path):
+    proc = _launch(
+        "--config=configs/model_summary.py",
+        "--config.faults.deadzone.enabled=True",
+        "--config.faults.deadzone.layers=(3,5)",
+        "--config.aqn.enabled=True",
+        "--config.aqn.layers=3",
+        "--config.phase=rollout",
+        workdir=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    rollout = manifest["hits"]["rollout"]
+    assert rollout["deadzone"] == ["layers_3/layer:output", "layers_5/layer:output"]
+    assert rollout["aqn"] == ["layers_3/layer:output"]
+    assert manifest["hits"]["eval"] == {"deadzone": rollout["deadzone"]}  # AQN: rollout only
+    summary = json.loads((tmp_path / "model_summary.json").read_text())
+    assert summary["max_logit_diff_vs_clean"] > 0
+    assert 0 < summary["fault_stats"]["deadzone.flushed/mean"] < 1
+    assert summary["aqn_sigma"] == pytest.approx(0.05 * 0.01 ** (1 / 8))  # step 20 of 100
+    assert "layers_3/layer:output" in proc.stdout
+
+
+def test_bad_fault_config_fails_before_work(tmp_path):
+    proc = _launch(
+        "--config=configs/model_summary.py",
+        "--config.faults.deadzone.enabled=True",
+        "--config.faults.deadzone.layers=9",
+        workdir=tmp_path,
+    )
+    assert proc.returncode != 0
+    assert "config.faults.deadzone.layers='9' but the model has 8 layers" in proc.stderr
+    assert not (tmp_path / "model_summary.json").exists()

@@ -1,7 +1,10 @@
-"""Job `model_summary`: build (or load) the model, print its parameter table, run one forward.
+"""Job `model_summary`: build (or load) the model, print its parameter table and the fault plan,
+run one forward on the clean and on the faulty device.
 
 The placeholder main job until the RL job exists: it exercises the preset or the HF loader,
-the tokenizer's chat template and a jitted forward, and writes `model_summary.json`.
+the tokenizer's chat template, the fault plan of `config.faults`/`config.aqn` (its manifest
+of hit modules per phase, its telemetry) and a jitted forward; writes `model_summary.json`
+and `manifest.json`.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ from absl import logging
 from flax import traverse_util
 
 from aqn_jax.data.tokenizers import load_tokenizer
+from aqn_jax.faults.config import AQN_SIGMA, aqn_sigma, build_plan
+from aqn_jax.faults.intercept import FaultPlan, step_key, summarize_stats
 from aqn_jax.models.factory import load_model, logical_axes, model_config
 from aqn_jax.models.qwen2 import Qwen2ForCausalLM
 
@@ -33,11 +38,14 @@ def _validate(config):
         )
     if not config.prompt:
         raise ValueError("config.prompt='' ; give a non-empty user message")
-    return qcfg, tokenizer
+    if config.phase not in ("rollout", "train", "eval"):
+        raise ValueError(f"config.phase={config.phase!r}; allowed: ('rollout', 'train', 'eval')")
+    plan = build_plan(config, qcfg.num_hidden_layers)
+    return qcfg, tokenizer, plan
 
 
 def run(config, workdir: str) -> None:
-    qcfg, tokenizer = _validate(config)
+    qcfg, tokenizer, plan = _validate(config)
     qcfg, params = load_model(config.model, config.seed)
     source = (
         config.model.hf_path or f"preset {config.model.preset} (random init, seed {config.seed})"
@@ -62,24 +70,59 @@ def run(config, workdir: str) -> None:
         print(f"(layers_1 .. layers_{qcfg.num_hidden_layers - 1}: as layers_0)")
     print(f"total parameters: {total:,}")
 
+    model = Qwen2ForCausalLM(qcfg)
+    # The manifest of every phase, traced abstractly before anything compiles: an injection
+    # that hits no module raises here.
+    print(plan.describe())
+    for phase in ("rollout", "train", "eval"):
+        if plan.active(phase):
+            hits = plan.trace_manifest(model, params, phase)
+            for name, paths in hits.items():
+                shown = ", ".join(paths[:4]) + (
+                    f", ... ({len(paths)} sites)" if len(paths) > 4 else ""
+                )
+                print(f"  [{phase}] {name}: {shown}")
+    with open(os.path.join(workdir, "manifest.json"), "w") as f:
+        f.write(plan.manifest_json())
+
     messages = [{"role": "user", "content": config.prompt}]
     ids = np.asarray([tokenizer.encode_chat(messages)], np.int32)
-    model = Qwen2ForCausalLM(qcfg)
-    forward = jax.jit(lambda p, ids: model.apply({"params": p}, ids))
+    # This step's AQN sigma (as at step config.step of a config.total_steps-step run), traced.
+    sigma = np.float32(aqn_sigma(config, config.step, config.total_steps))
+
+    def forward(params, ids, sigma, faulty: bool):
+        active = plan if faulty else FaultPlan()
+        key = step_key(config.seed, config.step, config.phase)
+        with active.apply(config.phase, key=key, values={AQN_SIGMA: sigma}):
+            return model.apply({"params": params}, ids, mutable=["fault_stats"])
+
+    clean_fn = jax.jit(lambda p, ids, s: forward(p, ids, s, False))
+    faulty_fn = jax.jit(lambda p, ids, s: forward(p, ids, s, True))
     t0 = time.perf_counter()
-    forward.lower(params, ids).compile()
+    faulty_fn.lower(params, ids, sigma).compile()
     compile_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    logits = np.asarray(forward(params, ids))
+    logits, state = faulty_fn(params, ids, sigma)
+    logits = np.asarray(logits)
     forward_s = time.perf_counter() - t0
+    clean = np.asarray(clean_fn(params, ids, sigma)[0])
     if not np.all(np.isfinite(logits)):
         raise FloatingPointError("model_summary: the forward pass produced non-finite logits")
+    stats = summarize_stats(state.get("fault_stats", {}))
     # Ids past the tokenizer's vocabulary (the model's vocab is padded) are never produced.
     top = np.argsort(-logits[0, -1, : tokenizer.vocab_size])[:5]
     top = [(int(t), tokenizer.decode([t], skip_special_tokens=False)) for t in top]
+    diff = float(np.abs(logits - clean).max())
     print(
         f"prompt: {ids.shape[1]} tokens; compile {compile_s:.2f}s, forward {forward_s * 1e3:.1f}ms"
     )
+    print(
+        f"phase {config.phase}, AQN sigma {float(sigma):g}: max |logit(faulty) - logit(clean)|"
+        f" = {diff:.3g}"
+    )
+    for name, value in sorted(stats.items()):
+        if name.endswith("/mean"):
+            print(f"  {name}: {value:.4g}")
     print(f"top-5 next tokens: {top}")
 
     summary = dict(
@@ -91,6 +134,10 @@ def run(config, workdir: str) -> None:
         compile_s=compile_s,
         forward_s=forward_s,
         top5_next_tokens=top,
+        phase=config.phase,
+        aqn_sigma=float(sigma),
+        max_logit_diff_vs_clean=diff,
+        fault_stats=stats,
         devices=[str(d) for d in jax.devices()],
     )
     out = os.path.join(workdir, "model_summary.json")
