@@ -67,12 +67,7 @@ def variants(num_layers: int) -> dict[str, dict]:
 
 def make_config(overrides: dict) -> ml_collections.ConfigDict:
     config = ml_collections.ConfigDict({"faults": faults_config(), "aqn": aqn_config()})
-    for dotted, value in overrides.items():
-        node = config
-        *parents, leaf = dotted.split(".")
-        for p in parents:
-            node = node[p]
-        node[leaf] = value
+    config.update_from_flattened_dict(overrides)
     return config
 
 

@@ -19,12 +19,7 @@ def make_config(**sections):
     c.faults = faults_config()
     c.aqn = aqn_config()
     c.faults.deadzone.layers = "3"  # the default (15) is for the 28-layer 1.5B model
-    for dotted, value in sections.items():
-        node = c
-        *parents, leaf = dotted.split("__")
-        for p in parents:
-            node = node[p]
-        node[leaf] = value
+    c.update_from_flattened_dict({k.replace("__", "."): v for k, v in sections.items()})
     return c
 
 

@@ -332,8 +332,11 @@ class FaultPlan:
         with nn.intercept_methods(run.intercept):
             yield
         if run.applied:
-            self.manifest[phase] = {inj.name: run.hits[inj.name] for _, inj in active}
-            missing = [inj for _, inj in active if not run.hits[inj.name]]
+            # A module traced twice (e.g. recomputed under remat) is one site.
+            self.manifest[phase] = {
+                inj.name: list(dict.fromkeys(run.hits[inj.name])) for _, inj in active
+            }
+            missing = [inj for _, inj in active if not self.manifest[phase][inj.name]]
             if missing:
                 raise ValueError(
                     f"phase {phase!r}: fault injection(s) matched no module: "

@@ -193,9 +193,10 @@ PRESETS: tuple[str, ...] = tuple(_PRESETS)
 class KVCache:
     """Preallocated keys/values of every layer plus which slots hold real tokens.
 
-    k, v: one `[B, S, K, H]` array per layer. mask: `[B, S]` int32, 1 where a slot holds a
-    non-padding token. end: int32 scalar, the number of slots written so far (the next write
-    starts there; all sequences in the batch advance together, padding is masked, not skipped).
+    k, v: one `[B, K, S, H]` array per layer (heads first: the layout attention contracts).
+    mask: `[B, S]` int32, 1 where a slot holds a non-padding token.
+    end: int32 scalar, the number of slots written so far (the next write starts there; all
+    sequences in the batch advance together, padding is masked, not skipped).
     """
 
     k: tuple[jax.Array, ...]
@@ -210,7 +211,7 @@ class KVCache:
 
 def init_cache(config: Qwen2Config, batch_size: int, max_len: int) -> KVCache:
     """An empty cache of `max_len` slots in the compute dtype."""
-    shape = (batch_size, max_len, config.num_key_value_heads, config.resolved_head_dim)
+    shape = (batch_size, config.num_key_value_heads, max_len, config.resolved_head_dim)
     zeros = tuple(jnp.zeros(shape, _dtype(config.dtype)) for _ in range(config.num_hidden_layers))
     return KVCache(
         k=zeros,
@@ -368,41 +369,50 @@ class Qwen2Attention(nn.Module):
         q_BTNH = apply_rope(q_BTNH, cos, sin)
         k_BTKH = apply_rope(k_BTKH, cos, sin)
 
+        # Heads-first layouts for the two attention products: XLA then runs them as plain
+        # batched matmuls (1.6x faster on CPU than contracting the [B, T, ...] layouts).
+        G = N // K
+        q_BKGTH = q_BTNH.reshape(B, T, K, G, H).transpose(0, 2, 3, 1, 4)
+        k_BKTH = k_BTKH.transpose(0, 2, 1, 3)
+        v_BKTH = v_BTKH.transpose(0, 2, 1, 3)
         if kv is not None:
             # Write this chunk's keys/values at slots [end, end + T) and attend over all slots.
             cache_k, cache_v, end = kv
-            k_BSKH = jax.lax.dynamic_update_slice(
-                cache_k, k_BTKH.astype(cache_k.dtype), (0, end, 0, 0)
+            k_BKSH = jax.lax.dynamic_update_slice(
+                cache_k, k_BKTH.astype(cache_k.dtype), (0, 0, end, 0)
             )
-            v_BSKH = jax.lax.dynamic_update_slice(
-                cache_v, v_BTKH.astype(cache_v.dtype), (0, end, 0, 0)
+            v_BKSH = jax.lax.dynamic_update_slice(
+                cache_v, v_BKTH.astype(cache_v.dtype), (0, 0, end, 0)
             )
-            kv = (k_BSKH, v_BSKH)
+            kv = (k_BKSH, v_BKSH)
         else:
-            k_BSKH, v_BSKH = k_BTKH, v_BTKH
-        S = k_BSKH.shape[1]
+            k_BKSH, v_BKSH = k_BKTH, v_BKTH
 
-        # Causal by slot index (a query sees keys written at or before its own slot) and only
-        # real tokens: left padding is masked out as keys.
-        allowed_BTS = (jnp.arange(S)[None, None, :] <= query_slot_BT[:, :, None]) & (
-            key_mask_BS[:, None, :] > 0
-        )
-        q_BTKGH = q_BTNH.reshape(B, T, K, N // K, H)
-        # Scores and softmax in float32: bf16 logits of the softmax lose the small differences
-        # that decide the attention pattern.
-        scores_BKGTS = jnp.einsum(
-            "BTKGH,BSKH->BKGTS", q_BTKGH, k_BSKH.astype(dt), preferred_element_type=jnp.float32
-        ) * (H**-0.5)
-        # A large finite negative (not -inf) keeps fully masked rows (padding queries) finite.
-        scores_BKGTS = jnp.where(
-            allowed_BTS[:, None, None], scores_BKGTS, jnp.finfo(jnp.float32).min
-        )
-        probs_BKGTS = jax.nn.softmax(scores_BKGTS, axis=-1).astype(dt)
-        out_BTKGH = jnp.einsum("BKGTS,BSKH->BTKGH", probs_BKGTS, v_BSKH.astype(dt))
+        out_BKGTH = _attend(q_BKGTH, k_BKSH, v_BKSH, key_mask_BS, query_slot_BT, dt)
+        out_BTKGH = out_BKGTH.transpose(0, 3, 1, 2, 4)
         out_BTD = Linear(cfg.hidden_size, False, ("heads", "embed"), name="o_proj", **lin)(
             out_BTKGH.reshape(B, T, N * H)
         )
         return out_BTD, kv
+
+
+def _attend(q_BKGTH, k_BKSH, v_BKSH, key_mask_BS, query_slot_BT, dt):
+    """softmax(q k^T / sqrt(H)) v over the allowed keys, scores and softmax in float32."""
+    S, H = k_BKSH.shape[2], k_BKSH.shape[3]
+    # Causal by slot index (a query sees keys written at or before its own slot) and only
+    # real tokens: left padding is masked out as keys.
+    allowed_BTS = (jnp.arange(S)[None, None, :] <= query_slot_BT[:, :, None]) & (
+        key_mask_BS[:, None, :] > 0
+    )
+    # Scores and softmax in float32: bf16 logits of the softmax lose the small differences
+    # that decide the attention pattern.
+    scores_BKGTS = jnp.einsum(
+        "BKGTH,BKSH->BKGTS", q_BKGTH, k_BKSH.astype(dt), preferred_element_type=jnp.float32
+    ) * (H**-0.5)
+    # A large finite negative (not -inf) keeps fully masked rows (padding queries) finite.
+    scores_BKGTS = jnp.where(allowed_BTS[:, None, None], scores_BKGTS, jnp.finfo(jnp.float32).min)
+    probs_BKGTS = jax.nn.softmax(scores_BKGTS, axis=-1).astype(dt)
+    return jnp.einsum("BKGTS,BKSH->BKGTH", probs_BKGTS, v_BKSH.astype(dt))
 
 
 class Qwen2MLP(nn.Module):
