@@ -43,7 +43,7 @@ from aqn_jax.faults.intercept import step_key
 from aqn_jax.models.qwen2 import PRESETS, Qwen2Config, Qwen2ForCausalLM
 
 SHAPES = {"tiny": (8, 128), "qwen2p5_0p5b": (1, 64)}  # (batch, seq)
-DEFAULT_REPEATS = {"tiny": 15, "qwen2p5_0p5b": 5}
+DEFAULT_REPEATS = {"tiny": 21, "qwen2p5_0p5b": 9}
 
 
 def variants(num_layers: int) -> dict[str, dict]:

@@ -1,0 +1,125 @@
+"""GSM8K rule-based reward, bit-for-bit the semantics of verl's scorer.
+
+Reference: volcengine/verl, `verl/utils/reward_score/gsm8k.py` (`extract_solution`,
+`compute_score`), itself following ReFT (Trung et al., ACL 2024). The RL runs here are compared
+against verl runs, so the reward must be the same function of the decoded text, quirks included;
+anything "cleaner" would change the learning signal and break the comparison.
+
+Semantics:
+
+* Window: only the last 300 characters of the response are examined (verl clips
+  `solution_str[-300:]` so the regex is cheap on long rollouts). A `####` answer that starts
+  before that window is invisible, and so is a `#### ` marker cut by the window's left edge.
+* strict: `re.findall(r"#### (\\-?[0-9\\.\\,]+)", s)`; no match -> None; otherwise the LAST
+  match with "," and "$" removed. The regex needs exactly one space after `####` and then an
+  optional "-" followed by at least one of `[0-9.,]`, so "#### $5", "####5", "####  5" and
+  "#### -" do not match. The "$" replace is dead code in strict mode (the capture group
+  cannot contain "$"); it is kept because verl has it.
+* flexible: `re.findall(r"(\\-?[0-9\\.\\,]+)", s)`; no match -> None; otherwise the last match
+  that is not "" or "."; no "," or "$" stripping at all (verl's flexible branch has no replace).
+  If every match is "." the result is "." (see `_extract_flexible`).
+* Score: `None -> 0`; plain string equality with the ground truth -> `score`; otherwise
+  `format_score`. Nothing is parsed as a number.
+
+Pitfalls (all inherited from verl, on purpose):
+
+* `[0-9]` is ASCII only: Arabic-Indic ("٣") or full-width ("４２") digits are never matched.
+* Numbers compare as strings: "#### 3.50" against "3.5", "#### 42.0" against "42" and
+  "#### 42." against "42" all score `format_score`, not `score`.
+* Flexible mode keeps commas and trailing dots: "1,234" != "1234" and "is 42." gives "42.".
+* Strict mode strips every comma anywhere in the match: "#### -,5" gives "-5", "#### ,,," gives ""
+  (which equals an empty ground truth).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+import numpy as np
+
+# verl's _SOLUTION_CLIP_CHARS.
+SOLUTION_CLIP_CHARS = 300
+METHODS = ("strict", "flexible")
+
+# verl's patterns verbatim (the escapes inside the character class are redundant but harmless).
+_STRICT_RE = re.compile("#### (\\-?[0-9\\.\\,]+)")
+_FLEXIBLE_RE = re.compile("(\\-?[0-9\\.\\,]+)")
+# verl's invalid_str. "" can never occur (the group needs one character); only "." matters.
+_INVALID = ("", ".")
+
+
+def _extract_flexible(solution_str: str) -> str | None:
+    """verl's flexible branch: the last number-like match that is not "" or ".".
+
+    verl writes `for final_answer in reversed(answer): if final_answer not in invalid_str: break`.
+    When every match is invalid the loop never breaks, and the loop variable keeps the last value
+    it was bound to, i.e. `answer[0]` (the FIRST match in the text), which is always "." here.
+    So "a . b ." returns "." rather than None, and scores `score` against a ground truth of ".".
+    Reproduced deliberately. No "," / "$" stripping: verl's flexible branch has none.
+    """
+    answer = _FLEXIBLE_RE.findall(solution_str)
+    if not answer:
+        return None
+    for candidate in reversed(answer):
+        if candidate not in _INVALID:
+            return candidate
+    return answer[0]  # the all-invalid quirk described above
+
+
+def extract_solution(solution_str: str, method: str = "strict") -> str | None:
+    """The answer string verl's GSM8K scorer would extract, or None.
+
+    Same code path as verl's `extract_solution` (see the module docstring). The only deviation
+    is that an unknown `method` raises ValueError instead of verl's `assert`, so the check
+    survives `python -O`. Never raises for any str input.
+    """
+    if method not in METHODS:
+        raise ValueError(f"method={method!r}; allowed: {METHODS}")
+    # verl: `if len(s) > 300: s = s[-300:]`, which is the same as an unconditional s[-300:].
+    solution_str = solution_str[-SOLUTION_CLIP_CHARS:]
+    if method == "strict":
+        solutions = _STRICT_RE.findall(solution_str)
+        if not solutions:
+            return None
+        # Last match wins; the "$" replace cannot fire (see the module docstring) but is verl's.
+        return solutions[-1].replace(",", "").replace("$", "")
+    return _extract_flexible(solution_str)
+
+
+def compute_score(
+    solution_str: str,
+    ground_truth: str,
+    method: str = "strict",
+    format_score: float = 0.0,
+    score: float = 1.0,
+) -> float:
+    """verl's GSM8K `compute_score`: 0 without an answer, `score` if equal, else `format_score`.
+
+    Equality is on strings, as in verl ("42.0" != "42"). Returned as float (verl returns the int 0
+    for a missing answer; the value is the same).
+    """
+    answer = extract_solution(solution_str, method=method)
+    if answer is None:
+        return 0.0
+    return float(score) if answer == ground_truth else float(format_score)
+
+
+def score_batch(
+    solutions: Sequence[str],
+    ground_truths: Sequence[str],
+    **kw,
+) -> np.ndarray:
+    """`compute_score` over a batch of decoded rollouts, as a float32 array of shape [N].
+
+    `kw` is passed through to `compute_score` (method, format_score, score). The lengths must
+    match: a silently truncated zip would misalign rewards with rollouts.
+    """
+    if len(solutions) != len(ground_truths):
+        raise ValueError(
+            f"len(solutions)={len(solutions)} != len(ground_truths)={len(ground_truths)}"
+        )
+    return np.asarray(
+        [compute_score(s, g, **kw) for s, g in zip(solutions, ground_truths, strict=True)],
+        dtype=np.float32,
+    ).reshape(len(solutions))

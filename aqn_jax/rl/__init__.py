@@ -1,0 +1,1 @@
+"""RL: the rollout sampler (and, in later parts, advantages, losses and the trainer)."""

@@ -1,0 +1,256 @@
+"""Batched generation in one jitted program: prefill + a `lax.while_loop` of single-token steps.
+
+The same Linen module and the same fault interceptor (phase `rollout`) as training: the plan
+is entered inside the traced prefill and inside the traced loop body, so the hardware faults
+and this step's AQN sigma act on every token the policy generates.
+
+Shapes stay fixed so that XLA compiles once per prompt bucket: prompts are left-padded to the
+smallest bucket length >= the longest prompt (`Sampler.buckets`), the KV cache has
+`bucket + max_new_tokens` slots, and the loop runs at most `max_new_tokens` steps (it exits
+early once every sequence has produced EOS). The cache buffers are kept by the `Sampler`
+between calls and donated to the program, which updates them in place.
+
+Log-probs: `logprobs[b, t]` is log softmax(logits / temperature) of the sampled token (plain
+log softmax for greedy), the full-vocabulary distribution that the trainer recomputes by a
+teacher-forced forward; top-k / top-p only restrict what can be sampled. The drift between the
+two is what the trainer logs.
+
+Randomness: sampling keys and fault keys are separate streams folded from the caller's keys
+and the token index, so a fault's noise at token t does not depend on how sampling used its
+key (and the same keys give the same samples).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from aqn_jax.faults.intercept import FaultPlan
+from aqn_jax.models.qwen2 import KVCache, Qwen2ForCausalLM, init_cache
+
+NEG_INF = -1e30  # masks logits that may never be sampled (finite: no NaN in log-softmax)
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """Static decoding settings (a change recompiles).
+
+    temperature 0 means greedy. top_k 0 and top_p 1.0 disable those filters. vocab_size
+    limits sampling to the tokenizer's ids when the model's vocab is padded beyond them.
+    """
+
+    max_new_tokens: int
+    eos_id: int
+    pad_id: int
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    n: int = 1
+    vocab_size: int | None = None
+
+    def __post_init__(self):
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={self.max_new_tokens}; must be >= 1")
+        if self.temperature < 0:
+            raise ValueError(f"temperature={self.temperature}; must be >= 0 (0 = greedy)")
+        if self.top_k < 0:
+            raise ValueError(f"top_k={self.top_k}; must be >= 0 (0 = off)")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p={self.top_p}; must be in (0, 1]")
+        if self.n < 1:
+            raise ValueError(f"n={self.n}; must be >= 1 (samples per prompt)")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def filter_logits(logits_BV: jax.Array, params: SamplingParams) -> jax.Array:
+    """Temperature-scaled logits with the vocab limit, top-k and top-p applied (NEG_INF out)."""
+    logits_BV = logits_BV.astype(jnp.float32)
+    V = logits_BV.shape[-1]
+    if params.vocab_size is not None and params.vocab_size < V:
+        logits_BV = jnp.where(jnp.arange(V) < params.vocab_size, logits_BV, NEG_INF)
+    if params.greedy:
+        return logits_BV
+    logits_BV = logits_BV / params.temperature
+    if params.top_k and params.top_k < V:
+        kth_B1 = jax.lax.top_k(logits_BV, params.top_k)[0][:, -1:]
+        logits_BV = jnp.where(logits_BV < kth_B1, NEG_INF, logits_BV)
+    if params.top_p < 1.0:
+        # Keep the smallest set of most likely tokens whose mass reaches top_p (always >= 1).
+        sorted_BV = jnp.sort(logits_BV, axis=-1)[:, ::-1]
+        probs_BV = jax.nn.softmax(sorted_BV, axis=-1)
+        mass_before_BV = jnp.cumsum(probs_BV, axis=-1) - probs_BV
+        keep = mass_before_BV < params.top_p
+        cutoff_B1 = jnp.min(jnp.where(keep, sorted_BV, jnp.inf), axis=-1, keepdims=True)
+        logits_BV = jnp.where(logits_BV < cutoff_B1, NEG_INF, logits_BV)
+    return logits_BV
+
+
+def _logprob_scale(params: SamplingParams) -> float:
+    return 1.0 if params.greedy else params.temperature
+
+
+@dataclasses.dataclass
+class SampleOutput:
+    """Host arrays; rows are prompt-major: row b * n + j is sample j of prompt b."""
+
+    prompt_ids: np.ndarray  # [B*n, L] left-padded (the bucket length)
+    prompt_mask: np.ndarray  # [B*n, L]
+    tokens: np.ndarray  # [B*n, max_new_tokens], pad after EOS
+    logprobs: np.ndarray  # [B*n, max_new_tokens], 0 where masked
+    response_mask: np.ndarray  # [B*n, max_new_tokens], 1 for generated tokens (EOS included)
+    fault_stats: dict[str, Any]  # mean over prefill and decode steps, per stat
+
+
+class Sampler:
+    """Jitted sampler for one model, fault plan and set of sampling parameters."""
+
+    def __init__(
+        self,
+        model: Qwen2ForCausalLM,
+        params: SamplingParams,
+        plan: FaultPlan | None = None,
+        buckets: tuple[int, ...] = (64, 128, 256, 512, 1024),
+        phase: str = "rollout",
+    ):
+        self.model = model
+        self.params = params
+        self.plan = plan or FaultPlan()
+        self.buckets = tuple(sorted(buckets))
+        self.phase = phase
+        self.traces = 0  # how often the program was traced (tests assert no retrace)
+        self._caches: dict[tuple[int, int], KVCache] = {}
+        self._program = jax.jit(self._generate, donate_argnums=(4,))
+
+    def bucket(self, length: int) -> int:
+        for b in self.buckets:
+            if length <= b:
+                return b
+        raise ValueError(
+            f"prompt length {length} exceeds the largest bucket {self.buckets[-1]}; raise the"
+            " buckets or the max prompt length"
+        )
+
+    def __call__(
+        self,
+        weights,
+        input_ids: np.ndarray,
+        attention_mask: np.ndarray,
+        key: jax.Array,
+        fault_key: jax.Array | None = None,
+        values: dict[str, Any] | None = None,
+    ) -> SampleOutput:
+        """Generate for left-padded prompts `[B, L]`; L is padded up to its bucket here."""
+        input_ids = np.asarray(input_ids, np.int32)
+        attention_mask = np.asarray(attention_mask, np.int32)
+        if input_ids.shape != attention_mask.shape or input_ids.ndim != 2:
+            raise ValueError(
+                f"input_ids {input_ids.shape} and attention_mask {attention_mask.shape} must be"
+                " the same [B, L] shape"
+            )
+        B, L = input_ids.shape
+        bucket = self.bucket(L)
+        pad = bucket - L
+        input_ids = np.pad(input_ids, ((0, 0), (pad, 0)), constant_values=self.params.pad_id)
+        attention_mask = np.pad(attention_mask, ((0, 0), (pad, 0)))
+        input_ids = np.repeat(input_ids, self.params.n, axis=0)
+        attention_mask = np.repeat(attention_mask, self.params.n, axis=0)
+        rows = B * self.params.n
+        cache = self._caches.pop((rows, bucket), None)
+        if cache is None:
+            cache = init_cache(self.model.config, rows, bucket + self.params.max_new_tokens)
+        fault_key = key if fault_key is None else fault_key
+        tokens, logprobs, mask, stats, cache = self._program(
+            weights, input_ids, attention_mask, (key, fault_key), cache, dict(values or {})
+        )
+        self._caches[(rows, bucket)] = cache
+        return SampleOutput(
+            prompt_ids=input_ids,
+            prompt_mask=attention_mask,
+            tokens=np.asarray(tokens),
+            logprobs=np.asarray(logprobs),
+            response_mask=np.asarray(mask),
+            fault_stats=jax.tree_util.tree_map(np.asarray, stats),
+        )
+
+    def _forward(self, weights, ids, mask, cache, fault_key, values):
+        with self.plan.apply(self.phase, key=fault_key, values=values):
+            (logits, cache), state = self.model.apply(
+                {"params": weights}, ids, attention_mask=mask, cache=cache, mutable=["fault_stats"]
+            )
+        return logits, cache, state.get("fault_stats", {})
+
+    def _generate(self, weights, input_ids, attention_mask, keys, cache, values):
+        self.traces += 1
+        sp = self.params
+        key, fault_key = keys
+        rows = input_ids.shape[0]
+        # Reuse the donated buffers: slots are invalid until rewritten (mask 0), so no zeroing.
+        cache = dataclasses.replace(
+            cache, mask=jnp.zeros_like(cache.mask), end=jnp.zeros((), jnp.int32)
+        )
+        logits, cache, stats = self._forward(
+            weights, input_ids, attention_mask, cache, jax.random.fold_in(fault_key, 0), values
+        )
+        T = sp.max_new_tokens
+        state = dict(
+            t=jnp.zeros((), jnp.int32),
+            cache=cache,
+            logits=logits[:, -1],  # left padding: the last slot is every prompt's last token
+            tokens=jnp.full((rows, T), sp.pad_id, jnp.int32),
+            logprobs=jnp.zeros((rows, T), jnp.float32),
+            mask=jnp.zeros((rows, T), jnp.int32),
+            done=jnp.zeros((rows,), bool),
+            stats_sum=stats,
+        )
+
+        def cond(s):
+            return (s["t"] < T) & ~jnp.all(s["done"])
+
+        def body(s):
+            t = s["t"]
+            filtered = filter_logits(s["logits"], sp)
+            if sp.greedy:
+                token = jnp.argmax(filtered, axis=-1).astype(jnp.int32)
+            else:
+                token = jax.random.categorical(jax.random.fold_in(key, t), filtered).astype(
+                    jnp.int32
+                )
+            scaled = s["logits"].astype(jnp.float32) / _logprob_scale(sp)
+            logprob = jnp.take_along_axis(jax.nn.log_softmax(scaled), token[:, None], axis=-1)[:, 0]
+            live = ~s["done"]
+            token = jnp.where(live, token, sp.pad_id)
+            tokens = s["tokens"].at[:, t].set(token)
+            logprobs = s["logprobs"].at[:, t].set(jnp.where(live, logprob, 0.0))
+            mask = s["mask"].at[:, t].set(live.astype(jnp.int32))
+            done = s["done"] | (token == sp.eos_id)
+            # Finished rows feed padding (mask 0): their slots stay invalid in the cache.
+            logits, cache, stats = self._forward(
+                weights,
+                token[:, None],
+                live[:, None].astype(jnp.int32),
+                s["cache"],
+                jax.random.fold_in(fault_key, t + 1),
+                values,
+            )
+            return dict(
+                t=t + 1,
+                cache=cache,
+                logits=logits[:, -1],
+                tokens=tokens,
+                logprobs=logprobs,
+                mask=mask,
+                done=done,
+                stats_sum=jax.tree_util.tree_map(jnp.add, s["stats_sum"], stats),
+            )
+
+        s = jax.lax.while_loop(cond, body, state)
+        # Telemetry: the mean over the prefill and every decode step that ran.
+        stats = jax.tree_util.tree_map(lambda v: v / (s["t"] + 1).astype(v.dtype), s["stats_sum"])
+        return s["tokens"], s["logprobs"], s["mask"], stats, s["cache"]

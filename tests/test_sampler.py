@@ -1,0 +1,150 @@
+"""The jitted KV-cache sampler against uncached forwards: greedy, logprobs, EOS, keys, buckets,
+faults during rollout."""
+
+import jax
+import numpy as np
+import pytest
+
+from aqn_jax.faults.intercept import Deadzone, FaultPlan, Injection
+from aqn_jax.faults.sites import SiteSelector
+from aqn_jax.models.qwen2 import Qwen2Config, Qwen2ForCausalLM
+from aqn_jax.rl.sampler import Sampler, SamplingParams
+
+from conftest import left_padded_batch, random_params
+
+CONFIG = Qwen2Config.tiny(num_hidden_layers=3)
+MODEL = Qwen2ForCausalLM(CONFIG)
+WEIGHTS = random_params(CONFIG, seed=0)
+VOCAB = 200  # the tokenizer's ids; the model's vocab (256) is padded beyond them
+LENGTHS = (7, 3, 10)
+BUCKETS = (16, 32)
+NEW = 6
+
+
+def prompts(lengths=LENGTHS, total=None, seed=0):
+    ids, mask, _ = left_padded_batch(
+        np.random.RandomState(seed), VOCAB, lengths, total or max(lengths)
+    )
+    return ids.astype(np.int32), mask.astype(np.int32)
+
+
+def sampler(**kw):
+    params = dict(max_new_tokens=NEW, eos_id=1, pad_id=0, temperature=0.0, vocab_size=VOCAB)
+    plan = kw.pop("plan", None)
+    params.update(kw)
+    return Sampler(MODEL, SamplingParams(**params), plan=plan, buckets=BUCKETS)
+
+
+def full_logits(ids, mask):
+    return np.asarray(MODEL.apply({"params": WEIGHTS}, ids, attention_mask=mask))
+
+
+def test_greedy_equals_stepwise_argmax_of_uncached_forward():
+    ids, mask = prompts()
+    out = sampler(eos_id=-1)(WEIGHTS, ids, mask, jax.random.key(0))
+    seq, seq_mask = out.prompt_ids, out.prompt_mask
+    for t in range(NEW):
+        logits = full_logits(seq, seq_mask)[:, -1, :VOCAB]
+        np.testing.assert_array_equal(out.tokens[:, t], logits.argmax(-1))
+        seq = np.concatenate([seq, out.tokens[:, t : t + 1]], axis=1)
+        seq_mask = np.concatenate([seq_mask, np.ones((len(seq), 1), np.int32)], axis=1)
+    assert out.response_mask.all()
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 20, 0.9), (0.0, 0, 1.0)])
+def test_logprobs_equal_teacher_forced_forward(temperature, top_k, top_p):
+    ids, mask = prompts()
+    sp = dict(temperature=temperature, top_k=top_k, top_p=top_p, n=2, eos_id=-1)
+    out = sampler(**sp)(WEIGHTS, ids, mask, jax.random.key(1))
+    seq = np.concatenate([out.prompt_ids, out.tokens], axis=1)
+    seq_mask = np.concatenate([out.prompt_mask, out.response_mask], axis=1)
+    L = out.prompt_ids.shape[1]
+    logits = full_logits(seq, seq_mask)[:, L - 1 : -1] / (temperature or 1.0)
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    teacher = np.take_along_axis(np.asarray(logp), out.tokens[..., None], axis=-1)[..., 0]
+    real = out.response_mask.astype(bool)
+    assert real.all()
+    np.testing.assert_allclose(out.logprobs[real], teacher[real], atol=1e-5, rtol=0)
+    assert out.tokens.max() < VOCAB  # padded-vocab ids are never sampled
+    # n samples per prompt: rows b*n .. b*n+n-1 share prompt b.
+    np.testing.assert_array_equal(out.prompt_ids[0], out.prompt_ids[1])
+    assert out.tokens.shape == (len(LENGTHS) * 2, NEW)
+
+
+def test_eos_stops_each_sequence_independently():
+    ids, mask = prompts()
+    free = sampler(eos_id=-1)(WEIGHTS, ids, mask, jax.random.key(0))
+    # Make the token sequence 0 emits at step 2 the EOS: it stops there (or where it first
+    # produced that token); the others stop at their first occurrence, if any.
+    eos = int(free.tokens[0, 2])
+    out = sampler(eos_id=eos)(WEIGHTS, ids, mask, jax.random.key(0))
+    for row in range(len(LENGTHS)):
+        hits = np.flatnonzero(free.tokens[row] == eos)
+        stop = hits[0] + 1 if len(hits) else NEW  # EOS itself is part of the response
+        np.testing.assert_array_equal(out.response_mask[row], np.arange(NEW) < stop)
+        np.testing.assert_array_equal(out.tokens[row, :stop], free.tokens[row, :stop])
+        assert (out.tokens[row, stop:] == 0).all() and (out.logprobs[row, stop:] == 0).all()
+    assert out.response_mask.sum(1).min() < out.response_mask.sum(1).max()  # really independent
+
+
+def test_same_key_same_samples_and_different_key_differs():
+    ids, mask = prompts()
+    s = sampler(temperature=1.0, n=3)
+    a = s(WEIGHTS, ids, mask, jax.random.key(5))
+    b = s(WEIGHTS, ids, mask, jax.random.key(5))
+    c = s(WEIGHTS, ids, mask, jax.random.key(6))
+    np.testing.assert_array_equal(a.tokens, b.tokens)
+    np.testing.assert_array_equal(a.logprobs, b.logprobs)
+    assert (a.tokens != c.tokens).any()
+    assert (a.tokens[0] != a.tokens[1]).any()  # the n samples of one prompt differ
+
+
+def test_top_k_one_and_tiny_top_p_are_greedy():
+    ids, mask = prompts()
+    greedy = sampler()(WEIGHTS, ids, mask, jax.random.key(0)).tokens
+    np.testing.assert_array_equal(
+        sampler(temperature=1.0, top_k=1)(WEIGHTS, ids, mask, jax.random.key(3)).tokens, greedy
+    )
+    np.testing.assert_array_equal(
+        sampler(temperature=1.0, top_p=1e-6)(WEIGHTS, ids, mask, jax.random.key(3)).tokens, greedy
+    )
+
+
+def test_no_retrace_within_a_bucket():
+    s = sampler()
+    for lengths in [(7, 3, 10), (12, 5, 13), (16, 1, 2)]:  # all fit bucket 16
+        ids, mask = prompts(lengths)
+        out = s(WEIGHTS, ids, mask, jax.random.key(0))
+        assert out.prompt_ids.shape == (3, 16)
+    assert s.traces == 1
+    ids, mask = prompts((20, 4, 9))  # bucket 32
+    s(WEIGHTS, ids, mask, jax.random.key(0))
+    assert s.traces == 2
+    with pytest.raises(ValueError, match="prompt length 40 exceeds the largest bucket 32"):
+        s(WEIGHTS, *prompts((40, 2, 2)), jax.random.key(0))
+
+
+def test_deadzone_plan_acts_during_rollout():
+    plan = FaultPlan(
+        [Injection("dz", SiteSelector(("layer",), (1,)), Deadzone(0.5), phases=("rollout",))]
+    )
+    ids, mask = prompts()
+    clean = sampler()(WEIGHTS, ids, mask, jax.random.key(0))
+    faulty = sampler(plan=plan)(WEIGHTS, ids, mask, jax.random.key(0))
+    assert (faulty.tokens != clean.tokens).any()
+    assert plan.manifest["rollout"]["dz"] == ["layers_1/layer:output"]
+    flushed = faulty.fault_stats["layers_1"]["dz.flushed"][0]
+    assert 0.0 < float(flushed) < 1.0
+    # A plan for other phases leaves the rollout clean.
+    train_only = FaultPlan(
+        [Injection("dz", SiteSelector(("layer",), (1,)), Deadzone(0.5), phases=("train",))]
+    )
+    same = sampler(plan=train_only)(WEIGHTS, ids, mask, jax.random.key(0))
+    np.testing.assert_array_equal(same.tokens, clean.tokens)
+
+
+def test_bad_sampling_params():
+    with pytest.raises(ValueError, match="top_p=1.5; must be in"):
+        SamplingParams(max_new_tokens=4, eos_id=1, pad_id=0, top_p=1.5)
+    with pytest.raises(ValueError, match="max_new_tokens=0"):
+        SamplingParams(max_new_tokens=0, eos_id=1, pad_id=0)
