@@ -148,3 +148,33 @@ def test_bad_sampling_params():
         SamplingParams(max_new_tokens=4, eos_id=1, pad_id=0, top_p=1.5)
     with pytest.raises(ValueError, match="max_new_tokens=0"):
         SamplingParams(max_new_tokens=0, eos_id=1, pad_id=0)
+
+
+def test_task_batches_through_the_sampler_to_rewards(tmp_path):
+    """The embedded task end to end: verl parquet -> PromptBatcher -> Sampler -> verl reward."""
+    from aqn_jax.data.arithmetic import ArithmeticTask
+    from aqn_jax.data.gsm8k import PromptBatcher, load_verl_parquet
+    from aqn_jax.data.tokenizers import CharTokenizer
+    from aqn_jax.rewards import score_batch
+
+    tok = CharTokenizer()
+    path = ArithmeticTask().write_parquet(tmp_path / "train.parquet", "train", 12)
+    batcher = PromptBatcher(
+        load_verl_parquet(path), tok, batch_size=4, seed=0, max_prompt_len=128, buckets=(128,)
+    )
+    batch = batcher.next_batch()
+    s = Sampler(
+        MODEL,
+        SamplingParams(
+            max_new_tokens=8, eos_id=tok.eos_id, pad_id=tok.pad_id, n=2, vocab_size=tok.vocab_size
+        ),
+        buckets=(128,),
+    )
+    out = s(WEIGHTS, batch["input_ids"], batch["attention_mask"], jax.random.key(0))
+    rows = zip(out.tokens, out.response_mask, strict=True)
+    texts = [tok.decode(row[m.astype(bool)]) for row, m in rows]
+    truths = [gt for gt in batch["ground_truth"] for _ in range(2)]
+    rewards = score_batch(texts, truths)
+    assert rewards.shape == (8,) and set(np.unique(rewards)) <= {0.0, 1.0}
+    # A response that is the right answer scores 1 through the same path.
+    assert score_batch([f"#### {truths[0]}"], [truths[0]])[0] == 1.0
