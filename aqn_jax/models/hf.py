@@ -79,7 +79,7 @@ _HARMLESS_FIELDS = frozenset(
 _CHECKED_FIELDS: dict[str, tuple[Any, str]] = {
     "hidden_act": (lambda v: v == "silu", "'silu'"),
     "use_sliding_window": (lambda v: not v, "false (sliding-window attention is not ported)"),
-    "rope_scaling": (lambda v: v is None, "null (only the default RoPE is ported)"),
+    "rope_scaling": (lambda v: False, "null (only the default RoPE is ported)"),
     "attention_dropout": (lambda v: float(v) == 0.0, "0.0"),
     "attention_bias": (lambda v: bool(v), "true (Qwen2 q/k/v projections carry a bias)"),
     "use_mrope": (lambda v: not v, "false (multimodal RoPE is not ported)"),
@@ -115,16 +115,17 @@ def config_from_hf(hf: Mapping[str, Any], source: str = "config.json") -> tuple[
     for name, value in hf.items():
         if name in _CHECKED_FIELDS:
             ok, allowed = _CHECKED_FIELDS[name]
-            if value is not None or name == "rope_scaling":
-                try:
-                    passed = ok(value)
-                except (TypeError, ValueError):
-                    passed = False
-                if not passed:
-                    raise ValueError(
-                        f"{source}: {name}={value!r} is not supported by the aqn_jax Qwen2 port;"
-                        f" allowed: {allowed}"
-                    )
+            if value is None:  # null: the field's default, which is the supported state
+                continue
+            try:
+                passed = ok(value)
+            except (TypeError, ValueError):
+                passed = False
+            if not passed:
+                raise ValueError(
+                    f"{source}: {name}={value!r} is not supported by the aqn_jax Qwen2 port;"
+                    f" allowed: {allowed}"
+                )
         elif name in _HARMLESS_FIELDS:
             ignored.append(name)
         elif name not in _USED_FIELDS:
