@@ -47,7 +47,8 @@ Method:
     max(bytes / bandwidth, FLOPs / peak) with bytes = 4 * all params (embedding/lm_head tied,
     counted once) + the K and V of c tokens of every layer and row, FLOPs = 2 * params * B +
     4 * B * layers * heads * head_dim * c (scores and probs @ V). Prefill: max(weights bytes /
-    bandwidth, FLOPs / peak), FLOPs = 2 * params * B * P + causal attention. The whole call:
+    bandwidth, FLOPs / peak), FLOPs = 2 * params * B * P (the lm_head for the last position
+    only: generation needs no other logits) + causal attention. The whole call:
     prefill + N - 1 decode steps (the prefill's logits give the first token; a program that
     ran N decode steps does one whose logits are never used). % of floor = floor / time * 100.
   * The 1-min load average before the run is printed (and recorded), WARNING above 0.5.
@@ -152,9 +153,12 @@ def floor_seconds(
     """Lower bound on one generate call (see the module docstring); bw in B/s, peak FLOP/s."""
     N, H, L = cfg.num_attention_heads, cfg.resolved_head_dim, cfg.num_hidden_layers
     weight_bytes = 4 * n_params
-    # Prefill: causal attention, query i attends over i + 1 keys.
+    # Prefill: every projection for every prompt token, the lm_head (tied table, V x D) for
+    # the last position only (generation needs no other logits), causal attention (query i
+    # attends over i + 1 keys).
+    lm_head = cfg.vocab_size * cfg.hidden_size
     prefill_attn = 4 * batch * L * N * H * (prompt * (prompt + 1) // 2)
-    prefill_flops = 2 * n_params * batch * prompt + prefill_attn
+    prefill_flops = 2 * (n_params - lm_head) * batch * prompt + 2 * lm_head * batch + prefill_attn
     total = max(weight_bytes / bw, prefill_flops / peak)
     for t in range(1, new):  # decode steps feeding tokens 1 .. new-1 (token 0 from the prefill)
         c = prompt + t + 1  # tokens in the cache, this one included
@@ -325,8 +329,8 @@ def record_results(results, prompt, new, load, bw, peak):
         " call (prefill included); ours = jitted Sampler, torch = transformers generate (KV"
         " cache, sdpa). Floor = prefill + (new-1) decode steps, each max(weights+KV bytes /"
         f" read bandwidth, FLOPs / f32 peak) with bandwidth {bw / 1e9:.1f} GB/s and peak"
-        f" {peak / 1e9:.1f} GFLOP/s measured in the same process (meaningless for tiny, whose"
-        " calls are overhead-bound). Same tokens: fraction of identical tokens of the two"
+        f" {peak / 1e9:.1f} GFLOP/s measured in the same process (loose for tiny: its small"
+        " matmuls cannot run at the 2048² peak). Same tokens: fraction of identical tokens of the two"
         f" frameworks over all B x {new} positions. Load average before the run: {load}."
     )
     return record("bench/generate.py", intro, table)
