@@ -51,6 +51,8 @@ Method:
     only: generation needs no other logits) + causal attention. The whole call:
     prefill + N - 1 decode steps (the prefill's logits give the first token; a program that
     ran N decode steps does one whose logits are never used). % of floor = floor / time * 100.
+    (The first record, 2026-11-22, counted the prefill's lm_head for every prompt position,
+    a floor ~7% higher for 0.5B b8 and ~10% for b32.)
   * The 1-min load average before the run is printed (and recorded), WARNING above 0.5.
 
 Prints informational lines as it goes (load, bandwidth and peak, compile time, token
@@ -330,8 +332,8 @@ def record_results(results, prompt, new, load, bw, peak):
         " cache, sdpa). Floor = prefill + (new-1) decode steps, each max(weights+KV bytes /"
         f" read bandwidth, FLOPs / f32 peak) with bandwidth {bw / 1e9:.1f} GB/s and peak"
         f" {peak / 1e9:.1f} GFLOP/s measured in the same process (loose for tiny: its small"
-        " matmuls cannot run at the 2048² peak). Same tokens: fraction of identical tokens of the two"
-        f" frameworks over all B x {new} positions. Load average before the run: {load}."
+        " matmuls cannot run at the 2048² peak). Same tokens: fraction of identical tokens of"
+        f" the two frameworks over all B x {new} positions. Load average before the run: {load}."
     )
     return record("bench/generate.py", intro, table)
 

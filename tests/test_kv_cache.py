@@ -87,3 +87,13 @@ def test_remat_gives_same_logits_and_grads():
         params, dataclasses.replace(CONFIG, remat=True)
     )
     assert "checkpoint" in str(jaxpr) or "remat" in str(jaxpr)
+
+
+def test_last_only_equals_last_position_of_full_logits():
+    params = random_params(CONFIG, seed=3)
+    ids, mask, _ = left_padded_batch(np.random.RandomState(4), CONFIG.vocab_size, (6, 9), 9)
+    model = Qwen2ForCausalLM(CONFIG)
+    full = np.asarray(model.apply({"params": params}, ids, attention_mask=mask))
+    last = np.asarray(model.apply({"params": params}, ids, attention_mask=mask, last_only=True))
+    assert last.shape == (2, 1, CONFIG.vocab_size)
+    np.testing.assert_allclose(last[:, 0], full[:, -1], atol=1e-5)

@@ -475,6 +475,7 @@ class Qwen2ForCausalLM(nn.Module):
         attention_mask: jax.Array | None = None,
         positions: jax.Array | None = None,
         cache: KVCache | None = None,
+        last_only: bool = False,
     ):
         """Logits `[B, T, V]` in float32, or `(logits, cache)` when a cache is given.
 
@@ -485,6 +486,8 @@ class Qwen2ForCausalLM(nn.Module):
           defaults to `arange(T)` instead, so parity tests pass positions to HF explicitly.
         cache: a `KVCache` from `init_cache`; this call's tokens are written at slots
           `[cache.end, cache.end + T)` and the updated cache is returned.
+        last_only: logits of the last position only (`[B, 1, V]`): a prefill needs nothing
+          else, and the lm_head over every prompt position is the largest matmul of a prefill.
         """
         cfg = self.config
         dt, pdt = _dtype(cfg.dtype), _dtype(cfg.param_dtype)
@@ -528,6 +531,8 @@ class Qwen2ForCausalLM(nn.Module):
                 new_k.append(kv[0])
                 new_v.append(kv[1])
         x_BTD = RMSNorm(cfg.rms_norm_eps, dtype=dt, param_dtype=pdt, name="norm")(x_BTD)
+        if last_only:
+            x_BTD = x_BTD[:, -1:]
 
         head = LMHead(
             cfg.vocab_size, cfg.tie_word_embeddings, dtype=dt, param_dtype=pdt, name="lm_head"

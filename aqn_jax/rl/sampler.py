@@ -182,7 +182,12 @@ class Sampler:
     def _forward(self, weights, ids, mask, cache, fault_key, values):
         with self.plan.apply(self.phase, key=fault_key, values=values):
             (logits, cache), state = self.model.apply(
-                {"params": weights}, ids, attention_mask=mask, cache=cache, mutable=["fault_stats"]
+                {"params": weights},
+                ids,
+                attention_mask=mask,
+                cache=cache,
+                last_only=True,  # only the next token's logits are needed
+                mutable=["fault_stats"],
             )
         return logits, cache, state.get("fault_stats", {})
 
