@@ -7,6 +7,7 @@ import datetime
 import os
 import shlex
 import sys
+import time
 from pathlib import Path
 
 import jax
@@ -74,3 +75,13 @@ def record(script: str, intro: str, table: list[str]) -> Path:
     with open(path, "a") as f:
         f.write("\n".join(lines) + "\n")
     return path
+
+
+def time_calls(fn, n: int) -> list[float]:
+    """Wall time of each of n calls of fn (fn must block until its result is ready)."""
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return times

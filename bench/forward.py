@@ -65,19 +65,17 @@ import tempfile
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import torch
 import transformers
-from common import check_load, cpu_description, random_params, record
+from common import check_load, random_params, record, time_calls
+from torch_ref import MATMUL_N, MATMUL_TRIES, matmul_peaks, setup_torch
 
 from aqn_jax.models.hf import save_hf_checkpoint
 from aqn_jax.models.qwen2 import PRESETS, Qwen2Config, Qwen2ForCausalLM
 
 DEFAULT_REPEATS = {"tiny": 5, "qwen2p5_0p5b": 3}
 BLOCKS = 3  # timed blocks per framework
-MATMUL_N = 2048
-MATMUL_TRIES = 7
 # Max |logit| difference allowed between the frameworks (N(0, 0.02) weights, f32).
 LOGIT_TOL = 1e-3
 
@@ -96,37 +94,6 @@ def forward_flops(cfg: Qwen2Config, batch: int, seq: int) -> float:
     proj_macs = D * N * H + 2 * D * K * H + N * H * D + 3 * D * F  # q, k, v, o, gate, up, down
     projections = cfg.num_hidden_layers * 2 * proj_macs * tokens
     return projections + attention_flops(cfg, batch, seq) + 2 * D * V * tokens
-
-
-def time_calls(fn, repeats: int) -> list[float]:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return times
-
-
-def matmul_peaks(n: int = MATMUL_N, tries: int = MATMUL_TRIES) -> tuple[float, float]:
-    """Best-of-`tries` f32 n x n matmul GFLOP/s for XLA (jitted jnp.dot) and torch.mm.
-
-    The two frameworks' tries alternate, so that a slow spell of a shared host hits both.
-    """
-    flops = 2.0 * n**3
-    rng = np.random.default_rng(0)
-    a = rng.standard_normal((n, n), dtype=np.float32)
-    b = rng.standard_normal((n, n), dtype=np.float32)
-    dot = jax.jit(jnp.dot)
-    ja, jb = jax.device_put(a), jax.device_put(b)
-    ta, tb = torch.from_numpy(a), torch.from_numpy(b)
-    xla_times, torch_times = [], []
-    with torch.inference_mode():
-        dot(ja, jb).block_until_ready()
-        torch.mm(ta, tb)
-        for _ in range(tries):
-            xla_times += time_calls(lambda: dot(ja, jb).block_until_ready(), 1)
-            torch_times += time_calls(lambda: torch.mm(ta, tb), 1)
-    return flops / min(xla_times) / 1e9, flops / min(torch_times) / 1e9
 
 
 def make_ours(cfg: Qwen2Config, params_np: dict, ids: np.ndarray, mask: np.ndarray):
@@ -266,13 +233,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.repeats is not None and args.repeats < 1:
         parser.error("--repeats must be >= 1")
 
-    torch.set_num_threads(os.cpu_count())
-    transformers.utils.logging.disable_progress_bar()
-    print(
-        f"machine: {cpu_description()}; jax {jax.__version__} ({jax.default_backend()}),"
-        f" torch {torch.__version__} ({torch.get_num_threads()} threads),"
-        f" transformers {transformers.__version__}"
-    )
+    setup_torch()
 
     # Other processes on the machine distort every number here (torch's OpenMP threads suffer
     # most); the load average before the run shows whether the machine was quiet.

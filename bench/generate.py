@@ -83,7 +83,8 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 import transformers
-from common import check_load, cpu_description, random_params, record
+from common import check_load, random_params, record, time_calls
+from torch_ref import matmul_peaks, setup_torch
 
 from aqn_jax.models.hf import save_hf_checkpoint
 from aqn_jax.models.qwen2 import PRESETS, Qwen2Config, Qwen2ForCausalLM
@@ -97,8 +98,6 @@ PAD_ID = 0
 FIRST_STEPS = 4  # rows agreeing on their first tokens are reported for this many steps
 BW_BYTES = 2**30
 BW_TRIES = 5
-MATMUL_N = 2048
-MATMUL_TRIES = 7
 
 
 # --- machine floor ------------------------------------------------------------------------------
@@ -129,21 +128,6 @@ def _time_sum_xla(a: np.ndarray) -> float:
     return best_time(lambda: total(ja).block_until_ready(), BW_TRIES)
 
 
-def matmul_peaks(n: int = MATMUL_N, tries: int = MATMUL_TRIES) -> tuple[float, float]:
-    """Best-of-`tries` f32 n x n matmul GFLOP/s: (jitted jnp.dot, torch.mm)."""
-    rng = np.random.default_rng(0)
-    a = rng.standard_normal((n, n), dtype=np.float32)
-    b = rng.standard_normal((n, n), dtype=np.float32)
-    dot = jax.jit(jnp.dot)
-    ja, jb = jax.device_put(a), jax.device_put(b)
-    ta, tb = torch.from_numpy(a), torch.from_numpy(b)
-    t_xla = best_time(lambda: dot(ja, jb).block_until_ready(), tries)
-    with torch.inference_mode():
-        t_torch = best_time(lambda: torch.mm(ta, tb), tries)
-    flops = 2.0 * n**3
-    return flops / t_xla / 1e9, flops / t_torch / 1e9
-
-
 def kv_bytes_per_token(cfg: Qwen2Config) -> int:
     """f32 K and V of one token, all layers."""
     return cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.resolved_head_dim * 4
@@ -171,15 +155,6 @@ def floor_seconds(
 
 
 # --- one preset ---------------------------------------------------------------------------------
-def time_calls(fn, n: int) -> list[float]:
-    times = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return times
-
-
 def bench_batch(cfg, model, weights, hf, name, batch, prompt, new, repeats) -> dict:
     """Time ours and torch on one batch size; the models are built by the caller."""
     V = cfg.vocab_size
@@ -363,13 +338,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.prompt_len < 1 or args.new_tokens < 1:
         parser.error("--prompt-len and --new-tokens must be >= 1")
 
-    torch.set_num_threads(os.cpu_count())
-    transformers.utils.logging.disable_progress_bar()
-    print(
-        f"machine: {cpu_description()}; jax {jax.__version__} ({jax.default_backend()}),"
-        f" torch {torch.__version__} ({torch.get_num_threads()} threads),"
-        f" transformers {transformers.__version__}"
-    )
+    setup_torch()
     load = check_load()
     bw_xla, bw_torch = read_bandwidth()
     peak_xla, peak_torch = matmul_peaks()
