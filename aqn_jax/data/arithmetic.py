@@ -349,6 +349,23 @@ class ArithmeticTask:
         size = _check_int("size", size, 0, None)
         return [self.example(i, split) for i in range(size)]
 
+    def examples(self, split: str, size: int) -> list[Any]:
+        """Problems 0..size-1 of `split` as `aqn_jax.data.gsm8k.Example`s, exactly what
+        `load_verl_parquet` returns for the file `write_parquet(path, split, size)` writes."""
+        from aqn_jax.data.gsm8k import Example
+
+        return [
+            Example(
+                question=ex["question"],
+                prompt_messages=[{"role": "user", "content": ex["question"] + INSTRUCTION_SUFFIX}],
+                ground_truth=ex["ground_truth"],
+                index=i,
+                answer=ex["answer"],
+                data_source=DATA_SOURCE,
+            )
+            for i, ex in enumerate(self.dataset(split, size))
+        ]
+
     def to_verl_rows(self, split: str, size: int) -> list[dict[str, Any]]:
         """Rows in verl's RL parquet schema (as verl's examples/data_preprocess/gsm8k.py writes).
 

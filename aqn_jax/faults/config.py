@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import ast
 import dataclasses
-from collections.abc import Mapping
+import json
+import os
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import ml_collections
@@ -89,7 +91,14 @@ def aqn_config() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.enabled = False
     c.form = "activation"  # activation: y + sigma*randn*|y| at sites | norm_weight: QeRL
-    c.layers = "all"  # 'all' (global) | 'healthy' | 'srdd' | ids (targeted), e.g. '(15,)'
+    # 'all' (global) | 'healthy' (all but the deadzone's layers) | ids (targeted), e.g. '(15,)'
+    # | 'located' (the layers the SRDD diagnosis locates) | 'srdd' (every layer, at the sigma
+    # of the SRDD map: layer_sigmas, or the diagnosis run first)
+    c.layers = "all"
+    # {layer: sigma} for layers='srdd', e.g. '{3: 0.075, 4: 0.05}', or the path of an
+    # srdd.json (its sigma map); '' = the diagnosis of this run. The schedule scales every
+    # layer's sigma by sigma(t) / sigma_start.
+    c.layer_sigmas = ""
     c.sites = ("layer",)  # activation form: module kinds (norm_weight always uses rmsnorm)
     c.sigma_start = 0.05  # QeRL default
     c.sigma_end = 0.0005
@@ -153,12 +162,69 @@ def _kinds(value, field):
     return expand_kinds((value,) if isinstance(value, str) else tuple(value), field)
 
 
+def parse_layer_sigmas(value: Any, num_layers: int) -> dict[int, float] | None:
+    """`config.aqn.layer_sigmas`: '' -> None; a dict literal or the path of an srdd.json ->
+    {layer: sigma} checked against the model."""
+    field = "config.aqn.layer_sigmas"
+    if value is None or (isinstance(value, str) and not value.strip()):
+        return None
+    if isinstance(value, str) and not value.strip().startswith("{"):
+        path = os.path.expanduser(value.strip())
+        if not os.path.isfile(path):
+            raise ValueError(
+                f"{field}={value!r}: neither a {{layer: sigma}} literal nor an existing srdd.json"
+            )
+        with open(path) as f:
+            report = json.load(f)
+        try:
+            value = report["sigma_map"]["sigmas"]
+        except (KeyError, TypeError):
+            raise ValueError(f"{field}={value!r}: that file has no sigma_map.sigmas") from None
+    elif isinstance(value, str):
+        try:
+            value = ast.literal_eval(value.strip())
+        except (ValueError, SyntaxError) as e:
+            raise ValueError(f"{field}={value!r}: not a {{layer: sigma}} literal ({e})") from e
+    if not isinstance(value, Mapping) or not value:
+        raise ValueError(f"{field}={value!r}: expected a non-empty {{layer: sigma}} mapping")
+    out: dict[int, float] = {}
+    for k, v in value.items():
+        try:
+            layer, sigma = int(k), float(v)
+        except (TypeError, ValueError):
+            raise ValueError(f"{field}: entry {k!r}: {v!r} is not layer: sigma") from None
+        if not 0 <= layer < num_layers:
+            raise ValueError(
+                f"{field}: layer {layer} but the model has {num_layers} layers"
+                f" (ids 0..{num_layers - 1})"
+            )
+        if not sigma >= 0:
+            raise ValueError(f"{field}: layer {layer} sigma={sigma}; must be >= 0")
+        out[layer] = sigma
+    return out
+
+
+def needs_srdd(config: Any) -> bool:
+    """Whether `build_plan` needs a diagnosis first (aqn.layers 'located', or 'srdd' without a
+    given layer_sigmas)."""
+    aqn = config.aqn
+    if not aqn.enabled or not isinstance(aqn.layers, str):
+        return False
+    layers = aqn.layers.strip()
+    return layers == "located" or (layers == "srdd" and not str(aqn.layer_sigmas).strip())
+
+
 def build_plan(
-    config: Any, num_layers: int, srdd_sigmas: Mapping[int, float] | None = None
+    config: Any,
+    num_layers: int,
+    srdd_sigmas: Mapping[int, float] | None = None,
+    srdd_layers: Sequence[int] | None = None,
 ) -> FaultPlan:
     """The FaultPlan of `config.faults` and `config.aqn` for a model of `num_layers` layers.
 
-    srdd_sigmas: {layer: sigma} from the SRDD diagnosis, required by aqn.layers='srdd'.
+    srdd_sigmas: {layer: sigma} from the SRDD diagnosis, used by aqn.layers='srdd' when
+      config.aqn.layer_sigmas is empty.
+    srdd_layers: the layers the diagnosis located, required by aqn.layers='located'.
     """
     injections: list[Injection] = []
     faults = config.faults
@@ -265,7 +331,7 @@ def build_plan(
     aqn = config.aqn
     aqn_injection = None
     if aqn.enabled:
-        aqn_injection = _aqn_injection(aqn, num_layers, fault_layers, srdd_sigmas)
+        aqn_injection = _aqn_injection(aqn, num_layers, fault_layers, srdd_sigmas, srdd_layers)
     # Composition at a shared site follows list order.
     order = _choice(aqn.order, "config.aqn.order", AQN_ORDERS)
     if aqn_injection is None:
@@ -287,7 +353,7 @@ def build_plan(
     return plan
 
 
-def _aqn_injection(aqn, num_layers, fault_layers, srdd_sigmas) -> Injection:
+def _aqn_injection(aqn, num_layers, fault_layers, srdd_sigmas, srdd_layers) -> Injection:
     form = _choice(aqn.form, "config.aqn.form", AQN_FORMS)
     _choice(aqn.schedule, "config.aqn.schedule", SCHEDULES)
     for name in ("sigma_start", "sigma_end"):
@@ -299,7 +365,15 @@ def _aqn_injection(aqn, num_layers, fault_layers, srdd_sigmas) -> Injection:
             f" sigma_end={aqn.sigma_end} must be > 0"
         )
     phases = _phases(aqn.phases, "config.aqn.phases")
-    layers = parse_layers(aqn.layers, "config.aqn.layers", num_layers, ("all", "healthy", "srdd"))
+    layers = parse_layers(
+        aqn.layers, "config.aqn.layers", num_layers, ("all", "healthy", "srdd", "located")
+    )
+    given = parse_layer_sigmas(aqn.layer_sigmas, num_layers)
+    if given is not None and layers != "srdd":
+        raise ValueError(
+            f"config.aqn.layer_sigmas is set but config.aqn.layers={aqn.layers!r}; the sigma map"
+            " applies with layers='srdd'"
+        )
     layer_scales = None
     if layers == "healthy":
         if not fault_layers:
@@ -308,7 +382,20 @@ def _aqn_injection(aqn, num_layers, fault_layers, srdd_sigmas) -> Injection:
                 " config.faults.deadzone with explicit layers"
             )
         layers = tuple(i for i in range(num_layers) if i not in fault_layers)
+    elif layers == "located":
+        if srdd_layers is None:
+            raise ValueError(
+                "config.aqn.layers='located' targets the layers the SRDD diagnosis locates: run"
+                " the diagnosis first and pass its verdict (srdd_layers)"
+            )
+        if not srdd_layers:
+            raise ValueError(
+                "config.aqn.layers='located': the SRDD diagnosis found no faulty layer, so the"
+                " targeted arm has nothing to target (check config.faults, or use layers='all')"
+            )
+        layers = tuple(sorted(int(i) for i in srdd_layers))
     elif layers == "srdd":
+        srdd_sigmas = given if given is not None else srdd_sigmas
         if not srdd_sigmas:
             raise ValueError(
                 "config.aqn.layers='srdd' targets the layers the SRDD diagnosis finds: run the"

@@ -51,6 +51,25 @@ _PHASE_IDS = {p: i for i, p in enumerate(PHASES)}
 STATS_COLLECTION = "fault_stats"
 
 
+_TRIALS: list[Any] = []  # the stack of `fault_trial` contexts (trace-time state)
+
+
+@contextlib.contextmanager
+def fault_trial(trial) -> Iterator[None]:
+    """Re-run the device: inside this context every random fault draws fresh noise.
+
+    Each site key additionally folds in `trial` (a Python int or a traced int32), so running
+    the same input under trials 0, 1, 2 gives three independent draws of a noisy device (SRDD's
+    instability scan) while a deterministic fault (deadzone, quantisation) gives identical
+    outputs. Outside any trial context keys are unchanged.
+    """
+    _TRIALS.append(trial)
+    try:
+        yield
+    finally:
+        _TRIALS.pop()
+
+
 def step_key(seed: int, step, phase: str) -> jax.Array:
     """The base key of one (seed, step, phase): what a resumed run recomputes from scratch."""
     if phase not in _PHASE_IDS:
@@ -381,7 +400,10 @@ class _Run:
                 f"a random fault transform at {site} needs a key: plan.apply(phase, key=...)"
             )
         path_hash = zlib.crc32(str(site).encode()) & 0x7FFFFFFF
-        return jax.random.fold_in(jax.random.fold_in(self.key, path_hash), index)
+        key = jax.random.fold_in(jax.random.fold_in(self.key, path_hash), index)
+        if _TRIALS:
+            key = jax.random.fold_in(key, _TRIALS[-1])
+        return key
 
     def intercept(self, next_fun, args, kwargs, context):
         module = context.module

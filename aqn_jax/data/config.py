@@ -1,0 +1,68 @@
+"""`config.data`: where prompts come from, validated before anything compiles.
+
+  --config.data.train_path=/data/gsm8k/train.parquet --config.data.test_path=.../test.parquet
+
+Empty paths select the embedded arithmetic task (`config.data.task.*` sets its difficulty), so
+the default runs with no download. A path is verl parquet or raw GSM8K jsonl
+(`aqn_jax.data.gsm8k.load_examples`).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import ml_collections
+
+from .arithmetic import ArithmeticTask
+from .gsm8k import Example, load_examples
+
+SPLIT_FIELDS = {"train": "train_path", "test": "test_path"}
+
+
+def data_config() -> ml_collections.ConfigDict:
+    c = ml_collections.ConfigDict()
+    c.train_path = ""  # verl parquet / GSM8K jsonl; '' = the embedded arithmetic task
+    c.test_path = ""
+    c.train_size = 4096  # embedded task: problems generated for the train split
+    c.test_size = 256  # embedded task: problems in the test split (validation)
+    c.task = ml_collections.ConfigDict()
+    c.task.digits = 2  # embedded task difficulty (aqn_jax/data/arithmetic.py)
+    c.task.steps = 2
+    c.task.seed = 0
+    return c
+
+
+def check_data(data: Any) -> None:
+    """Raise naming the field: a missing file, or a half-configured real dataset."""
+    for field in SPLIT_FIELDS.values():
+        path = data[field]
+        if path and not os.path.isfile(os.path.expanduser(path)):
+            raise ValueError(
+                f"config.data.{field}={path!r}: no such file (verl .parquet or GSM8K .jsonl)"
+            )
+    if bool(data.train_path) != bool(data.test_path):
+        raise ValueError(
+            f"config.data.train_path={data.train_path!r}, test_path={data.test_path!r}: give both"
+            " (a real dataset) or neither (the embedded arithmetic task)"
+        )
+    if not data.train_path:
+        for field in ("train_size", "test_size"):
+            if data[field] < 1:
+                raise ValueError(f"config.data.{field}={data[field]}; must be >= 1")
+        try:
+            ArithmeticTask(int(data.task.digits), int(data.task.steps), int(data.task.seed))
+        except ValueError as e:
+            raise ValueError(f"config.data.task: {e}") from e
+
+
+def load_split(data: Any, split: str) -> list[Example]:
+    """The examples of `split` ('train' | 'test')."""
+    if split not in SPLIT_FIELDS:
+        raise ValueError(f"split={split!r}; allowed: {list(SPLIT_FIELDS)}")
+    check_data(data)
+    path = data[SPLIT_FIELDS[split]]
+    if path:
+        return load_examples(os.path.expanduser(path))
+    task = ArithmeticTask(int(data.task.digits), int(data.task.steps), int(data.task.seed))
+    return task.examples(split, int(data[f"{split}_size"]))

@@ -1,0 +1,83 @@
+"""AdamW with global-norm clipping and a warmup/constant/cosine learning-rate schedule.
+
+One builder for the SFT warm start and the RL actor and critic, so every optimizer in the
+project is configured the same way and validated with the field's name.
+"""
+
+from __future__ import annotations
+
+import optax
+
+LR_SCHEDULES = ("constant", "warmup_constant", "cosine")
+
+
+def lr_schedule(
+    lr: float,
+    total_steps: int,
+    *,
+    warmup_steps: int = 0,
+    schedule: str = "constant",
+    min_lr_ratio: float = 0.0,
+    field: str = "optim",
+) -> optax.Schedule:
+    """Linear warmup over `warmup_steps` (from 0), then constant or cosine down to
+    `min_lr_ratio * lr` at `total_steps`. 'constant' ignores the warmup; 'warmup_constant' is
+    verl's default actor schedule (lr_warmup_steps then constant)."""
+    if schedule not in LR_SCHEDULES:
+        raise ValueError(f"{field}.schedule={schedule!r}; allowed: {LR_SCHEDULES}")
+    if lr < 0:
+        raise ValueError(f"{field}.lr={lr}; must be >= 0")
+    if warmup_steps < 0:
+        raise ValueError(f"{field}.warmup_steps={warmup_steps}; must be >= 0")
+    if not 0.0 <= min_lr_ratio <= 1.0:
+        raise ValueError(f"{field}.min_lr_ratio={min_lr_ratio}; must be in [0, 1]")
+    if schedule == "constant":
+        return optax.constant_schedule(lr)
+    warmup = max(int(warmup_steps), 0)
+    if schedule == "warmup_constant":
+        if warmup == 0:
+            return optax.constant_schedule(lr)
+        return optax.join_schedules(
+            [optax.linear_schedule(0.0, lr, warmup), optax.constant_schedule(lr)], [warmup]
+        )
+    decay = max(int(total_steps) - warmup, 1)
+    return (
+        optax.warmup_cosine_decay_schedule(
+            0.0, lr, warmup, warmup + decay, end_value=lr * min_lr_ratio
+        )
+        if warmup > 0
+        else optax.cosine_decay_schedule(lr, decay, alpha=min_lr_ratio)
+    )
+
+
+def adamw(
+    lr: float,
+    total_steps: int,
+    *,
+    warmup_steps: int = 0,
+    schedule: str = "constant",
+    weight_decay: float = 0.01,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    grad_clip: float = 1.0,
+    min_lr_ratio: float = 0.0,
+    field: str = "optim",
+) -> optax.GradientTransformation:
+    """optax AdamW (decoupled weight decay, torch defaults) after global-norm clipping
+    (`grad_clip` <= 0 disables it), as verl's FSDP actor (clip 1.0, wd 0.01)."""
+    if weight_decay < 0:
+        raise ValueError(f"{field}.weight_decay={weight_decay}; must be >= 0")
+    sched = lr_schedule(
+        lr,
+        total_steps,
+        warmup_steps=warmup_steps,
+        schedule=schedule,
+        min_lr_ratio=min_lr_ratio,
+        field=field,
+    )
+    parts = []
+    if grad_clip and grad_clip > 0:
+        parts.append(optax.clip_by_global_norm(grad_clip))
+    parts.append(optax.adamw(sched, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay))
+    return optax.chain(*parts)

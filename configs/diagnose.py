@@ -1,0 +1,47 @@
+"""SRDD diagnosis of the embedded model on a simulated faulty device.
+
+Purpose: localise a hardware fault to its decoder layer from per-layer scans (instability,
+gain, kurtosis, min/max DC gain, dead fraction), and derive the per-layer AQN sigma map of
+seed 001 for SRDD-guided training.
+
+  python -m aqn_jax.launch --config=configs/diagnose.py
+  python -m aqn_jax.launch --config=configs/diagnose.py --config.faults.deadzone.layers=6 \
+      --config.faults.deadzone.threshold=0.1
+  python -m aqn_jax.launch --config=configs/diagnose.py --config.faults.deadzone.enabled=False \
+      --config.faults.noise.enabled=True --config.faults.noise.layers=2
+
+Expected: the per-layer table and `verdict: fault at layer(s) [4]` (the configured layer) with
+confidence ~1.0, `runs/diagnose/srdd.json` and `srdd.png`, the config.aqn override flags of the
+guided and targeted arms; about 10 s on 2 CPU cores. With no fault: "no fault found".
+"""
+
+import ml_collections
+
+from aqn_jax.data.config import data_config
+from aqn_jax.diagnosis.srdd import diagnosis_config
+from aqn_jax.faults.config import aqn_config, faults_config
+
+
+def get_config() -> ml_collections.ConfigDict:
+    config = ml_collections.ConfigDict()
+    config.job = "diagnose"
+    config.seed = 0  # PRNG seed of the random init (presets only)
+
+    config.model = ml_collections.ConfigDict()
+    config.model.preset = "tiny"  # or a local HF snapshot in hf_path
+    config.model.hf_path = ""
+    config.model.param_dtype = "float32"
+    config.model.dtype = "float32"
+    config.model.remat = False
+    config.tokenizer_path = ""  # '' = the embedded character tokenizer (or hf_path's)
+
+    config.data = data_config()  # calibration prompts come from the train split
+    config.diagnosis = diagnosis_config()
+
+    # The simulated device: an MXFP4-style deadzone on the residual stream of a middle layer.
+    config.faults = faults_config()
+    config.faults.deadzone.enabled = True
+    config.faults.deadzone.layers = "4"
+    config.faults.deadzone.threshold = 0.01
+    config.aqn = aqn_config()  # only sigma_start (the sigma map's base) is read here
+    return config
