@@ -102,3 +102,41 @@ def random_params(config, seed: int = 0):
             value = rng.randn(*leaf.shape) / np.sqrt(leaf.shape[0])
         out.append(value.astype(leaf.dtype))
     return jax.tree_util.tree_unflatten(treedef, out)
+
+
+@pytest.fixture(scope="session")
+def sft_tiny():
+    """The embedded tiny model after a short SFT on the arithmetic task (shared by the tests
+    that need a trained-like model): (Qwen2Config, params, CharTokenizer, ArithmeticTask)."""
+    from aqn_jax.data.arithmetic import ArithmeticTask
+    from aqn_jax.data.tokenizers import CharTokenizer
+    from aqn_jax.models.factory import init_params
+    from aqn_jax.models.qwen2 import Qwen2Config, Qwen2ForCausalLM
+    from aqn_jax.rl.sft import sft_sequences, sft_train
+
+    tok, task = CharTokenizer(), ArithmeticTask()
+    cfg = Qwen2Config.preset("tiny")
+    data = sft_sequences(task.examples("train", 256), tok)
+    params, hist = sft_train(
+        Qwen2ForCausalLM(cfg),
+        init_params(cfg, 0),
+        data,
+        steps=30,
+        batch_size=16,
+        lr=3e-3,
+        warmup_steps=5,
+    )
+    assert hist["loss"][-1] < 0.6 * hist["loss"][0], hist["loss"]
+    return cfg, params, tok, task
+
+
+def load_config(name: str, arg: str | None = None):
+    """`configs/<name>.py`'s get_config([arg]), as `--config=configs/<name>.py[:arg]` loads it."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parent.parent / "configs" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"_config_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config() if arg is None else module.get_config(arg)

@@ -203,7 +203,7 @@ def guided_sigmas(
             sigma *= 0.5
             why.append("instability x0.5")
         sigma = min(max(sigma, lo), hi)
-        sigmas[i] = float(sigma)
+        sigmas[i] = round(float(sigma), 12)  # 0.05 * 1.5 prints as 0.075
         rules[i] = why
     return {
         "sigmas": sigmas,

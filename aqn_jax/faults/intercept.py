@@ -108,7 +108,7 @@ class Scale:
                     f"the fault plan needs the traced value {self.value!r}; pass"
                     f" values={{{self.value!r}: ...}} to plan.apply (got {sorted(values)})"
                 )
-            scale = scale * jnp.asarray(values[self.value], jnp.float32)
+            scale = scale * traced_value(values, self.value, site)
         return scale
 
     def describe(self) -> str:
@@ -118,6 +118,25 @@ class Scale:
         if self.layer_scales:
             parts.append(f"layer_scales={dict(sorted(self.layer_scales.items()))}")
         return "*".join(parts)
+
+
+def traced_value(values: Mapping[str, Any], name: str, site: Site) -> jax.Array:
+    """values[name] at a site: a scalar, or a vector over decoder layers indexed by the site's
+    layer (one compiled program then serves any per-layer setting)."""
+    if name not in values:
+        raise ValueError(
+            f"the fault plan needs the traced value {name!r}; pass values={{{name!r}: ...}} to"
+            f" plan.apply (got {sorted(values)})"
+        )
+    v = jnp.asarray(values[name], jnp.float32)
+    if v.ndim == 0:
+        return v
+    if v.ndim != 1 or site.layer is None:
+        raise ValueError(
+            f"traced value {name!r} has shape {v.shape} at {site}: a vector over layers applies"
+            " to per-layer sites only"
+        )
+    return v[site.layer]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -135,6 +154,9 @@ class Deadzone:
     sparsity_seed: int = 0
     grad: str = "mask"
     reuse_threshold: bool = False
+    # A traced value (scalar or per-layer vector, `traced_value`) multiplying `threshold`: with
+    # a 0/1 layer vector one compiled program serves every placement (sweeps, SRDD tests).
+    threshold_value: str | None = None
     level = "value"
 
     def __post_init__(self):
@@ -381,6 +403,8 @@ class FaultPlan:
             scale = getattr(inj.transform, "scale", None)
             if isinstance(scale, Scale) and scale.value:
                 names.add(scale.value)
+            if getattr(inj.transform, "threshold_value", None):
+                names.add(inj.transform.threshold_value)
         return names
 
 
@@ -450,8 +474,11 @@ class _Run:
                 if t.reuse_threshold and thr is not None:
                     this_thr = thr
                 else:
+                    frac = t.threshold
+                    if t.threshold_value is not None:
+                        frac = frac * traced_value(self.values, t.threshold_value, site)
                     this_thr = ops.deadzone_threshold(
-                        x, t.threshold, granularity=t.granularity, block_size=t.block_size
+                        x, frac, granularity=t.granularity, block_size=t.block_size
                     )
                 lanes = t.lane_mask(x.shape[-1])
                 flushed = jnp.abs(x) < this_thr
