@@ -464,9 +464,15 @@ class Qwen2DecoderLayer(nn.Module):
 
 
 class Qwen2ForCausalLM(nn.Module):
-    """The full model. Params: embed_tokens, layers_{i}, norm, lm_head (untied only)."""
+    """The full model. Params: embed_tokens, layers_{i}, norm, lm_head (untied only).
+
+    `head='value'` makes the PPO critic: the same backbone (same param paths, so it is
+    initialised from the policy's backbone and fault sites are the same), with `value_head`
+    (a [D, 1] linear with bias, float32) instead of the LM head; it returns values `[B, T]`.
+    """
 
     config: Qwen2Config
+    head: str = "lm"  # lm | value
 
     @nn.compact
     def __call__(
@@ -533,6 +539,20 @@ class Qwen2ForCausalLM(nn.Module):
         x_BTD = RMSNorm(cfg.rms_norm_eps, dtype=dt, param_dtype=pdt, name="norm")(x_BTD)
         if last_only:
             x_BTD = x_BTD[:, -1:]
+        if self.head == "value":
+            values = Linear(1, True, ("embed", None), jnp.float32, jnp.float32, name="value_head")(
+                x_BTD.astype(jnp.float32)
+            )[..., 0]
+            return (
+                values
+                if cache is None
+                else (
+                    values,
+                    KVCache(k=tuple(new_k), v=tuple(new_v), mask=key_mask_BS, end=start + T),
+                )
+            )
+        if self.head != "lm":
+            raise ValueError(f"head={self.head!r}; allowed: 'lm', 'value'")
 
         head = LMHead(
             cfg.vocab_size, cfg.tie_word_embeddings, dtype=dt, param_dtype=pdt, name="lm_head"

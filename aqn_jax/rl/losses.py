@@ -1,0 +1,134 @@
+"""PPO losses with verl's exact semantics (verl/trainer/ppo/core_algos.py).
+
+All token arrays are [N, T] over response tokens; `mask` is the response mask. Aggregation
+modes (`agg_loss`): token-mean (verl default: mean over every real token of the batch),
+seq-mean-token-mean, seq-mean-token-sum, seq-mean-token-sum-norm (Dr.GRPO: token sums divided
+by a constant, the max response length).
+
+For gradient accumulation the caller passes `denom`: the token (or sequence) count of the
+whole mini-batch, so that the sum over micro-batches equals the mini-batch loss exactly.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+KL_TYPES = ("low_var_kl", "kl", "mse", "abs")
+
+
+def agg_loss(loss_NT, mask_NT, mode: str = "token-mean", denom=None):
+    """Aggregate per-token losses. `denom` (optional) replaces this batch's own count of tokens
+    (token-mean) or sequences (seq-mean-*)."""
+    mask = mask_NT.astype(jnp.float32)
+    if mode == "token-mean":
+        d = jnp.sum(mask) if denom is None else denom
+        return jnp.sum(loss_NT * mask) / jnp.maximum(d, 1.0)
+    if mode == "seq-mean-token-mean":
+        per_seq = jnp.sum(loss_NT * mask, axis=1) / jnp.maximum(jnp.sum(mask, axis=1), 1.0)
+    elif mode == "seq-mean-token-sum":
+        per_seq = jnp.sum(loss_NT * mask, axis=1)
+    elif mode == "seq-mean-token-sum-norm":
+        per_seq = jnp.sum(loss_NT * mask, axis=1) / loss_NT.shape[1]
+    else:
+        raise ValueError(f"loss_agg_mode={mode!r}; allowed: {AGG_MODES}")
+    valid = (jnp.sum(mask, axis=1) > 0).astype(jnp.float32)
+    d = jnp.sum(valid) if denom is None else denom
+    return jnp.sum(per_seq * valid) / jnp.maximum(d, 1.0)
+
+
+def agg_denominator(mask_NT, mode: str):
+    """What `agg_loss` divides by: real tokens (token-mean) or non-empty sequences."""
+    mask = mask_NT.astype(jnp.float32)
+    if mode == "token-mean":
+        return jnp.sum(mask)
+    return jnp.sum((jnp.sum(mask, axis=1) > 0).astype(jnp.float32))
+
+
+def _masked_mean(x, mask):
+    mask = mask.astype(jnp.float32)
+    return jnp.sum(x * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+
+
+def policy_loss(
+    logp_NT,
+    old_logp_NT,
+    advantages_NT,
+    mask_NT,
+    *,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    clip_ratio_c: float = 3.0,
+    agg: str = "token-mean",
+    denom=None,
+):
+    """Clipped surrogate with dual-clip (verl `compute_policy_loss`, 'vanilla'):
+
+        ratio = exp(clamp(logp - old, -20, 20))
+        l1 = -A * ratio;  l2 = -A * clip(ratio, 1 - clip_low, 1 + clip_high)
+        clipped = max(l1, l2)
+        for A < 0 the loss is also capped at -A * clip_ratio_c (dual-clip): min(clipped, -A*c)
+
+    Returns (loss, {pg_clipfrac, pg_clipfrac_lower, ppo_kl}) with the metrics as token means.
+    """
+    if clip_ratio_c <= 1.0:
+        raise ValueError(f"config.algo.clip_ratio_c={clip_ratio_c}; must be > 1 (dual-clip)")
+    neg_kl = jnp.clip(logp_NT - old_logp_NT, -20.0, 20.0)
+    ratio = jnp.exp(neg_kl)
+    ppo_kl = _masked_mean(-neg_kl, mask_NT)
+    l1 = -advantages_NT * ratio
+    l2 = -advantages_NT * jnp.clip(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    clipped = jnp.maximum(l1, l2)
+    clipfrac = _masked_mean((l2 > l1).astype(jnp.float32), mask_NT)
+    l3 = -advantages_NT * clip_ratio_c
+    dual = jnp.minimum(l3, clipped)
+    clipfrac_lower = _masked_mean(
+        ((clipped > l3) & (advantages_NT < 0)).astype(jnp.float32), mask_NT
+    )
+    losses = jnp.where(advantages_NT < 0, dual, clipped)
+    loss = agg_loss(losses, mask_NT, agg, denom)
+    return loss, {"pg_clipfrac": clipfrac, "pg_clipfrac_lower": clipfrac_lower, "ppo_kl": ppo_kl}
+
+
+def kl_penalty(logp_NT, ref_logp_NT, kind: str = "low_var_kl"):
+    """Per-token KL estimate of the policy from the reference (verl `kl_penalty`):
+    kl (k1): logp - ref; abs: |logp - ref|; mse (k2): 0.5 (logp - ref)^2;
+    low_var_kl (k3): exp(ref - logp) - (ref - logp) - 1, with ref - logp clamped to [-20, 20]
+    and the result to [-10, 10]."""
+    if kind == "kl":
+        return logp_NT - ref_logp_NT
+    if kind == "abs":
+        return jnp.abs(logp_NT - ref_logp_NT)
+    if kind == "mse":
+        return 0.5 * jnp.square(logp_NT - ref_logp_NT)
+    if kind == "low_var_kl":
+        kl = jnp.clip(ref_logp_NT - logp_NT, -20.0, 20.0)
+        return jnp.clip(jnp.exp(kl) - kl - 1.0, -10.0, 10.0)
+    raise ValueError(f"config.algo.kl_type={kind!r}; allowed: {KL_TYPES}")
+
+
+def entropy_from_logits(logits_NTV):
+    """Entropy of softmax(logits) per position: logsumexp(z) - sum softmax(z) * z."""
+    z = logits_NTV.astype(jnp.float32)
+    lse = jax.nn.logsumexp(z, axis=-1)
+    return lse - jnp.sum(jax.nn.softmax(z, axis=-1) * z, axis=-1)
+
+
+def value_loss(
+    vpreds_NT,
+    old_values_NT,
+    returns_NT,
+    mask_NT,
+    *,
+    clip: float = 0.5,
+    agg: str = "token-mean",
+    denom=None,
+):
+    """Clipped value loss (verl `compute_value_loss`): 0.5 * agg(max((v - R)^2,
+    (clip(v, old - c, old + c) - R)^2)). Returns (loss, {vf_clipfrac})."""
+    clipped = jnp.clip(vpreds_NT, old_values_NT - clip, old_values_NT + clip)
+    l1 = jnp.square(vpreds_NT - returns_NT)
+    l2 = jnp.square(clipped - returns_NT)
+    loss = 0.5 * agg_loss(jnp.maximum(l1, l2), mask_NT, agg, denom)
+    return loss, {"vf_clipfrac": _masked_mean((l2 > l1).astype(jnp.float32), mask_NT)}
