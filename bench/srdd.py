@@ -46,7 +46,15 @@ Method:
 
 Checks (assertions): every metric agrees between the batched scan and the naive loop within a
 relative tolerance `--rtol` (1e-4: max over layers of |batched - naive| divided by the largest
-|naive| of that metric over the layers), and `dead` is > 0 at the fault layer only, in both.
+|naive| of that metric over the layers), except the dead fraction, compared in absolute terms
+(`--dead-atol`, 1e-4); the dead fraction exceeds the diagnosis' declaration floor
+(`diagnosis_config().dead_floor`, 1e-3) at the fault layer only, in both; the verdict of both
+(`analysis.verdict`, defaults) is the fault layer. Why not "dead > 0 at the fault layer only":
+on healthy layers a single element's DC shift can round to exactly 0 in f32 (the probe's
+shift b + d(attn + mlp) cancels to below half an ulp of the output), so healthy layers show
+dead fractions of one or two elements (~5e-6 at 4 x 64 tokens), and which elements do so
+depends on the compiled program (the batched and naive programs differ by one element at some
+layers). Both are far below the floor and the fault's ~3e-2.
 
 Prints informational lines as it goes, then
 
@@ -71,7 +79,7 @@ import ml_collections
 import numpy as np
 from common import check_load, random_params, record, time_calls
 
-from aqn_jax.diagnosis import analysis
+from aqn_jax.diagnosis import analysis, srdd
 from aqn_jax.diagnosis.scans import (
     METRICS,
     ScanSettings,
@@ -86,6 +94,7 @@ from aqn_jax.models.qwen2 import PRESETS, Qwen2Config, Qwen2ForCausalLM
 
 PHASE = "eval"
 TAGS = {"qwen2p5_0p5b": "0p5b"}
+DEAD_FLOOR = srdd.diagnosis_config().dead_floor  # the dead fraction a declaration needs (1e-3)
 
 
 def make_batch(vocab: int, prompts: int, seq: int) -> tuple[np.ndarray, np.ndarray]:
@@ -108,7 +117,7 @@ def deadzone_plan(num_layers: int, layer: int, threshold: float) -> FaultPlan:
     return build_plan(config, num_layers)
 
 
-# --- batched ---------------------------------------------------------------------------------------
+# --- batched -------------------------------------------------------------------------------------
 def bench_batched(model, plan, settings, params, ids, mask, fault_key, probe_key, repeats):
     scan = make_scan(model, plan, settings, PHASE)
     args = (params, ids, mask, fault_key, probe_key, {})
@@ -133,7 +142,7 @@ def bench_batched(model, plan, settings, params, ids, mask, fault_key, probe_key
     )
 
 
-# --- naive (scan_layers_naive's loop, compile and run timed apart) --------------------------------
+# --- naive (scan_layers_naive's loop, compile and run timed apart) -------------------------------
 def naive_program(model, plan, ids, mask, fault_key, target: int, keep_logits: bool):
     """`scan_layers_naive`'s per-layer program (optionally keeping the logits alive)."""
     values: dict = {}
@@ -214,36 +223,53 @@ def bench_naive(model, plan, settings, params, ids, mask, fault_key, probe_key, 
     )
 
 
-# --- checks ----------------------------------------------------------------------------------------
-def compare(batched: dict, naive: dict, layers, rtol: float) -> dict[str, float]:
-    """Per metric: max over `layers` of |batched - naive| / max |naive| (floored at 1e-12)."""
+# --- checks --------------------------------------------------------------------------------------
+def compare(batched: dict, naive: dict, layers, rtol: float, dead_atol: float) -> dict:
+    """Per metric, the max over `layers` of |batched - naive|: relative to the largest |naive|
+    of the metric (floored at 1e-12) for every metric but `dead`, absolute for `dead` (a
+    fraction of elements, where single elements flip, see the module docstring)."""
     idx = list(layers)
-    errs = {}
+    errs, tols = {}, {}
     for m in METRICS:
         a, b = batched[m][idx], naive[m][idx]
-        errs[m] = float(np.max(np.abs(a - b)) / max(float(np.max(np.abs(b))), 1e-12))
-    worst = max(errs, key=errs.get)
-    print("relative diff batched vs naive: " + ", ".join(f"{m} {e:.2e}" for m, e in errs.items()))
-    assert errs[worst] <= rtol, (
-        f"batched and naive metrics disagree: {worst} differs by {errs[worst]:.2e} (relative to"
-        f" its largest |value|) > rtol {rtol}; batched {batched[worst][idx]},"
-        f" naive {naive[worst][idx]}"
+        diff = float(np.max(np.abs(a - b)))
+        if m == "dead":
+            errs[m], tols[m] = diff, dead_atol
+        else:
+            errs[m], tols[m] = diff / max(float(np.max(np.abs(b))), 1e-12), rtol
+    print(
+        "diff batched vs naive (relative; dead absolute): "
+        + ", ".join(f"{m} {e:.2e}" for m, e in errs.items())
     )
+    for m in METRICS:
+        assert errs[m] <= tols[m], (
+            f"batched and naive metrics disagree: {m} differs by {errs[m]:.2e}"
+            f" ({'absolute' if m == 'dead' else 'relative to its largest |value|'}) >"
+            f" {tols[m]}; batched {batched[m][idx].tolist()}, naive {naive[m][idx].tolist()}"
+        )
     return errs
 
 
-def check_located(name: str, metrics: dict, layers, fault_layer: int) -> None:
+def check_located(name: str, metrics: dict, layers, fault_layer: int, floor: float) -> None:
+    """The dead fraction passes the diagnosis' floor at the fault layer only."""
     idx = list(layers)
     dead = metrics["dead"][idx]
-    hits = [i for i, d in zip(idx, dead, strict=True) if d > 0]
+    hits = [i for i, d in zip(idx, dead, strict=True) if d > floor]
     expected = [fault_layer] if fault_layer in idx else []
     assert hits == expected, (
-        f"{name}: the dead fraction is > 0 at layers {hits}, expected only at the fault layer"
-        f" {fault_layer} (dead = {np.round(dead, 6).tolist()})"
+        f"{name}: the dead fraction is > {floor} at layers {hits}, expected only at the fault"
+        f" layer {fault_layer} (dead = {dead.tolist()})"
+    )
+    specks = [i for i, d in zip(idx, dead, strict=True) if 0 < d <= floor]
+    at_fault = metrics["dead"][fault_layer]
+    print(
+        f"{name}: dead {at_fault:.4f} at layer {fault_layer}, > {floor} nowhere else; layers"
+        f" with 0 < dead <= {floor}: {specks}"
+        f" (max {max([metrics['dead'][i] for i in specks], default=0.0):.1e})"
     )
 
 
-# --- main ------------------------------------------------------------------------------------------
+# --- main ----------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="qwen2p5_0p5b")
@@ -263,7 +289,10 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="naive programs also return sum(logits): every forward runs in full",
     )
-    parser.add_argument("--rtol", type=float, default=1e-4)
+    parser.add_argument("--rtol", type=float, default=1e-4, help="metric agreement")
+    parser.add_argument(
+        "--dead-atol", type=float, default=1e-4, help="agreement of the dead fraction (absolute)"
+    )
     parser.add_argument("--record", action="store_true", help="append a table to WORKSPACE.md")
     args = parser.parse_args(argv)
     if args.preset not in PRESETS:
@@ -321,18 +350,16 @@ def main(argv: list[str] | None = None) -> None:
         args.naive_keep_logits,
     )
 
-    errs = compare(batched["metrics"], naive["metrics"], naive_layers, args.rtol)
-    check_located("batched", batched["metrics"], range(num_layers), fault_layer)
-    check_located("naive", naive["metrics"], naive_layers, fault_layer)
-    print(
-        f"dead at layer {fault_layer}: batched {batched['metrics']['dead'][fault_layer]:.4f}"
-        + (
-            f", naive {naive['metrics']['dead'][fault_layer]:.4f}"
-            if fault_layer in naive_layers
-            else ""
-        )
-    )
+    errs = compare(batched["metrics"], naive["metrics"], naive_layers, args.rtol, args.dead_atol)
+    check_located("batched", batched["metrics"], range(num_layers), fault_layer, DEAD_FLOOR)
+    check_located("naive", naive["metrics"], naive_layers, fault_layer, DEAD_FLOOR)
+    assert v["layers"] == [fault_layer], f"batched verdict {v['message']!r}, fault at {fault_layer}"
+    if not naive["extrapolated"]:
+        vn = analysis.verdict(naive["metrics"])
+        print(f"naive verdict: {vn['message']} (confidence {vn['confidence']:.3f})")
+        assert vn["layers"] == [fault_layer], f"naive verdict {vn['message']!r}"
 
+    rel = max(e for m, e in errs.items() if m != "dead")
     ratio = naive["run_s"] / batched["run_s"]
     wall_ratio = naive["wall_s"] / batched["wall_s"]
     extra = " naive_extrapolated=1" if naive["extrapolated"] else ""
@@ -344,7 +371,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     print(
         f"BENCH srdd_{tag} ratio={ratio:.3f} batched_s={batched['run_s']:.3f}"
-        f" naive_s={naive['run_s']:.3f} max_rel_diff={max(errs.values()):.2e} {common_kv}"
+        f" naive_s={naive['run_s']:.3f} max_rel_diff={rel:.2e}"
+        f" dead_abs_diff={errs['dead']:.1e} {common_kv}"
     )
     print(
         f"BENCH srdd_{tag}_wall ratio={wall_ratio:.3f} batched_wall_s={batched['wall_s']:.2f}"
@@ -385,8 +413,9 @@ def main(argv: list[str] | None = None) -> None:
                 else "; naive programs return only the target layer's input/output, so XLA"
                 " drops the later layers and the lm_head (l + 1 layers run at layer l)"
             )
-            + f". Metrics agree (max relative diff {max(errs.values()):.1e}); dead > 0 only at"
-            f" layer {fault_layer} in both; batched verdict: {v['message']}."
+            + f". Metrics agree (max relative diff {rel:.1e}, dead fraction"
+            f" {errs['dead']:.1e} absolute); dead > {DEAD_FLOOR} only at layer {fault_layer} in"
+            f" both; batched verdict: {v['message']}."
             f" Load average before the run: {load}."
         )
         print(f"recorded in {record('bench/srdd.py', intro, table)}")

@@ -45,6 +45,7 @@ def diagnosis_config() -> ml_collections.ConfigDict:
     c.signal_loss = "gain_or_dead"  # sigma-map signal-loss rule: gain_or_dead | gain (seed)
     c.base_sigma = 0.0  # sigma map base; 0 = config.aqn.sigma_start
     c.seed = 0  # probe noise and fault keys of the diagnosis
+    c.always = False  # train job: diagnose even when the AQN arm does not need it
     return c
 
 

@@ -67,9 +67,9 @@ def load_model(model_cfg: Any, seed: int) -> tuple[Qwen2Config, dict]:
     return config, init_params(config, seed)
 
 
-def logical_axes(config: Qwen2Config) -> dict:
+def logical_axes(config: Qwen2Config, head: str = "lm") -> dict:
     """Param tree of logical axis-name tuples (e.g. ('embed', 'heads')), from eval_shape."""
-    model = Qwen2ForCausalLM(config)
+    model = Qwen2ForCausalLM(config, head=head)
     boxed = jax.eval_shape(lambda: model.init(jax.random.key(0), np.zeros((1, 1), np.int32)))
     return jax.tree_util.tree_map(
         lambda box: tuple(box.names),

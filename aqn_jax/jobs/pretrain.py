@@ -1,0 +1,170 @@
+"""Job `pretrain`: the SFT warm start of the policy, cached and reused.
+
+The embedded default starts RL from the tiny model after a short SFT on the task's worked
+solutions (aqn_jax/rl/sft.py). The result is cached as a local HF snapshot (config.json +
+safetensors, loadable by `transformers` too) under `config.sft.cache_dir` (default: `cache/`
+next to the workdir, so every run under one parent shares it), keyed by a hash of everything
+that determines it (model, tokenizer, data, SFT settings, seed). A later run with the same key
+loads it instead of training; the `train` job calls `warm_start` first.
+
+  python -m aqn_jax.launch --config=configs/base.py --config.job=pretrain
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from typing import Any
+
+import jax
+import ml_collections
+import numpy as np
+
+from aqn_jax.data.config import load_split
+from aqn_jax.data.tokenizers import Tokenizer, load_tokenizer
+from aqn_jax.metrics import progress
+from aqn_jax.models.factory import load_model, model_config
+from aqn_jax.models.hf import load_hf_checkpoint, save_hf_checkpoint
+from aqn_jax.models.qwen2 import Qwen2Config, Qwen2ForCausalLM
+from aqn_jax.rl.sft import sft_sequences, sft_train
+
+SFT_META = "sft.json"
+
+
+def sft_config() -> ml_collections.ConfigDict:
+    c = ml_collections.ConfigDict()
+    c.enabled = True  # SFT warm start before RL (the embedded default); False = use the model
+    c.steps = 300
+    c.batch_size = 32
+    c.lr = 3e-3
+    c.warmup_steps = 10
+    c.schedule = "cosine"
+    c.examples = 2048  # train examples used for SFT (the first N of the train split)
+    c.cache_dir = ""  # '' = <workdir>/../cache
+    return c
+
+
+def check_sft(sft: Any) -> None:
+    for field in ("steps", "batch_size", "examples"):
+        if sft[field] < 1:
+            raise ValueError(f"config.sft.{field}={sft[field]}; must be >= 1")
+    if sft.batch_size > sft.examples:
+        raise ValueError(
+            f"config.sft.batch_size={sft.batch_size} > config.sft.examples={sft.examples}"
+        )
+    if not sft.lr > 0:
+        raise ValueError(f"config.sft.lr={sft.lr}; must be > 0")
+
+
+def tokenizer_for(config) -> Tokenizer:
+    path = config.tokenizer_path or config.model.hf_path
+    tokenizer = load_tokenizer(path or None)
+    vocab = model_config(config.model).vocab_size
+    if tokenizer.vocab_size > vocab:
+        raise ValueError(
+            f"config.tokenizer_path={path!r}: the tokenizer has {tokenizer.vocab_size} ids but the"
+            f" model's vocab_size is {vocab}"
+        )
+    return tokenizer
+
+
+def cache_key(config) -> str:
+    d = config.data
+    parts = {
+        "model": config.model.to_dict(),
+        "tokenizer": config.tokenizer_path,
+        "data": {
+            "train_path": d.train_path,
+            "task": d.task.to_dict(),
+            "train_size": d.train_size,
+        },
+        "sft": {k: v for k, v in config.sft.to_dict().items() if k != "cache_dir"},
+        "seed": config.seed,
+    }
+    blob = json.dumps(parts, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def cache_dir(config, workdir: str) -> str:
+    root = config.sft.cache_dir or os.path.join(os.path.dirname(os.path.abspath(workdir)), "cache")
+    return os.path.join(root, f"sft-{cache_key(config)}")
+
+
+def warm_start(config, workdir: str, verbose: bool = True) -> tuple[Qwen2Config, Any, dict]:
+    """(model config, params, info): the SFT'd policy (from the cache when present), or the
+    configured model itself when `config.sft.enabled` is False."""
+    if not config.sft.enabled:
+        qcfg, params = load_model(config.model, config.seed)
+        return qcfg, params, {"sft": "off"}
+    check_sft(config.sft)
+    path = cache_dir(config, workdir)
+    if os.path.isfile(os.path.join(path, SFT_META)):
+        qcfg = model_config(config.model)
+        _, params = load_hf_checkpoint(path, qcfg.param_dtype)
+        with open(os.path.join(path, SFT_META)) as f:
+            info = json.load(f)
+        info["cache"] = "hit"
+        if verbose:
+            print(f"SFT warm start: cached {path}")
+        return qcfg, params, info
+
+    tokenizer = tokenizer_for(config)
+    examples = load_split(config.data, "train")[: int(config.sft.examples)]
+    data = sft_sequences(examples, tokenizer)
+    qcfg, params = load_model(config.model, config.seed)
+    model = Qwen2ForCausalLM(qcfg)
+    bar = progress(int(config.sft.steps), "SFT", enabled=verbose and jax.process_index() == 0)
+
+    def tick(step, loss):
+        bar.update(1)
+        if step % 10 == 0:
+            bar.set_postfix(loss=f"{loss:.3f}")
+
+    t0 = time.perf_counter()
+    params, hist = sft_train(
+        model,
+        params,
+        data,
+        steps=int(config.sft.steps),
+        batch_size=int(config.sft.batch_size),
+        lr=float(config.sft.lr),
+        warmup_steps=int(config.sft.warmup_steps),
+        schedule=config.sft.schedule,
+        seed=int(config.seed),
+        callback=tick,
+    )
+    bar.close()
+    info = {
+        "cache": "miss",
+        "key": cache_key(config),
+        "steps": int(config.sft.steps),
+        "examples": len(examples),
+        "loss_first": hist["loss"][0],
+        "loss_last": float(np.mean(hist["loss"][-10:])),
+        "wall_time_s": time.perf_counter() - t0,
+    }
+    if jax.process_index() == 0:
+        tmp = path + f".tmp{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        save_hf_checkpoint(tmp, qcfg, jax.device_get(params))
+        with open(os.path.join(tmp, SFT_META), "w") as f:
+            json.dump(info, f, indent=2)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        if os.path.exists(path):  # a concurrent run finished first: keep theirs
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            os.replace(tmp, path)
+    if verbose:
+        print(
+            f"SFT warm start: {info['steps']} steps, loss {info['loss_first']:.3f} ->"
+            f" {info['loss_last']:.3f} in {info['wall_time_s']:.0f}s; cached {path}"
+        )
+    return qcfg, params, info
+
+
+def run(config, workdir: str) -> None:
+    tokenizer_for(config)
+    warm_start(config, workdir)

@@ -1,0 +1,206 @@
+"""Job `train`: RL (GRPO / PPO) of the warm-started policy on the simulated faulty device.
+
+Order: validate the whole config (no compile, nothing written) -> SFT warm start (cached) ->
+SRDD diagnosis when the AQN arm needs it (aqn.layers 'located' or 'srdd') -> fault plan and its
+manifest -> validation at step 0 -> RL steps (validation every `trainer.val_every`, checkpoints
+every `checkpoint.every`) -> final validation, checkpoint, summary.json and report.md.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import jax
+import numpy as np
+
+from aqn_jax import parallel
+from aqn_jax.checkpoint import Checkpointer
+from aqn_jax.data.config import check_data, load_split
+from aqn_jax.diagnosis import srdd
+from aqn_jax.faults.config import build_plan, needs_srdd
+from aqn_jax.jobs.pretrain import check_sft, tokenizer_for, warm_start
+from aqn_jax.metrics import MetricsWriter, progress
+from aqn_jax.models.factory import model_config
+from aqn_jax.models.qwen2 import Qwen2ForCausalLM
+from aqn_jax.report import write_run_report
+from aqn_jax.rl.trainer import Trainer, hyper_from
+
+
+def validate(config):
+    """Every check that needs no compile; raises ValueError naming the field."""
+    qcfg = model_config(config.model)
+    n = qcfg.num_hidden_layers
+    tokenizer = tokenizer_for(config)
+    check_data(config.data)
+    if config.sft.enabled:
+        check_sft(config.sft)
+    srdd.check_config(config.diagnosis)
+    hw = srdd.hardware_plan(config, n)  # fault layers within the model, fields valid
+    # The AQN arm parses now; 'located' / 'srdd' get their layers from the diagnosis later.
+    build_plan(config, n, srdd_sigmas=dict.fromkeys(range(n), 0.05), srdd_layers=[0])
+    mesh_shape = parallel.mesh_shape(config.mesh, jax.device_count())
+    hyper_from(config)
+    tr = config.trainer
+    if tr.total_steps < 1:
+        raise ValueError(f"config.trainer.total_steps={tr.total_steps}; must be >= 1")
+    if tr.val_every < 0:
+        raise ValueError(f"config.trainer.val_every={tr.val_every}; must be >= 0 (0 = start/end)")
+    divisor = mesh_shape[0] * mesh_shape[1]
+    rows = int(config.data_batch.prompts) * int(config.rollout.n)
+    if rows % divisor:
+        raise ValueError(
+            f"config.data_batch.prompts * config.rollout.n = {rows} rows do not split over the"
+            f" data x fsdp = {divisor} devices of config.mesh"
+        )
+    if config.actor.micro_batch_rows % divisor:
+        raise ValueError(
+            f"config.actor.micro_batch_rows={config.actor.micro_batch_rows} does not split over"
+            f" the data x fsdp = {divisor} devices of config.mesh"
+        )
+    return qcfg, tokenizer, hw
+
+
+def run(config, workdir: str) -> None:
+    t_start = time.perf_counter()
+    qcfg, tokenizer, hw_plan = validate(config)
+    n_layers = qcfg.num_hidden_layers
+    train_examples = load_split(config.data, "train")
+    test_examples = load_split(config.data, "test")
+    primary = jax.process_index() == 0
+    if primary:
+        with open(os.path.join(workdir, "config.json"), "w") as f:
+            f.write(config.to_json_best_effort(indent=2))
+
+    qcfg, params, sft_info = warm_start(config, workdir)
+
+    srdd_layers = srdd_sigmas = None
+    if needs_srdd(config) or config.diagnosis.always:
+        ids, mask = srdd.calibration_batch(
+            train_examples,
+            tokenizer,
+            int(config.diagnosis.num_prompts),
+            int(config.diagnosis.max_prompt_len),
+        )
+        base = float(config.diagnosis.base_sigma or config.aqn.sigma_start)
+        report = srdd.diagnose(
+            Qwen2ForCausalLM(qcfg), params, hw_plan, ids, mask, config.diagnosis, base
+        )
+        if primary:
+            srdd.write_report(report, workdir)
+        srdd_layers = report["verdict"]["layers"]
+        srdd_sigmas = srdd.sigmas_of(report)
+        print(
+            f"SRDD: {report['verdict']['message']} (confidence"
+            f" {report['verdict']['confidence']:.3f}); srdd.json in {workdir}"
+        )
+
+    plan = build_plan(config, n_layers, srdd_sigmas=srdd_sigmas, srdd_layers=srdd_layers)
+    model = Qwen2ForCausalLM(qcfg)
+    print(plan.describe())
+    for phase in ("rollout", "train", "eval"):
+        if plan.active(phase):
+            plan.trace_manifest(model, params, phase)
+    if primary:
+        with open(os.path.join(workdir, "manifest.json"), "w") as f:
+            f.write(plan.manifest_json())
+
+    mesh = parallel.make_mesh(config.mesh)
+    total = int(config.trainer.total_steps)
+    trainer = Trainer(
+        config, qcfg, params, tokenizer, train_examples, test_examples, plan, hw_plan, mesh, total
+    )
+    writer = MetricsWriter(workdir)
+    ckpt = Checkpointer(workdir, int(config.checkpoint.every), int(config.checkpoint.keep))
+    val_size = min(int(config.trainer.val_size), len(test_examples))
+    val_bs = int(config.trainer.val_batch_size)
+
+    def validate_now(step):
+        t0 = time.perf_counter()
+        v = trainer.validate(step, val_size, val_bs)
+        v["timing_s/testing"] = time.perf_counter() - t0
+        return v
+
+    val0 = validate_now(0)
+    writer.write(0, val0)
+    print(
+        f"step 0: val acc {val0['val-core/acc']:.3f} (faulty device),"
+        f" {val0['val-clean/acc']:.3f} (clean)"
+    )
+    history = [{"step": 0, **val0}]
+    bar = progress(total, "RL")
+    last_val = val0
+    for step in range(1, total + 1):
+        m = trainer.step(step)
+        if config.trainer.val_every and step % config.trainer.val_every == 0 and step < total:
+            last_val = validate_now(step)
+            m.update(last_val)
+        if step == total:
+            last_val = validate_now(step)
+            m.update(last_val)
+        writer.write(step, m)
+        history.append(m)
+        bar.update(1)
+        bar.set_postfix(
+            reward=f"{m['critic/score/mean']:.3f}", acc=f"{last_val['val-core/acc']:.3f}"
+        )
+        if ckpt.due(step) or step == total:
+            ckpt.save(step, trainer.state, {"step": step, "data": trainer.batcher.state()})
+    bar.close()
+    ckpt.close()
+    writer.close()
+
+    fault_layers = _fault_layers(config, n_layers)
+    aqn_inj = [inj for inj in plan.injections if inj.name == "aqn"]
+    aqn_layers = None
+    if aqn_inj:
+        layers = aqn_inj[0].sites.layers
+        aqn_layers = list(range(n_layers)) if layers == "all" else list(layers)
+    summary = {
+        "name": os.path.basename(os.path.abspath(workdir)),
+        "fault_layers": fault_layers,
+        "srdd_located_layers": srdd_layers,
+        "aqn_layers": aqn_layers,
+        "aqn_layer_sigmas": srdd_sigmas if config.aqn.layers == "srdd" else None,
+        "val_acc_start": val0["val-core/acc"],
+        "val_acc_clean_start": val0["val-clean/acc"],
+        "val_acc_end": last_val["val-core/acc"],
+        "val_acc_clean_end": last_val["val-clean/acc"],
+        "val_size": val_size,
+        "steps": total,
+        "final_reward_mean": float(
+            np.mean([h["critic/score/mean"] for h in history[-5:] if "critic/score/mean" in h])
+        ),
+        "sft": sft_info,
+        "wall_time_s": time.perf_counter() - t_start,
+        "devices": jax.device_count(),
+        "mesh": dict(
+            zip(parallel.AXES, parallel.mesh_shape(config.mesh, jax.device_count()), strict=True)
+        ),
+    }
+    if primary:
+        with open(os.path.join(workdir, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=2)
+        report = write_run_report(workdir, summary, history)
+        print(
+            f"val acc (faulty device): {summary['val_acc_start']:.3f} ->"
+            f" {summary['val_acc_end']:.3f};"
+            f" clean: {summary['val_acc_clean_end']:.3f}; SRDD located {srdd_layers},"
+            f" fault at {fault_layers}"
+        )
+        print(f"report: {report}")
+
+
+def _fault_layers(config, n_layers):
+    from aqn_jax.faults.config import parse_layers
+
+    dz = config.faults.deadzone
+    if dz.enabled:
+        layers = parse_layers(dz.layers, "config.faults.deadzone.layers", n_layers)
+        return list(range(n_layers)) if layers == "all" else list(layers)
+    nz = config.faults.noise
+    if nz.enabled:
+        layers = parse_layers(nz.layers, "config.faults.noise.layers", n_layers)
+        return list(range(n_layers)) if layers == "all" else list(layers)
+    return []
