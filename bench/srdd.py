@@ -22,7 +22,9 @@ Method:
   * Batched: `make_scan(model, plan, ScanSettings(trials=R))`; compile = `lower(...).compile()`
     (one program); then one warm-up call and `--repeats` timed calls of the compiled scan,
     each blocked until ready; steady state = the median; wall incl. compile = compile + the
-    warm-up call.
+    warm-up call. The timed calls are spread evenly through the naive loop's steady pass
+    (before every L / repeats-th layer; their time is not counted in the naive's), so that a
+    slow spell of the shared host (the naive pass lasts minutes) hits both.
   * Naive: `scan_layers_naive`'s loop, rewritten here only to time compile and run apart. Per
     layer the same jitted program (probe `_OneLayerProbe` at that layer, delta and trial
     traced) runs R + 2 times: trial 0, trials 1..R-1, the noise probe, the DC probe; the
@@ -118,7 +120,8 @@ def deadzone_plan(num_layers: int, layer: int, threshold: float) -> FaultPlan:
 
 
 # --- batched -------------------------------------------------------------------------------------
-def bench_batched(model, plan, settings, params, ids, mask, fault_key, probe_key, repeats):
+def prepare_batched(model, plan, settings, params, ids, mask, fault_key, probe_key) -> dict:
+    """Compile (timed) and warm up the batched scan; `call` is one blocking call."""
     scan = make_scan(model, plan, settings, PHASE)
     args = (params, ids, mask, fault_key, probe_key, {})
     t0 = time.perf_counter()
@@ -129,16 +132,14 @@ def bench_batched(model, plan, settings, params, ids, mask, fault_key, probe_key
     out = jax.block_until_ready(compiled(*args))
     first_s = time.perf_counter() - t0
     print(f"batched: first call {first_s:.2f}s", flush=True)
-    times = time_calls(lambda: jax.block_until_ready(compiled(*args)), repeats)
-    print(f"batched: times {[round(t, 3) for t in times]} s", flush=True)
     metrics = {m: np.asarray(v, np.float64) for m, v in jax.device_get(out).items()}
     return dict(
         metrics=metrics,
         compile_s=compile_s,
         first_s=first_s,
-        run_s=statistics.median(times),
         wall_s=compile_s + first_s,
         programs=1,
+        call=lambda: jax.block_until_ready(compiled(*args)),
     )
 
 
@@ -181,7 +182,11 @@ def naive_layer(programs, layer, settings, params, mask, probe_key) -> dict[str,
     return {m: float(v) for m, v in metrics.items()}
 
 
-def bench_naive(model, plan, settings, params, ids, mask, fault_key, probe_key, layers, keep):
+def bench_naive(
+    model, plan, settings, params, ids, mask, fault_key, probe_key, layers, keep, between
+):
+    """First pass (compile + run per layer), then the steady pass; `between[j]` batched calls
+    (timed apart, not counted here) run before the j-th layer of the steady pass."""
     num_layers = model.config.num_hidden_layers
     shape = (*ids.shape, model.config.hidden_size)
     metrics = {m: np.full(num_layers, np.nan) for m in METRICS}
@@ -203,24 +208,34 @@ def bench_naive(model, plan, settings, params, ids, mask, fault_key, probe_key, 
         )
     first_pass_s = time.perf_counter() - t_pass
     t_pass = time.perf_counter()
-    for layer in layers:  # second pass: steady state
+    for j, layer in enumerate(layers):  # second pass: steady state
+        between[j]()
         t0 = time.perf_counter()
         row = naive_layer(programs[layer], layer, settings, params, mask, probe_key)
         run_s[layer] = time.perf_counter() - t0
         for m, v in row.items():
             metrics[m][layer] = v
-    second_pass_s = time.perf_counter() - t_pass
     print(f"naive: steady run per layer {[round(run_s[i], 2) for i in layers]} s", flush=True)
     scale = num_layers / len(layers)  # 1 unless --layers-naive (extrapolated)
     return dict(
         metrics=metrics,
         compile_s=scale * sum(compile_s.values()),
-        run_s=scale * second_pass_s,
+        run_s=scale * sum(run_s.values()),
         wall_s=scale * first_pass_s,
         programs=2 * num_layers,
         extrapolated=len(layers) < num_layers,
         layers=tuple(layers),
     )
+
+
+def spread_calls(call, repeats: int, slots: int, times: list[float]) -> list:
+    """`slots` functions that together make `repeats` timed calls of `call` (appended to
+    `times`), spread evenly: the timed batched calls are interleaved with the naive steady
+    pass, so that a slow spell of the shared host hits both."""
+    counts = [0] * slots
+    for k in range(repeats):
+        counts[k * slots // repeats] += 1
+    return [lambda n=n: times.extend(time_calls(call, n)) for n in counts]
 
 
 # --- checks --------------------------------------------------------------------------------------
@@ -332,10 +347,9 @@ def main(argv: list[str] | None = None) -> None:
         flush=True,
     )
 
-    batched = bench_batched(
-        model, plan, settings, params, ids, mask, fault_key, probe_key, args.repeats
-    )
+    batched = prepare_batched(model, plan, settings, params, ids, mask, fault_key, probe_key)
     v = analysis.verdict(batched["metrics"])
+    batched_times: list[float] = []
     print(f"batched verdict: {v['message']} (confidence {v['confidence']:.3f})")
     naive = bench_naive(
         model,
@@ -348,7 +362,10 @@ def main(argv: list[str] | None = None) -> None:
         probe_key,
         naive_layers,
         args.naive_keep_logits,
+        spread_calls(batched["call"], args.repeats, len(naive_layers), batched_times),
     )
+    batched["run_s"] = statistics.median(batched_times)
+    print(f"batched: times {[round(t, 3) for t in batched_times]} s", flush=True)
 
     errs = compare(batched["metrics"], naive["metrics"], naive_layers, args.rtol, args.dead_atol)
     check_located("batched", batched["metrics"], range(num_layers), fault_layer, DEAD_FLOOR)
@@ -398,7 +415,8 @@ def main(argv: list[str] | None = None) -> None:
             f" {args.prompts} prompts x {args.seq} random tokens left-padded ({tokens} real),"
             f" deadzone at layer {fault_layer} (threshold {args.threshold}) active, trials"
             f" {settings.trials}. Batched: one compiled forward with every probe, median of"
-            f" {args.repeats} calls after a warm-up; wall = compile + first call. Naive: per layer"
+            f" {args.repeats} calls after a warm-up, spread through the naive steady pass; wall ="
+            " compile + first call. Naive: per layer"
             f" {settings.trials + 2} forwards of the per-layer program (2 compiled programs per"
             " layer: scalar and [B,T,D] delta), steady = second full pass, wall = first pass"
             " incl. compiles"

@@ -147,7 +147,11 @@ def token_logprobs(logits_NTV, tokens_NT, temperature: float):
 
 
 class Trainer:
-    """Owns the models, the jitted programs, the samplers and the state of one RL run."""
+    """Owns the models, the jitted programs, the samplers and the state of one RL run.
+
+    The update donates the train state: pass `params` the Trainer may own (device arrays
+    already placed with these shardings are consumed by the first step; pass host arrays to
+    keep a copy)."""
 
     def __init__(
         self,
@@ -255,8 +259,15 @@ class Trainer:
             critic_params=critic_params,
             critic_opt_state=None if critic_params is None else self.critic_opt.init(critic_params),
         )
-        self.state_sharding = jax.tree_util.tree_map(lambda x: x.sharding, state)
-        self.state = state
+        # Optimizer counters and the step are created on the default device: replicate them.
+        rep = parallel.replicated(mesh)
+        self.state_sharding = jax.tree_util.tree_map(
+            lambda x: x.sharding
+            if isinstance(x.sharding, jax.sharding.NamedSharding) and x.sharding.mesh == mesh
+            else rep,
+            state,
+        )
+        self.state = jax.device_put(state, self.state_sharding)
         self._prepare = jax.jit(self._prepare_fn, static_argnums=(6,))
         self._update = jax.jit(
             self._update_fn,

@@ -1,0 +1,155 @@
+"""The embedded experiment: its base config, the smoke shrink, and the study's arms.
+
+`configs/<arm>.py` files are thin wrappers (`arm_config(name, arg)`), so that the `compare`
+job and the tests build exactly the configs the command line runs.
+
+Arms (seed 000's design, on a deadzone at the middle layer):
+  clean        no fault, no AQN (the upper bound)
+  deadzone     the fault, no AQN (the lower bound)
+  global_aqn   the fault, AQN on every layer
+  targeted     the fault, AQN only on the layers SRDD locates (aqn.layers='located')
+  healthy      the fault, AQN on every layer but the faulty one (the control of seed 001)
+  srdd_guided  the fault, AQN on every layer at SRDD's per-layer sigma map (aqn.layers='srdd')
+"""
+
+import ml_collections
+
+from aqn_jax.data.config import data_config
+from aqn_jax.diagnosis.srdd import diagnosis_config
+from aqn_jax.faults.config import aqn_config, faults_config
+from aqn_jax.jobs.pretrain import sft_config
+from aqn_jax.parallel import mesh_config
+
+FAULT_LAYER = 4  # the middle of the tiny model's 8 layers
+
+
+def base_config(arg: str | None = None) -> ml_collections.ConfigDict:
+    config = ml_collections.ConfigDict()
+    config.job = "train"
+    config.arm = "clean"  # the study arm (apply_arm); informational in the run's outputs
+    config.seed = 0
+
+    config.model = ml_collections.ConfigDict()
+    config.model.preset = "tiny"  # or a local HF snapshot in hf_path
+    config.model.hf_path = ""
+    config.model.param_dtype = "float32"
+    config.model.dtype = "float32"
+    config.model.remat = False
+    config.tokenizer_path = ""  # '' = the embedded character tokenizer (or hf_path's)
+
+    config.data = data_config()
+    config.data.task.digits = 1
+    config.data.task.steps = 2
+    config.data_batch = ml_collections.ConfigDict()
+    config.data_batch.prompts = 16  # prompts per RL step (verl train_batch_size)
+
+    config.sft = sft_config()  # the warm start (cached)
+
+    config.rollout = ml_collections.ConfigDict()
+    config.rollout.n = 5  # samples per prompt (GRPO group)
+    config.rollout.temperature = 1.0
+    config.rollout.top_k = 0
+    config.rollout.top_p = 1.0
+    config.rollout.max_new_tokens = 40
+    config.rollout.max_prompt_len = 128
+    config.rollout.prompt_buckets = (128,)
+
+    config.algo = ml_collections.ConfigDict()
+    config.algo.estimator = "grpo"  # grpo | drgrpo | gae (PPO with a critic)
+    config.algo.clip_ratio_low = 0.2
+    config.algo.clip_ratio_high = 0.2
+    config.algo.clip_ratio_c = 3.0  # dual-clip
+    config.algo.loss_agg_mode = "token-mean"
+    config.algo.use_kl_loss = True
+    config.algo.kl_loss_coef = 0.001
+    config.algo.kl_type = "low_var_kl"  # low_var_kl | kl | mse | abs
+    config.algo.use_kl_in_reward = False
+    config.algo.kl_coef = 0.001  # KL-in-reward coefficient
+    config.algo.entropy_coeff = 0.0
+    config.algo.gamma = 1.0
+    config.algo.lam = 1.0
+
+    config.actor = ml_collections.ConfigDict()
+    config.actor.lr = 1e-4
+    config.actor.warmup_steps = 0
+    config.actor.schedule = "constant"  # constant | warmup_constant | cosine
+    config.actor.weight_decay = 0.01
+    config.actor.grad_clip = 1.0
+    config.actor.ppo_epochs = 1
+    config.actor.mini_batch_prompts = 8  # PPO mini-batch, in prompts (x n rows)
+    config.actor.micro_batch_rows = 40  # gradient-accumulation chunk, in rows
+
+    config.critic = ml_collections.ConfigDict()  # used by estimator='gae'
+    config.critic.lr = 1e-4
+    config.critic.lr_warmup_steps = 0
+    config.critic.schedule = "constant"
+    config.critic.weight_decay = 0.01
+    config.critic.grad_clip = 1.0
+    config.critic.cliprange_value = 0.5
+    config.critic.warmup_steps = 0  # RL steps that update only the critic
+    config.critic.faults = False  # run the hardware faults in the critic too
+
+    config.trainer = ml_collections.ConfigDict()
+    config.trainer.total_steps = 30
+    config.trainer.val_every = 10  # 0 = only at the start and the end
+    config.trainer.val_size = 128  # test examples per validation
+    config.trainer.val_batch_size = 64
+
+    config.checkpoint = ml_collections.ConfigDict()
+    config.checkpoint.every = 0  # 0 = only at the end
+    config.checkpoint.keep = 2
+
+    config.mesh = mesh_config()
+    config.diagnosis = diagnosis_config()
+
+    config.faults = faults_config()
+    config.faults.deadzone.layers = str(FAULT_LAYER)
+    config.aqn = aqn_config()
+    config.aqn.schedule = "epoch_aware"
+    config.aqn.num_epochs = 2
+
+    if arg == "smoke":
+        shrink(config)
+    elif arg not in (None, ""):
+        raise ValueError(f"--config=...:{arg}; allowed arguments: smoke")
+    return config
+
+
+def shrink(config: ml_collections.ConfigDict) -> None:
+    """The smoke setting: every stage runs, in well under a minute on 2 cores."""
+    config.sft.steps = 8
+    config.sft.batch_size = 8
+    config.sft.examples = 64
+    config.data.train_size = 64
+    config.data.test_size = 8
+    config.data_batch.prompts = 4
+    config.rollout.max_new_tokens = 12
+    config.actor.mini_batch_prompts = 2
+    config.actor.micro_batch_rows = 10
+    config.trainer.total_steps = 2
+    config.trainer.val_every = 1
+    config.trainer.val_size = 8
+    config.trainer.val_batch_size = 8
+    config.diagnosis.num_prompts = 4
+
+
+ARMS = ("clean", "deadzone", "global_aqn", "targeted", "healthy", "srdd_guided")
+
+
+def apply_arm(config: ml_collections.ConfigDict, arm: str) -> ml_collections.ConfigDict:
+    if arm not in ARMS:
+        raise ValueError(f"arm={arm!r}; allowed: {ARMS}")
+    config.arm = arm
+    config.faults.deadzone.enabled = arm != "clean"
+    config.aqn.enabled = arm in ("global_aqn", "targeted", "healthy", "srdd_guided")
+    config.aqn.layers = {
+        "global_aqn": "all",
+        "targeted": "located",
+        "healthy": "healthy",
+        "srdd_guided": "srdd",
+    }.get(arm, "all")
+    return config
+
+
+def arm_config(arm: str, arg: str | None = None) -> ml_collections.ConfigDict:
+    return apply_arm(base_config(arg), arm)

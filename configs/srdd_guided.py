@@ -1,0 +1,20 @@
+"""Arm `srdd_guided` of the embedded study (aqn_jax/experiment.py).
+
+The deadzone at layer 4; SRDD runs first and AQN is injected on every layer at seed 001's per-
+layer sigma map (aqn.layers='srdd'; layer 4 gets sigma x1.5).
+
+  python -m aqn_jax.launch --config=configs/srdd_guided.py
+  python -m aqn_jax.launch --config=configs/srdd_guided.py:smoke     # < 1 minute, a wiring check
+
+Expected: prints the SRDD verdict; srdd.json's sigma map is in summary.json (aqn_layer_sigmas).
+Run time on 2 CPU cores: see RUNTIME below (measured, WORKSPACE.md); SFT is shared through its
+cache (runs/cache/) by every arm.
+"""
+
+from aqn_jax.experiment import arm_config
+
+RUNTIME = "measured in WORKSPACE.md"
+
+
+def get_config(arg=None):
+    return arm_config("srdd_guided", arg)

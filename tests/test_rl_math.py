@@ -1,0 +1,137 @@
+"""Advantages and PPO losses against hand computations (derivations in the comments)."""
+
+import math
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from aqn_jax.rl import advantages as A
+from aqn_jax.rl import losses as L
+
+
+def test_grpo_hand_computed():
+    # Group 1 scores [1, 0, 0, 1, 1]: mean 0.6, deviations [.4, -.6, -.6, .4, .4],
+    # unbiased var = (3 * .16 + 2 * .36) / 4 = 0.3, std = sqrt(0.3).
+    # Group 2 all zero: std 0 -> advantage 0 / (0 + 1e-6) = 0.
+    scores = jnp.array([1, 0, 0, 1, 1, 0, 0, 0, 0, 0], jnp.float32)
+    mask = jnp.ones((10, 3)).at[1, 2].set(0)
+    adv = np.asarray(A.grpo_outcome_advantage(scores, mask, 5))
+    std = math.sqrt(0.3)
+    expect = np.array([0.4, -0.6, -0.6, 0.4, 0.4]) / (std + 1e-6)
+    np.testing.assert_allclose(adv[:5, 0], expect, rtol=1e-6)
+    np.testing.assert_allclose(adv[5:], 0.0)
+    assert adv[1, 2] == 0.0 and adv[1, 1] == pytest.approx(expect[1], rel=1e-6)
+    # Dr.GRPO: mean-centred only.
+    adv = np.asarray(A.grpo_outcome_advantage(scores, mask, 5, norm_by_std=False))
+    np.testing.assert_allclose(adv[:5, 0], [0.4, -0.6, -0.6, 0.4, 0.4], rtol=1e-6)
+    # A group of one: mean 0, std 1 (verl) -> the score itself (up to the 1e-6 eps).
+    adv = np.asarray(A.grpo_outcome_advantage(jnp.array([0.7, 0.2]), jnp.ones((2, 1)), 1))
+    np.testing.assert_allclose(adv[:, 0], np.array([0.7, 0.2]) / (1 + 1e-6), rtol=1e-7)
+
+
+def test_token_level_rewards():
+    mask = jnp.array([[1, 1, 1, 0], [1, 0, 0, 0]])
+    r = np.asarray(A.token_level_rewards(jnp.array([2.0, 3.0]), mask))
+    np.testing.assert_array_equal(r, [[0, 0, 2, 0], [3, 0, 0, 0]])
+    kl = jnp.full((2, 4), 0.5)
+    r = np.asarray(A.token_level_rewards(jnp.array([2.0, 3.0]), mask, kl, 0.1))
+    np.testing.assert_allclose(r, [[-0.05, -0.05, 1.95, 0], [2.95, 0, 0, 0]], rtol=1e-6)
+
+
+def test_gae_hand_computed():
+    # Row 0: mask [1, 1, 0], rewards [0, 1, 0], values [0.5, 0.2, 9 (masked)].
+    # gamma = lam = 1, backwards: t=2 masked -> carries (V_next 0, A_next 0) unchanged;
+    # t=1: delta = 1 + 0 - 0.2 = 0.8, A_1 = 0.8; t=0: delta = 0 + 0.2 - 0.5 = -0.3,
+    # A_0 = -0.3 + 0.8 = 0.5. Returns = A + V = [1.0, 1.0].
+    # Row 1: mask [1, 0, 0], reward [2], value [1.5]: A = 2 - 1.5 = 0.5, return 2.0.
+    rewards = jnp.array([[0, 1, 0], [2, 0, 0]], jnp.float32)
+    values = jnp.array([[0.5, 0.2, 9.0], [1.5, 7.0, 7.0]], jnp.float32)
+    mask = jnp.array([[1, 1, 0], [1, 0, 0]])
+    adv, ret = A.gae_advantage_return(rewards, values, mask, 1.0, 1.0)
+    np.testing.assert_allclose(np.asarray(ret), [[1.0, 1.0, 0], [2.0, 0, 0]], rtol=1e-6)
+    raw = np.array([0.5, 0.8, 0.5])  # the real tokens' advantages before whitening
+    white = (raw - raw.mean()) / np.sqrt(raw.var(ddof=1) + 1e-8)
+    np.testing.assert_allclose(np.asarray(adv)[mask > 0], white, rtol=1e-5)
+    # gamma 0.9, lam 0.5, row 0: A_1 = 0.8; A_0 = (0 + 0.9 * 0.2 - 0.5) + 0.45 * 0.8 = 0.04.
+    _, ret = A.gae_advantage_return(rewards, values, mask, 0.9, 0.5)
+    np.testing.assert_allclose(np.asarray(ret)[0, :2], [0.54, 1.0], rtol=1e-5)
+
+
+def test_policy_loss_hand_computed():
+    # Four tokens, clip 0.2, dual-clip c = 3:
+    #  1: ratio 1.5, A +1: l1 -1.5, l2 -1.2 -> max -1.2 (clipped: l2 > l1)
+    #  2: ratio 0.5, A +1: l1 -0.5, l2 -0.8 -> -0.5
+    #  3: ratio 5.0, A -1: l1 5, l2 1.2 -> 5, dual-clip min(5, 3) = 3 (lower clip)
+    #  4: ratio 1.0, A -2: l1 = l2 = 2 -> min(2, 6) = 2
+    # token-mean: (-1.2 - 0.5 + 3 + 2) / 4 = 0.825
+    old = jnp.zeros((1, 4))
+    logp = jnp.log(jnp.array([[1.5, 0.5, 5.0, 1.0]]))
+    adv = jnp.array([[1.0, 1.0, -1.0, -2.0]])
+    mask = jnp.ones((1, 4))
+    loss, m = L.policy_loss(logp, old, adv, mask)
+    assert float(loss) == pytest.approx(0.825, rel=1e-6)
+    assert float(m["pg_clipfrac"]) == pytest.approx(0.25)
+    assert float(m["pg_clipfrac_lower"]) == pytest.approx(0.25)
+    expect_kl = -(math.log(1.5) + math.log(0.5) + math.log(5.0)) / 4
+    assert float(m["ppo_kl"]) == pytest.approx(expect_kl, rel=1e-6)
+    # Masked tokens do not count: masking token 3 -> (-1.2 - 0.5 + 2) / 3.
+    loss, _ = L.policy_loss(logp, old, adv, jnp.array([[1, 1, 0, 1]]))
+    assert float(loss) == pytest.approx(0.3 / 3, rel=1e-5)
+    # clip_high 0.28 (DAPO's clip-higher): token 1 -> -1.28.
+    loss, _ = L.policy_loss(logp, old, adv, mask, clip_high=0.28)
+    assert float(loss) == pytest.approx((-1.28 - 0.5 + 3 + 2) / 4, rel=1e-6)
+    with pytest.raises(ValueError, match="clip_ratio_c"):
+        L.policy_loss(logp, old, adv, mask, clip_ratio_c=1.0)
+
+
+def test_kl_estimators_hand_computed():
+    logp, ref = jnp.array([-1.0]), jnp.array([-1.5])
+    assert float(L.kl_penalty(logp, ref, "kl")[0]) == pytest.approx(0.5)
+    assert float(L.kl_penalty(logp, ref, "abs")[0]) == pytest.approx(0.5)
+    assert float(L.kl_penalty(logp, ref, "mse")[0]) == pytest.approx(0.125)
+    # k3: d = ref - logp = -0.5; exp(d) - d - 1 = 0.6065307 + 0.5 - 1
+    assert float(L.kl_penalty(logp, ref, "low_var_kl")[0]) == pytest.approx(
+        math.exp(-0.5) - 0.5, rel=1e-6
+    )
+    # Clamped to [-10, 10]: d = 30 -> clamp 20 -> exp(20) - 21 -> 10.
+    assert float(L.kl_penalty(jnp.array([-31.0]), jnp.array([-1.0]), "low_var_kl")[0]) == 10.0
+    with pytest.raises(ValueError, match="kl_type"):
+        L.kl_penalty(logp, ref, "bogus")
+
+
+def test_value_loss_hand_computed():
+    # vpred 1.0 old 0.2 R 0: clipped 0.7; l1 1, l2 0.49 -> 1
+    # vpred 0.0 old 0.2 R 1: clipped 0.0; l1 = l2 = 1 -> 1
+    # vpred 0.9 old 0.0 R 1: clipped 0.5; l1 0.01, l2 0.25 -> 0.25 (clipped counts)
+    # 0.5 * mean(1, 1, 0.25) = 0.375
+    loss, m = L.value_loss(
+        jnp.array([[1.0, 0.0, 0.9]]),
+        jnp.array([[0.2, 0.2, 0.0]]),
+        jnp.array([[0.0, 1.0, 1.0]]),
+        jnp.ones((1, 3)),
+    )
+    assert float(loss) == pytest.approx(0.375, rel=1e-6)
+    assert float(m["vf_clipfrac"]) == pytest.approx(1 / 3)
+
+
+def test_aggregation_modes_hand_computed():
+    # Row 0: losses [1, 2, 3] all real; row 1: [4, 5, 6] with 1 real token.
+    x = jnp.array([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
+    mask = jnp.array([[1, 1, 1], [1, 0, 0]])
+    assert float(L.agg_loss(x, mask, "token-mean")) == pytest.approx(10 / 4)
+    assert float(L.agg_loss(x, mask, "seq-mean-token-mean")) == pytest.approx((2 + 4) / 2)
+    assert float(L.agg_loss(x, mask, "seq-mean-token-sum")) == pytest.approx((6 + 4) / 2)
+    assert float(L.agg_loss(x, mask, "seq-mean-token-sum-norm")) == pytest.approx((2 + 4 / 3) / 2)
+    # A global denominator makes micro-batch sums equal the mini-batch loss exactly.
+    d = L.agg_denominator(mask, "token-mean")
+    parts = sum(float(L.agg_loss(x[i : i + 1], mask[i : i + 1], "token-mean", d)) for i in (0, 1))
+    assert parts == pytest.approx(10 / 4)
+    with pytest.raises(ValueError, match="loss_agg_mode"):
+        L.agg_loss(x, mask, "bogus")
+
+
+def test_entropy_from_logits():
+    p = np.array([0.5, 0.25, 0.25])
+    ent = float(L.entropy_from_logits(jnp.log(jnp.asarray(p))[None])[0])
+    assert ent == pytest.approx(-(p * np.log(p)).sum(), rel=1e-6)

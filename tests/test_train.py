@@ -1,0 +1,234 @@
+"""The RL job end to end: every arm config on its smoke setting, the outputs it writes, the
+sharded step against the single-device step, bad input, and that GRPO learns."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from aqn_jax.experiment import ARMS
+
+from conftest import load_config
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def sft_cache(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("sft_cache"))
+
+
+def smoke(name, sft_cache, **over):
+    config = load_config(name, "smoke")
+    config.sft.cache_dir = sft_cache
+    for key, value in over.items():
+        node = config
+        *path, last = key.split(".")
+        for p in path:
+            node = node[p]
+        node[last] = value
+    return config
+
+
+@pytest.mark.parametrize("arm", ARMS)
+def test_every_arm_runs_on_smoke(arm, sft_cache, tmp_path):
+    from aqn_jax.launch import run
+
+    run(smoke(arm, sft_cache), str(tmp_path))
+    for name in (
+        "config.json",
+        "manifest.json",
+        "metrics.jsonl",
+        "summary.json",
+        "report.md",
+        "training_curves.png",
+    ):
+        assert (tmp_path / name).stat().st_size > 0, name
+    assert any((tmp_path / "tensorboard").iterdir())
+    assert (tmp_path / "checkpoints" / "2").is_dir()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    for key in (
+        "critic/score/mean",
+        "actor/pg_loss",
+        "actor/kl_loss",
+        "actor/entropy",
+        "actor/pg_clipfrac",
+        "actor/ppo_kl",
+        "actor/grad_norm",
+        "response_length/mean",
+        "timing_s/gen",
+        "timing_s/update",
+        "aqn/sigma",
+        "training/rollout_probs_diff_mean",
+        "val-core/aqn_jax/arithmetic/acc/mean@1",
+        "val-clean/aqn_jax/arithmetic/acc/mean@1",
+    ):
+        assert key in rows[1], key
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    for key in (
+        "fault_layers",
+        "srdd_located_layers",
+        "aqn_layers",
+        "val_acc_start",
+        "val_acc_end",
+        "val_acc_clean_end",
+        "steps",
+        "wall_time_s",
+    ):
+        assert key in summary, key
+    assert summary["steps"] == 2
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    if arm == "clean":
+        assert summary["fault_layers"] == [] and summary["aqn_layers"] is None
+        assert manifest["injections"] == []
+    else:
+        assert summary["fault_layers"] == [4]
+        assert manifest["hits"]["rollout"]["deadzone"] == ["layers_4/layer:output"]
+        assert rows[1]["faults/rollout/deadzone.flushed"] > 0
+        assert rows[1]["faults/train/deadzone.flushed"] > 0
+    expected_aqn = {
+        "clean": None,
+        "deadzone": None,
+        "global_aqn": list(range(8)),
+        "targeted": [4],
+        "healthy": [0, 1, 2, 3, 5, 6, 7],
+        "srdd_guided": list(range(8)),
+    }[arm]
+    assert summary["aqn_layers"] == expected_aqn
+    if arm in ("targeted", "srdd_guided"):
+        assert summary["srdd_located_layers"] == [4]
+        assert (tmp_path / "srdd.json").exists()
+    if arm == "srdd_guided":
+        assert summary["aqn_layer_sigmas"]["4"] == pytest.approx(0.075)
+
+
+def test_ppo_with_critic_runs(sft_cache, tmp_path):
+    from aqn_jax.launch import run
+
+    run(
+        smoke("clean", sft_cache, **{"algo.estimator": "gae", "critic.faults": True}), str(tmp_path)
+    )
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert "critic/vf_loss" in rows[1] and np.isfinite(rows[1]["critic/vf_loss"])
+    assert rows[1]["critic/values/mean"] == 0.0  # zero-initialised value head at step 1
+
+
+def _launch(args, workdir, env_extra=None):
+    env = dict(os.environ, HF_HUB_OFFLINE="1", JAX_PLATFORMS="cpu", **(env_extra or {}))
+    return subprocess.run(
+        [sys.executable, "-m", "aqn_jax.launch", *args, f"--workdir={workdir}"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_bad_input_is_refused_before_anything_is_written(tmp_path, sft_cache):
+    from aqn_jax.launch import run
+
+    # An existing run's checkpoint must survive every refused start.
+    ckpt = tmp_path / "checkpoints" / "7"
+    ckpt.mkdir(parents=True)
+    (ckpt / "state").write_text("precious")
+    before = sorted(p.name for p in tmp_path.rglob("*"))
+    cases = [
+        ({"faults.deadzone.layers": "8"}, r"config.faults.deadzone.layers=\(8,\).*8 layers"),
+        ({"mesh.data": 3}, r"config.mesh=\(data=3, fsdp=1, tensor=1\) uses 3 devices but 1"),
+        (
+            {"data.train_path": "/nonexistent/train.parquet"},
+            "config.data.train_path='/nonexistent/train.parquet': no such file",
+        ),
+        ({"aqn.enabled": True, "aqn.layers": "(1,9)"}, "config.aqn.layers"),
+        ({"actor.mini_batch_prompts": 3}, "config.actor.mini_batch_prompts=3 must divide"),
+        ({"algo.estimator": "reinforce"}, "config.algo.estimator='reinforce'"),
+    ]
+    for over, match in cases:
+        with pytest.raises(ValueError, match=match):
+            run(smoke("deadzone", sft_cache, **over), str(tmp_path))
+    assert sorted(p.name for p in tmp_path.rglob("*")) == before
+    assert (ckpt / "state").read_text() == "precious"
+    # From the command line: a clear message and a non-zero exit code.
+    proc = _launch(["--config=configs/deadzone.py:smoke", "--config.job=nope"], tmp_path)
+    assert proc.returncode != 0
+    assert "config.job='nope'; allowed:" in proc.stderr
+    proc = _launch(
+        ["--config=configs/deadzone.py:smoke", "--config.faults.deadzone.layers=12"], tmp_path
+    )
+    assert proc.returncode != 0 and "config.faults.deadzone.layers" in proc.stderr
+    assert (ckpt / "state").read_text() == "precious"
+
+
+SHARDED = textwrap.dedent(
+    """
+    import os, sys, json
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    import jax, numpy as np
+    sys.path.insert(0, {tests!r})
+    from conftest import load_config
+    from aqn_jax import parallel
+    from aqn_jax.data.config import load_split
+    from aqn_jax.diagnosis import srdd
+    from aqn_jax.faults.config import build_plan
+    from aqn_jax.jobs.pretrain import tokenizer_for
+    from aqn_jax.models.factory import init_params, model_config
+    from aqn_jax.rl.trainer import Trainer
+
+    config = load_config("deadzone", "smoke")
+    config.actor.lr = 1e-6
+    config.data_batch.prompts = 4
+    config.actor.mini_batch_prompts = 4
+    config.actor.micro_batch_rows = 20
+    qcfg = model_config(config.model)
+    params = jax.device_get(init_params(qcfg, 0))  # host copy: each Trainer owns its own
+    tok = tokenizer_for(config)
+    train, test = load_split(config.data, "train"), load_split(config.data, "test")
+    plan = build_plan(config, 8)
+    hw = srdd.hardware_plan(config, 8)
+    out = {{}}
+    for name, devices, shape in (("one", jax.devices()[:1], (1, 1, 1)),
+                                 ("eight", jax.devices(), (2, 2, 2))):
+        config.mesh.data, config.mesh.fsdp, config.mesh.tensor = shape
+        mesh = parallel.make_mesh(config.mesh, devices)
+        tr = Trainer(config, qcfg, params, tok, train, test, plan, hw, mesh, 4)
+        m = tr.step(1)
+        leaves = jax.tree_util.tree_leaves(jax.device_get(tr.state.params))
+        np.savez({out!r} + name + ".npz", *leaves)
+        shard = tr.state.params["layers_0"]["mlp"]["up_proj"]["kernel"].sharding
+        out[name] = dict(loss=m["actor/pg_loss"], kl=m["actor/kl_loss"],
+                         score=m["critic/score/mean"], spec=str(shard.spec),
+                         devices=len(shard.device_set))
+    print(json.dumps(out))
+    """
+)
+
+
+def test_sharded_step_equals_single_device(tmp_path):
+    script = SHARDED.format(tests=os.path.join(REPO, "tests"), out=str(tmp_path) + "/")
+    proc = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=dict(os.environ, JAX_PLATFORMS="cpu"),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["eight"]["devices"] == 8 and "fsdp" in out["eight"]["spec"]
+    assert "tensor" in out["eight"]["spec"]
+    assert out["one"]["score"] == out["eight"]["score"]
+    assert out["one"]["loss"] == pytest.approx(out["eight"]["loss"], abs=1e-5)
+    one, eight = np.load(tmp_path / "one.npz"), np.load(tmp_path / "eight.npz")
+    assert len(one.files) == len(eight.files) > 50
+    init_diff = []
+    for k in one.files:
+        np.testing.assert_allclose(one[k], eight[k], atol=1e-5, rtol=0)
+        init_diff.append(np.abs(one[k]).max())
+    assert max(init_diff) > 0
