@@ -118,12 +118,17 @@ class Sampler:
         plan: FaultPlan | None = None,
         buckets: tuple[int, ...] = (64, 128, 256, 512, 1024),
         phase: str = "rollout",
+        mesh: jax.sharding.Mesh | None = None,
     ):
+        """mesh: place prompts and the KV cache with their rows split over ('data', 'fsdp')
+        (the trainer's batch sharding; the weights bring their own), so the program compiles
+        once and the donated cache keeps its sharding between calls."""
         self.model = model
         self.params = params
         self.plan = plan or FaultPlan()
         self.buckets = tuple(sorted(buckets))
         self.phase = phase
+        self.mesh = mesh
         self.traces = 0  # how often the program was traced (tests assert no retrace)
         self._caches: dict[tuple[int, int], KVCache] = {}
         self._program = jax.jit(self._generate, donate_argnums=(4,))
@@ -165,6 +170,12 @@ class Sampler:
         cache = self._caches.pop((rows, bucket), None)
         if cache is None:
             cache = init_cache(self.model.config, rows, bucket + self.params.max_new_tokens)
+            if self.mesh is not None:
+                cache = jax.device_put(cache, self._cache_sharding(cache))
+        if self.mesh is not None:
+            from aqn_jax import parallel
+
+            input_ids, attention_mask = parallel.put_batch((input_ids, attention_mask), self.mesh)
         fault_key = key if fault_key is None else fault_key
         tokens, logprobs, mask, stats, cache = self._program(
             weights, input_ids, attention_mask, (key, fault_key), cache, dict(values or {})
@@ -177,6 +188,18 @@ class Sampler:
             logprobs=np.asarray(logprobs),
             response_mask=np.asarray(mask),
             fault_stats=jax.tree_util.tree_map(np.asarray, stats),
+        )
+
+    def _cache_sharding(self, cache: KVCache):
+        from aqn_jax import parallel
+
+        return jax.tree_util.tree_map(
+            lambda x: (
+                parallel.replicated(self.mesh)
+                if x.ndim == 0
+                else parallel.batch_sharding(self.mesh, x.ndim)
+            ),
+            cache,
         )
 
     def _forward(self, weights, ids, mask, cache, fault_key, values):
@@ -256,6 +279,10 @@ class Sampler:
             )
 
         s = jax.lax.while_loop(cond, body, state)
+        if self.mesh is not None:
+            s["cache"] = jax.lax.with_sharding_constraint(
+                s["cache"], self._cache_sharding(s["cache"])
+            )
         # Telemetry: the mean over the prefill and every decode step that ran.
         stats = jax.tree_util.tree_map(lambda v: v / (s["t"] + 1).astype(v.dtype), s["stats_sum"])
         return s["tokens"], s["logprobs"], s["mask"], stats, s["cache"]

@@ -206,9 +206,18 @@ class Trainer:
             vocab_size=vocab,
         )
         greedy = dataclasses.replace(self.sample_params, temperature=0.0, top_k=0, top_p=1.0, n=1)
-        self.rollout_sampler = Sampler(self.policy, self.sample_params, plan, self.buckets)
-        self.val_sampler = Sampler(self.policy, greedy, hardware_plan, self.buckets, phase="eval")
-        self.clean_sampler = Sampler(self.policy, greedy, FaultPlan(), self.buckets, phase="eval")
+        self.rollout_sampler = Sampler(
+            self.policy, self.sample_params, plan, self.buckets, mesh=mesh
+        )
+        self.clean_sampler = Sampler(
+            self.policy, greedy, FaultPlan(), self.buckets, phase="eval", mesh=mesh
+        )
+        # On a clean device both validations are the same program: compile it once.
+        self.val_sampler = (
+            Sampler(self.policy, greedy, hardware_plan, self.buckets, phase="eval", mesh=mesh)
+            if hardware_plan.active("eval")
+            else self.clean_sampler
+        )
 
         # -- optimizers and sharded state --------------------------------------------------
         # Schedules advance per RL step (verl steps its LR scheduler once per update_policy);
@@ -262,9 +271,11 @@ class Trainer:
         # Optimizer counters and the step are created on the default device: replicate them.
         rep = parallel.replicated(mesh)
         self.state_sharding = jax.tree_util.tree_map(
-            lambda x: x.sharding
-            if isinstance(x.sharding, jax.sharding.NamedSharding) and x.sharding.mesh == mesh
-            else rep,
+            lambda x: (
+                x.sharding
+                if isinstance(x.sharding, jax.sharding.NamedSharding) and x.sharding.mesh == mesh
+                else rep
+            ),
             state,
         )
         self.state = jax.device_put(state, self.state_sharding)
