@@ -47,7 +47,9 @@ def main(argv=None) -> None:
             raise app.UsageError("--config=configs/<name>.py is required")
         workdir = _WORKDIR.value
         if not workdir:
-            stem = os.path.splitext(os.path.basename(config_flags.get_config_filename(_CONFIG)))[0]
+            stem = os.path.splitext(
+                os.path.basename(config_flags.get_config_filename(flags.FLAGS["config"]))
+            )[0]
             workdir = os.path.join("runs", stem.split(":")[0])
         run(_CONFIG.value, workdir)
 

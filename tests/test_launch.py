@@ -129,3 +129,23 @@ def test_bad_fault_config_fails_before_work(tmp_path):
     assert proc.returncode != 0
     assert "config.faults.deadzone.layers='9' but the model has 8 layers" in proc.stderr
     assert not (tmp_path / "model_summary.json").exists()
+
+
+def test_default_workdir_is_runs_config_stem(tmp_path):
+    """Without --workdir a job writes to ./runs/<config file stem> (the README's commands)."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", JAX_PLATFORMS="cpu")
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "aqn_jax.launch",
+            f"--config={os.path.join(REPO, 'configs', 'model_summary.py')}",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (tmp_path / "runs" / "model_summary" / "model_summary.json").exists()

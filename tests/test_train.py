@@ -139,7 +139,10 @@ def test_bad_input_is_refused_before_anything_is_written(tmp_path, sft_cache):
     (ckpt / "state").write_text("precious")
     before = sorted(p.name for p in tmp_path.rglob("*"))
     cases = [
-        ({"faults.deadzone.layers": "8"}, "config.faults.deadzone.layers='8' but the model has 8 layers"),
+        (
+            {"faults.deadzone.layers": "8"},
+            "config.faults.deadzone.layers='8' but the model has 8 layers",
+        ),
         ({"mesh.data": 3}, r"config.mesh=\(data=3, fsdp=1, tensor=1\) uses 3 devices but 1"),
         (
             {"data.train_path": "/nonexistent/train.parquet"},

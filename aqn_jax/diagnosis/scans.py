@@ -274,8 +274,8 @@ def scan_layers_naive(
     layers: tuple[int, ...] | None = None,
 ) -> dict[str, np.ndarray]:
     """What a hook-based scan does (the original's approach): for each layer and each probe,
-    one full forward of the model with the probe at that layer. One compiled program per layer
-    (the probe's delta and trial are traced). Same metrics as `scan_layers` (the tests check
+    one full forward of the model with the probe at that layer. Two compiled programs per layer
+    (the probe's trial is traced; its delta is a scalar or a [B, T, D] array). Same metrics as `scan_layers` (the tests check
     they agree); `layers` restricts the scan (NaN elsewhere)."""
     plan = plan or FaultPlan()
     num_layers = model.config.num_hidden_layers
