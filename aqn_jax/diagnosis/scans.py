@@ -275,8 +275,8 @@ def scan_layers_naive(
 ) -> dict[str, np.ndarray]:
     """What a hook-based scan does (the original's approach): for each layer and each probe,
     one full forward of the model with the probe at that layer. Two compiled programs per layer
-    (the probe's trial is traced; its delta is a scalar or a [B, T, D] array). Same metrics as `scan_layers` (the tests check
-    they agree); `layers` restricts the scan (NaN elsewhere)."""
+    (the probe's trial is traced; its delta is a scalar or a [B, T, D] array). Same metrics as
+    `scan_layers` (the tests check they agree); `layers` restricts the scan (NaN elsewhere)."""
     plan = plan or FaultPlan()
     num_layers = model.config.num_hidden_layers
     fault_key = jax.random.key(0) if fault_key is None else fault_key
