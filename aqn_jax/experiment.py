@@ -18,6 +18,7 @@ from aqn_jax.data.config import data_config
 from aqn_jax.diagnosis.srdd import diagnosis_config
 from aqn_jax.faults.config import aqn_config, faults_config
 from aqn_jax.jobs.pretrain import sft_config
+from aqn_jax.models.factory import model_section
 from aqn_jax.parallel import mesh_config
 
 FAULT_LAYER = 4  # the middle of the tiny model's 8 layers
@@ -29,12 +30,7 @@ def base_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.arm = "clean"  # the study arm (apply_arm); informational in the run's outputs
     config.seed = 0
 
-    config.model = ml_collections.ConfigDict()
-    config.model.preset = "tiny"  # or a local HF snapshot in hf_path
-    config.model.hf_path = ""
-    config.model.param_dtype = "float32"
-    config.model.dtype = "float32"
-    config.model.remat = False
+    config.model = model_section()  # preset tiny, or a local HF snapshot in hf_path
     config.tokenizer_path = ""  # '' = the embedded character tokenizer (or hf_path's)
 
     config.data = data_config()
@@ -74,7 +70,7 @@ def base_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.algo.lam = 1.0
 
     config.actor = ml_collections.ConfigDict()
-    config.actor.lr = 5e-5
+    config.actor.lr = 1e-4
     config.actor.warmup_steps = 0
     config.actor.schedule = "constant"  # constant | warmup_constant | cosine
     config.actor.weight_decay = 0.01
@@ -94,8 +90,8 @@ def base_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.critic.faults = False  # run the hardware faults in the critic too
 
     config.trainer = ml_collections.ConfigDict()
-    config.trainer.total_steps = 60
-    config.trainer.val_every = 20  # 0 = only at the start and the end
+    config.trainer.total_steps = 30
+    config.trainer.val_every = 10  # 0 = only at the start and the end
     config.trainer.val_size = 256  # test examples per validation
     config.trainer.val_batch_size = 64
 

@@ -20,6 +20,7 @@ import ml_collections
 from aqn_jax.data.config import data_config
 from aqn_jax.diagnosis.srdd import diagnosis_config
 from aqn_jax.faults.config import aqn_config, faults_config
+from aqn_jax.models.factory import model_section
 
 
 def get_config() -> ml_collections.ConfigDict:
@@ -27,12 +28,7 @@ def get_config() -> ml_collections.ConfigDict:
     config.job = "diagnose"
     config.seed = 0  # PRNG seed of the random init (presets only)
 
-    config.model = ml_collections.ConfigDict()
-    config.model.preset = "tiny"  # or a local HF snapshot in hf_path
-    config.model.hf_path = ""
-    config.model.param_dtype = "float32"
-    config.model.dtype = "float32"
-    config.model.remat = False
+    config.model = model_section()  # preset tiny, or a local HF snapshot in hf_path
     config.tokenizer_path = ""  # '' = the embedded character tokenizer (or hf_path's)
 
     config.data = data_config()  # calibration prompts come from the train split

@@ -140,3 +140,20 @@ def load_config(name: str, arg: str | None = None):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.get_config() if arg is None else module.get_config(arg)
+
+
+def launch_cli(*args, workdir, cwd=None):
+    """`python -m aqn_jax.launch ARGS --workdir=WORKDIR` in a subprocess (CPU, offline)."""
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, HF_HUB_OFFLINE="1", JAX_PLATFORMS="cpu")
+    return subprocess.run(
+        [sys.executable, "-m", "aqn_jax.launch", *args, f"--workdir={workdir}"],
+        cwd=cwd or repo,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )

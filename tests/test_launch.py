@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+from conftest import launch_cli
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Tiny preset: embed 256*128; per layer q 128*128+128, k,v 128*64+64, o 128*128,
 # mlp 3*128*384, two norms 2*128; final norm 128; tied head.
@@ -18,15 +20,7 @@ TINY_PARAMS = (
 
 
 def _launch(*args, workdir):
-    env = dict(os.environ, HF_HUB_OFFLINE="1", JAX_PLATFORMS="cpu")
-    return subprocess.run(
-        [sys.executable, "-m", "aqn_jax.launch", *args, f"--workdir={workdir}"],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    return launch_cli(*args, workdir=workdir)
 
 
 def test_model_summary_embedded_default(tmp_path):
@@ -69,7 +63,7 @@ def test_model_summary_from_hf_snapshot(hf_factory, tmp_path):
         ("--config.model.preset=qwen9", "config.model.preset='qwen9'; allowed:"),
         ("--config.model.dtype=float64", "config.model.dtype='float64'; allowed:"),
         ("--config.model.hf_path=/nonexistent/dir", "config.model.hf_path='/nonexistent/dir'"),
-        ("--config.job=nope", "config.job='nope'; allowed: \\['model_summary'"),
+        ("--config.job=nope", "config.job='nope'; allowed: .*'model_summary'"),
     ],
 )
 def test_bad_config_fails_before_work(tmp_path, override, message):

@@ -12,7 +12,7 @@ import pytest
 
 from aqn_jax.experiment import ARMS
 
-from conftest import load_config
+from conftest import launch_cli, load_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -118,16 +118,8 @@ def test_ppo_with_critic_runs(sft_cache, tmp_path):
     assert rows[1]["critic/values/mean"] == 0.0  # zero-initialised value head at step 1
 
 
-def _launch(args, workdir, env_extra=None):
-    env = dict(os.environ, HF_HUB_OFFLINE="1", JAX_PLATFORMS="cpu", **(env_extra or {}))
-    return subprocess.run(
-        [sys.executable, "-m", "aqn_jax.launch", *args, f"--workdir={workdir}"],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+def _launch(args, workdir):
+    return launch_cli(*args, workdir=workdir)
 
 
 def test_bad_input_is_refused_before_anything_is_written(tmp_path, sft_cache):
@@ -174,7 +166,7 @@ SHARDED = textwrap.dedent(
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
     import jax, numpy as np
     sys.path.insert(0, {tests!r})
-    from conftest import load_config
+    from conftest import launch_cli, load_config
     from aqn_jax import parallel
     from aqn_jax.data.config import load_split
     from aqn_jax.diagnosis import srdd

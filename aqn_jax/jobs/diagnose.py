@@ -9,8 +9,8 @@ map, the `config.aqn` fragment) and `srdd.png` into the workdir.
 from __future__ import annotations
 
 from aqn_jax.data.config import check_data, load_split
-from aqn_jax.data.tokenizers import load_tokenizer
 from aqn_jax.diagnosis import srdd
+from aqn_jax.jobs.pretrain import tokenizer_for
 from aqn_jax.models.factory import load_model, model_config
 from aqn_jax.models.qwen2 import Qwen2ForCausalLM
 
@@ -19,13 +19,7 @@ def _validate(config):
     qcfg = model_config(config.model)
     srdd.check_config(config.diagnosis)
     check_data(config.data)
-    tokenizer_path = config.tokenizer_path or config.model.hf_path
-    tokenizer = load_tokenizer(tokenizer_path or None)
-    if tokenizer.vocab_size > qcfg.vocab_size:
-        raise ValueError(
-            f"config.tokenizer_path={tokenizer_path!r}: the tokenizer has {tokenizer.vocab_size}"
-            f" ids but the model's vocab_size is {qcfg.vocab_size}"
-        )
+    tokenizer = tokenizer_for(config)
     plan = srdd.hardware_plan(config, qcfg.num_hidden_layers)
     return qcfg, tokenizer, plan
 

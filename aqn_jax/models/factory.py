@@ -13,10 +13,22 @@ from typing import Any
 
 import flax.linen as nn
 import jax
+import ml_collections
 import numpy as np
 
 from .hf import config_from_hf, load_hf_checkpoint
 from .qwen2 import _DTYPES, PRESETS, Qwen2Config, Qwen2ForCausalLM
+
+
+def model_section(preset: str = "tiny") -> ml_collections.ConfigDict:
+    """`config.model`: a preset (random init) or a local HF snapshot, and the numerics."""
+    c = ml_collections.ConfigDict()
+    c.preset = preset  # tiny | qwen2p5_0p5b | qwen2p5_1p5b | qwen2p5_3b | qwen2p5_7b
+    c.hf_path = ""  # local Hugging Face snapshot (config.json + safetensors); '' = the preset
+    c.param_dtype = "float32"  # float32 | bfloat16 | float16
+    c.dtype = "float32"  # activation / matmul dtype
+    c.remat = False  # rematerialise each decoder layer in the backward pass
+    return c
 
 
 def model_config(model_cfg: Any) -> Qwen2Config:

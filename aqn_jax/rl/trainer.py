@@ -429,9 +429,9 @@ class Trainer:
                 cu, copt = self.critic_opt.update(cg, copt, cparams)
                 cparams = optax.apply_updates(cparams, cu)
                 mets.update({f"critic/{k}": v for k, v in cm.items()})
-                mets["critic/grad_norm"] = optax.global_norm(cg)
+                mets["critic/grad_norm"] = optax.tree.norm(cg)
             g, am = accumulate(actor_loss, st.params, mb, denom, base)
-            grad_norm = optax.global_norm(g)
+            grad_norm = optax.tree.norm(g)
             # No actor update during the critic warm-up (verl critic_warmup).
             live = st.step >= h.critic_warmup if self.use_critic else jnp.bool_(True)
             u, opt = self.actor_opt.update(g, st.opt_state, st.params)
@@ -498,6 +498,7 @@ class Trainer:
         train_key = step_key(self.seed, step, "train")
         scores_dev = jax.device_put(tb["scores"], parallel.batch_sharding(self.mesh, 1))
         prep = self._prepare(self.state, self.ref_params, dev, scores_dev, train_key, values, plen)
+        prep = jax.block_until_ready(prep)
         t_prep = time.perf_counter() - t0
         upd = {k: dev[k] for k in ("ids", "mask", "tokens", "rmask")}
         upd.update({k: prep[k] for k in ("old_logp", "advantages")})
