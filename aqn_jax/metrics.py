@@ -36,6 +36,16 @@ class MetricsWriter:
                     self._tb.add_scalar(k, v, int(step))
             self._tb.flush()
 
+    def rewrite(self, rows) -> None:
+        """Replace metrics.jsonl by `rows` (a resumed run drops what it will recompute)."""
+        if not self.enabled:
+            return
+        tmp = self.path + ".tmp"
+        with open(tmp, "w") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+        os.replace(tmp, self.path)
+
     def close(self) -> None:
         if self._tb is not None:
             self._tb.close()

@@ -8,8 +8,10 @@ every `checkpoint.every`) -> final validation, checkpoint, summary.json and repo
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import time
 
 import jax
@@ -21,7 +23,7 @@ from aqn_jax.data.config import check_data, load_split
 from aqn_jax.diagnosis import srdd
 from aqn_jax.faults.config import build_plan, needs_srdd
 from aqn_jax.jobs.pretrain import check_sft, tokenizer_for, warm_start
-from aqn_jax.metrics import MetricsWriter, progress
+from aqn_jax.metrics import MetricsWriter, progress, read_metrics
 from aqn_jax.models.factory import model_config
 from aqn_jax.models.qwen2 import Qwen2ForCausalLM
 from aqn_jax.report import write_run_report
@@ -122,16 +124,35 @@ def run(config, workdir: str) -> None:
         v["timing_s/testing"] = time.perf_counter() - t0
         return v
 
-    val0 = validate_now(0)
-    writer.write(0, val0)
+    start, history = 0, []
+    latest = ckpt.latest_step()
+    if latest is not None:
+        # Resume: the latest complete checkpoint (Orbax never lists a half-written one); rows
+        # that a killed run logged after it are dropped and recomputed.
+        trainer.state, meta = ckpt.restore(latest, trainer.state)
+        trainer.batcher.load_state(meta["data"])
+        start = int(latest)
+        history = [r for r in read_metrics(workdir) if r["step"] <= start]
+        writer.rewrite(history)
+        print(f"resumed from {ckpt.directory}/{start} (RL step {start} of {total})")
+    if not history:
+        val0 = validate_now(0)
+        writer.write(0, val0)
+        history = [{"step": 0, **val0}]
+    val0 = {k: v for k, v in history[0].items() if k != "step"}
+    last_val = next(
+        {k: v for k, v in r.items() if k.startswith(("val-", "timing_s/testing"))}
+        for r in reversed(history)
+        if "val-core/acc" in r
+    )
     print(
         f"step 0: val acc {val0['val-core/acc']:.3f} (faulty device),"
         f" {val0['val-clean/acc']:.3f} (clean)"
     )
-    history = [{"step": 0, **val0}]
+    stop = _Preemption()
     bar = progress(total, "RL")
-    last_val = val0
-    for step in range(1, total + 1):
+    bar.update(start)
+    for step in range(start + 1, total + 1):
         m = trainer.step(step)
         if config.trainer.val_every and step % config.trainer.val_every == 0 and step < total:
             last_val = validate_now(step)
@@ -145,8 +166,14 @@ def run(config, workdir: str) -> None:
         bar.set_postfix(
             reward=f"{m['critic/score/mean']:.3f}", acc=f"{last_val['val-core/acc']:.3f}"
         )
-        if ckpt.due(step) or step == total:
+        if ckpt.due(step) or step == total or stop.requested:
             ckpt.save(step, trainer.state, {"step": step, "data": trainer.batcher.state()})
+        if stop.requested and step < total:
+            bar.close()
+            ckpt.close()
+            writer.close()
+            print(f"SIGTERM: saved RL step {step} to {ckpt.directory}; rerun to resume")
+            raise SystemExit(143)
     bar.close()
     ckpt.close()
     writer.close()
@@ -190,6 +217,19 @@ def run(config, workdir: str) -> None:
             f" fault at {fault_layers}"
         )
         print(f"report: {report}")
+
+
+class _Preemption:
+    """SIGTERM (a preempted job) asks for a final checkpoint after the current step."""
+
+    def __init__(self):
+        self.requested = False
+        # Not possible off the main thread (e.g. a test runner's worker): then no handler.
+        with contextlib.suppress(ValueError):
+            signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum, frame):
+        self.requested = True
 
 
 def _fault_layers(config, n_layers):

@@ -219,9 +219,15 @@ class Sampler:
         sp = self.params
         key, fault_key = keys
         rows = input_ids.shape[0]
-        # Reuse the donated buffers: slots are invalid until rewritten (mask 0), so no zeroing.
-        cache = dataclasses.replace(
-            cache, mask=jnp.zeros_like(cache.mask), end=jnp.zeros((), jnp.int32)
+        # Reuse the donated buffers, zeroed: a padding query has no valid key, and its softmax
+        # over all-masked slots would average whatever an earlier call left there. Its output
+        # never reaches a real token, but it enters tensor-wide statistics (a deadzone's amax,
+        # the telemetry), so a run must not depend on what the cache held before.
+        cache = KVCache(
+            k=tuple(jnp.zeros_like(k) for k in cache.k),
+            v=tuple(jnp.zeros_like(v) for v in cache.v),
+            mask=jnp.zeros_like(cache.mask),
+            end=jnp.zeros((), jnp.int32),
         )
         logits, cache, stats = self._forward(
             weights, input_ids, attention_mask, cache, jax.random.fold_in(fault_key, 0), values
