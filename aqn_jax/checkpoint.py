@@ -8,6 +8,7 @@ save is never picked up by `latest_step`.
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 import jax
@@ -53,6 +54,36 @@ class Checkpointer:
             ),
         )
         return out["state"], out["meta"]
+
+    def restore_latest(self, abstract_state: Any, log=print) -> tuple[int, Any, dict] | None:
+        """(step, state, meta) of the newest checkpoint that reads back; an unreadable one
+        (corrupted files) is reported and the previous one tried. None when there is none;
+        raises when checkpoints exist but none is readable (nothing is deleted)."""
+        steps = sorted(self.manager.all_steps(), reverse=True)
+        errors = []
+        for step in steps:
+            try:
+                state, meta = self.restore(step, abstract_state)
+            except Exception as e:  # noqa: BLE001 - any failure to read means unusable
+                errors.append(f"step {step}: {type(e).__name__}: {str(e)[:200]}")
+                # Set it aside (never deleted) so that this step can be saved again.
+                aside = os.path.join(self.directory, f"{step}.unreadable-{int(time.time())}")
+                if jax.process_index() == 0:
+                    os.rename(os.path.join(self.directory, str(step)), aside)
+                log(
+                    f"checkpoint {self.directory}/{step} is unreadable ({errors[-1]}); moved to"
+                    f" {aside}; trying the previous one"
+                )
+                continue
+            if errors:
+                self.manager.reload()
+            return step, state, meta
+        if steps:
+            raise RuntimeError(
+                f"no readable checkpoint in {self.directory} ({'; '.join(errors)}); move the"
+                " directory away to start afresh"
+            )
+        return None
 
     def wait(self) -> None:
         self.manager.wait_until_finished()

@@ -82,6 +82,18 @@ def test_kill_and_resume_equals_uninterrupted(tmp_path):
     summary = json.loads((killed / "summary.json").read_text())
     assert summary["steps"] == STEPS
 
+    # A corrupted latest checkpoint is reported and skipped: the run falls back to step 5,
+    # recomputes step 6 and again equals the uninterrupted run.
+    for f in (killed / "checkpoints" / str(STEPS) / "state").rglob("*"):
+        if f.is_file():
+            f.write_bytes(b"\x00garbage" * 7)
+    run(_config(cache), str(killed))
+    assert _rows(killed) == _rows(straight)
+    for x, y in zip(
+        jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(_params(killed, STEPS)), strict=True
+    ):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
 
 def test_sigterm_requests_a_final_checkpoint():
     """The train loop's SIGTERM handler only sets a flag; the loop then saves and exits 143."""

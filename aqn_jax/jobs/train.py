@@ -125,11 +125,11 @@ def run(config, workdir: str) -> None:
         return v
 
     start, history = 0, []
-    latest = ckpt.latest_step()
-    if latest is not None:
-        # Resume: the latest complete checkpoint (Orbax never lists a half-written one); rows
-        # that a killed run logged after it are dropped and recomputed.
-        trainer.state, meta = ckpt.restore(latest, trainer.state)
+    restored = ckpt.restore_latest(trainer.state)
+    if restored is not None:
+        # Resume: the latest complete, readable checkpoint (Orbax never lists a half-written
+        # one); rows that a killed run logged after it are dropped and recomputed.
+        latest, trainer.state, meta = restored
         trainer.batcher.load_state(meta["data"])
         start = int(latest)
         history = [r for r in read_metrics(workdir) if r["step"] <= start]
