@@ -103,11 +103,6 @@ class Scale:
         if self.layer_scales is not None and site.layer is not None:
             scale = scale * self.layer_scales.get(site.layer, 1.0)
         if self.value is not None:
-            if self.value not in values:
-                raise ValueError(
-                    f"the fault plan needs the traced value {self.value!r}; pass"
-                    f" values={{{self.value!r}: ...}} to plan.apply (got {sorted(values)})"
-                )
             scale = scale * traced_value(values, self.value, site)
         return scale
 

@@ -51,33 +51,22 @@ def lr_schedule(
 
 
 def adamw(
-    lr: float,
-    total_steps: int,
+    schedule: optax.ScalarOrSchedule,
     *,
-    warmup_steps: int = 0,
-    schedule: str = "constant",
     weight_decay: float = 0.01,
     b1: float = 0.9,
     b2: float = 0.999,
     eps: float = 1e-8,
     grad_clip: float = 1.0,
-    min_lr_ratio: float = 0.0,
     field: str = "optim",
 ) -> optax.GradientTransformation:
-    """optax AdamW (decoupled weight decay, torch defaults) after global-norm clipping
-    (`grad_clip` <= 0 disables it), as verl's FSDP actor (clip 1.0, wd 0.01)."""
+    """optax AdamW (decoupled weight decay, torch defaults) at the learning rate `schedule`
+    (`lr_schedule`), after global-norm clipping (`grad_clip` <= 0 disables it), as verl's FSDP
+    actor (clip 1.0, wd 0.01)."""
     if weight_decay < 0:
         raise ValueError(f"{field}.weight_decay={weight_decay}; must be >= 0")
-    sched = lr_schedule(
-        lr,
-        total_steps,
-        warmup_steps=warmup_steps,
-        schedule=schedule,
-        min_lr_ratio=min_lr_ratio,
-        field=field,
-    )
     parts = []
     if grad_clip and grad_clip > 0:
         parts.append(optax.clip_by_global_norm(grad_clip))
-    parts.append(optax.adamw(sched, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay))
+    parts.append(optax.adamw(schedule, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay))
     return optax.chain(*parts)

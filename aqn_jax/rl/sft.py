@@ -26,7 +26,7 @@ from aqn_jax.data.gsm8k import Example
 from aqn_jax.data.tokenizers import Tokenizer
 from aqn_jax.models.qwen2 import Qwen2ForCausalLM
 
-from .optim import adamw
+from .optim import adamw, lr_schedule
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,10 +104,7 @@ def sft_train(
     if batch_size > n:
         raise ValueError(f"SFT batch_size={batch_size} > {n} examples")
     opt = adamw(
-        lr,
-        steps,
-        warmup_steps=warmup_steps,
-        schedule=schedule,
+        lr_schedule(lr, steps, warmup_steps=warmup_steps, schedule=schedule, field="config.sft"),
         weight_decay=weight_decay,
         field="config.sft",
     )

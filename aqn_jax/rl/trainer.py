@@ -224,32 +224,11 @@ class Trainer:
         # optax counts optimizer updates, `updates` per RL step.
         self.updates = self.h.ppo_epochs * self.h.mini_batches
         U = self.updates
-        actor = config.actor
-        self.actor_schedule = lr_schedule(
-            float(actor.lr),
-            self.total_steps * U,
-            warmup_steps=int(actor.warmup_steps) * U,
-            schedule=actor.schedule,
-            field="config.actor",
+        self.actor_schedule, self.actor_opt = _optimizer(
+            config.actor, "warmup_steps", self.total_steps * U, U, "config.actor"
         )
-        self.actor_opt = adamw(
-            float(actor.lr),
-            self.total_steps * U,
-            warmup_steps=int(actor.warmup_steps) * U,
-            schedule=actor.schedule,
-            weight_decay=float(actor.weight_decay),
-            grad_clip=float(actor.grad_clip),
-            field="config.actor",
-        )
-        crit = config.critic
-        self.critic_opt = adamw(
-            float(crit.lr),
-            self.total_steps * U,
-            warmup_steps=int(crit.lr_warmup_steps) * U,
-            schedule=crit.schedule,
-            weight_decay=float(crit.weight_decay),
-            grad_clip=float(crit.grad_clip),
-            field="config.critic",
+        _, self.critic_opt = _optimizer(
+            config.critic, "lr_warmup_steps", self.total_steps * U, U, "config.critic"
         )
         axes = logical_axes(model_config)
         self.param_sharding = parallel.param_shardings(axes, mesh)
@@ -258,7 +237,7 @@ class Trainer:
         if self.use_critic:
             caxes = logical_axes(model_config, head="value")
             self.critic_sharding = parallel.param_shardings(caxes, mesh)
-            critic_params = init_critic(model_config, params, self.seed)
+            critic_params = init_critic(model_config, params)
             critic_params = jax.device_put(critic_params, self.critic_sharding)
         self.ref_params = jax.tree_util.tree_map(jnp.copy, params) if self.use_ref else None
         state = RLState(
@@ -620,14 +599,31 @@ def evaluate(
     return np.asarray(scores, np.float32)
 
 
-def init_critic(model_config: Qwen2Config, policy_params, seed: int):
+def init_critic(model_config: Qwen2Config, policy_params):
     """The critic: the policy's backbone (embed, layers, final norm) and a fresh value head
     (zero-initialised: every value starts at 0)."""
     backbone = {k: v for k, v in policy_params.items() if k != "lm_head"}
     D = model_config.hidden_size
     head = {"kernel": jnp.zeros((D, 1), jnp.float32), "bias": jnp.zeros((1,), jnp.float32)}
-    del seed
     return {**jax.tree_util.tree_map(jnp.copy, backbone), "value_head": head}
+
+
+def _optimizer(section, warmup_field: str, total_updates: int, per_step: int, field: str):
+    """(schedule, AdamW) of config.actor / config.critic, the schedule counted in updates."""
+    schedule = lr_schedule(
+        float(section.lr),
+        total_updates,
+        warmup_steps=int(section[warmup_field]) * per_step,
+        schedule=section.schedule,
+        field=field,
+    )
+    opt = adamw(
+        schedule,
+        weight_decay=float(section.weight_decay),
+        grad_clip=float(section.grad_clip),
+        field=field,
+    )
+    return schedule, opt
 
 
 def check_finite(step: int, metrics: Mapping[str, float]) -> None:
