@@ -55,6 +55,26 @@ class Checkpointer:
         )
         return out["state"], out["meta"]
 
+    def restore_host(self, step: int) -> tuple[dict, dict]:
+        """(state as a tree of numpy arrays, meta) of checkpoint `step`, whatever the mesh and
+        the number of processes that saved it (e.g. to evaluate or compare runs)."""
+        path = os.path.join(self.directory, str(int(step)), "state")
+        tree = ocp.StandardCheckpointer().metadata(path).item_metadata.tree
+        device = jax.local_devices()[0]
+        abstract = jax.tree_util.tree_map(
+            lambda m: jax.ShapeDtypeStruct(
+                m.shape, m.dtype, sharding=jax.sharding.SingleDeviceSharding(device)
+            ),
+            tree,
+        )
+        out = self.manager.restore(
+            int(step),
+            args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()
+            ),
+        )
+        return jax.device_get(out["state"]), out["meta"]
+
     def restore_latest(self, abstract_state: Any, log=print) -> tuple[int, Any, dict] | None:
         """(step, state, meta) of the newest checkpoint that reads back; an unreadable one
         (corrupted files) is reported and the previous one tried. None when there is none;

@@ -19,7 +19,7 @@ from aqn_jax.diagnosis.srdd import diagnosis_config
 from aqn_jax.faults.config import aqn_config, faults_config
 from aqn_jax.jobs.pretrain import sft_config
 from aqn_jax.models.factory import model_section
-from aqn_jax.parallel import mesh_config
+from aqn_jax.parallel import distributed_config, mesh_config
 
 FAULT_LAYER = 4  # the middle of the tiny model's 8 layers
 
@@ -100,6 +100,7 @@ def base_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.checkpoint.keep = 2
 
     config.mesh = mesh_config()
+    config.distributed = distributed_config()  # several hosts (launch/*.sh set it)
     config.diagnosis = diagnosis_config()
 
     config.faults = faults_config()

@@ -34,6 +34,16 @@ def run(config, workdir: str) -> None:
     job = config.get("job")
     if job not in available_jobs():
         raise ValueError(f"config.job={job!r}; allowed: {available_jobs()}")
+    if "distributed" in config:  # several hosts: before anything else touches the devices
+        from aqn_jax import parallel
+
+        if parallel.initialize(config.distributed):
+            logging.info(
+                "process %d of %d (%d local devices)",
+                jax.process_index(),
+                jax.process_count(),
+                jax.local_device_count(),
+            )
     logging.info("JAX %s, %d devices: %s", jax.__version__, jax.device_count(), jax.devices())
     os.makedirs(workdir, exist_ok=True)
     importlib.import_module(f"aqn_jax.jobs.{job}").run(config, workdir)

@@ -10,6 +10,12 @@ them to mesh axes:
 
 Batches are split along axis 0 over ('data', 'fsdp'). Meshes are made with Auto axis types
 (JAX 0.10 defaults to explicit sharding, which refuses ambiguous contractions).
+
+Several hosts (`config.distributed`, `initialize`): every process runs the same program over the
+global mesh. Host-side inputs are built identically on every process (the prompt batcher is
+deterministic) and each process places only the rows its own devices hold (`put_batch`,
+`put_global`); results come back to every host with `to_host` (an all-gather across processes
+where an array is not fully addressable). Only process 0 writes logs and reports.
 """
 
 from __future__ import annotations
@@ -41,6 +47,94 @@ def mesh_config() -> ml_collections.ConfigDict:
     c.fsdp = 1
     c.tensor = 1
     return c
+
+
+def distributed_config() -> ml_collections.ConfigDict:
+    """`config.distributed`: several processes (hosts) in one run.
+
+    coordinator '' and auto False: one process. coordinator 'host:port' with num_processes and
+    process_id: explicit (launch/local.sh, launch/slurm.sh pass these). auto True:
+    `jax.distributed.initialize()` detects the cluster itself (TPU pod slices, Slurm).
+    """
+    c = ml_collections.ConfigDict()
+    c.coordinator = ""  # 'host:port' of process 0
+    c.num_processes = 0
+    c.process_id = -1
+    c.auto = False  # let JAX detect the cluster (TPU pod, Slurm, Open MPI)
+    c.local_device_ids = ""  # e.g. '0,1' (GPUs this process uses); '' = all visible
+    return c
+
+
+def check_distributed(dist: Any) -> None:
+    """Raise naming the field before anything starts."""
+    if dist.auto and dist.coordinator:
+        raise ValueError(
+            f"config.distributed.auto=True and coordinator={dist.coordinator!r}: give one"
+            " (auto detects the coordinator itself)"
+        )
+    if dist.coordinator:
+        host, _, port = str(dist.coordinator).rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(
+                f"config.distributed.coordinator={dist.coordinator!r}; expected 'host:port'"
+            )
+        if int(dist.num_processes) < 1:
+            raise ValueError(
+                f"config.distributed.num_processes={dist.num_processes}; must be >= 1 with a"
+                " coordinator"
+            )
+        if not 0 <= int(dist.process_id) < int(dist.num_processes):
+            raise ValueError(
+                f"config.distributed.process_id={dist.process_id}; must be in"
+                f" [0, num_processes={dist.num_processes})"
+            )
+    if dist.local_device_ids:
+        try:
+            [int(i) for i in str(dist.local_device_ids).split(",")]
+        except ValueError:
+            raise ValueError(
+                f"config.distributed.local_device_ids={dist.local_device_ids!r}; expected"
+                " comma-separated integers such as '0,1'"
+            ) from None
+
+
+def initialize(dist: Any) -> bool:
+    """`jax.distributed.initialize` when `config.distributed` asks for it (before any other JAX
+    call touches the devices). Returns whether the run is multi-process."""
+    check_distributed(dist)
+    if not (dist.coordinator or dist.auto):
+        return False
+    kwargs = {}
+    if dist.coordinator:
+        kwargs = dict(
+            coordinator_address=str(dist.coordinator),
+            num_processes=int(dist.num_processes),
+            process_id=int(dist.process_id),
+        )
+    if dist.local_device_ids:
+        kwargs["local_device_ids"] = [int(i) for i in str(dist.local_device_ids).split(",")]
+    jax.distributed.initialize(**kwargs)
+    return True
+
+
+def to_host(x: Any) -> np.ndarray:
+    """The full value of a (possibly multi-process) array as numpy, on every process."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable and not x.is_fully_replicated:
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(x)
+
+
+def put_global(tree: Any, shardings: Any) -> Any:
+    """Host values (the same on every process) -> global arrays with `shardings`; each
+    process transfers only the shards its devices hold."""
+
+    def one(x, sharding):
+        x = np.asarray(x)
+        return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
+
+    return jax.tree_util.tree_map(one, tree, shardings)
 
 
 def mesh_shape(mesh_cfg: Any, num_devices: int) -> tuple[int, int, int]:
@@ -96,12 +190,11 @@ def batch_divisor(mesh: Mesh) -> int:
 
 
 def put_batch(tree: Any, mesh: Mesh) -> Any:
-    """Place arrays split along axis 0 over (data, fsdp); scalars replicated."""
+    """Place host arrays (the global batch, identical on every process) split along axis 0
+    over (data, fsdp), scalars replicated; each process transfers only its own rows."""
 
-    def one(x):
+    def sharding(x):
         x = np.asarray(x)
-        if x.ndim == 0:
-            return jax.device_put(x, replicated(mesh))
-        return jax.device_put(x, batch_sharding(mesh, x.ndim))
+        return replicated(mesh) if x.ndim == 0 else batch_sharding(mesh, x.ndim)
 
-    return jax.tree_util.tree_map(one, tree)
+    return put_global(tree, jax.tree_util.tree_map(sharding, tree))

@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from aqn_jax import parallel
 from aqn_jax.faults.intercept import FaultPlan
 from aqn_jax.models.qwen2 import KVCache, Qwen2ForCausalLM, init_cache
 
@@ -169,30 +170,31 @@ class Sampler:
         rows = B * self.params.n
         cache = self._caches.pop((rows, bucket), None)
         if cache is None:
-            cache = init_cache(self.model.config, rows, bucket + self.params.max_new_tokens)
-            if self.mesh is not None:
-                cache = jax.device_put(cache, self._cache_sharding(cache))
+            make = lambda: init_cache(self.model.config, rows, bucket + self.params.max_new_tokens)
+            if self.mesh is None:
+                cache = make()
+            else:  # created in place on the mesh (no host copy; works across processes)
+                shardings = self._cache_sharding(jax.eval_shape(make))
+                cache = jax.jit(make, out_shardings=shardings)()
+        dev_ids, dev_mask = input_ids, attention_mask
         if self.mesh is not None:
-            from aqn_jax import parallel
-
-            input_ids, attention_mask = parallel.put_batch((input_ids, attention_mask), self.mesh)
+            dev_ids, dev_mask = parallel.put_batch((input_ids, attention_mask), self.mesh)
         fault_key = key if fault_key is None else fault_key
         tokens, logprobs, mask, stats, cache = self._program(
-            weights, input_ids, attention_mask, (key, fault_key), cache, dict(values or {})
+            weights, dev_ids, dev_mask, (key, fault_key), cache, dict(values or {})
         )
         self._caches[(rows, bucket)] = cache
+        # Every process gets the whole batch back (an all-gather when it spans several hosts).
         return SampleOutput(
             prompt_ids=input_ids,
             prompt_mask=attention_mask,
-            tokens=np.asarray(tokens),
-            logprobs=np.asarray(logprobs),
-            response_mask=np.asarray(mask),
-            fault_stats=jax.tree_util.tree_map(np.asarray, stats),
+            tokens=parallel.to_host(tokens),
+            logprobs=parallel.to_host(logprobs),
+            response_mask=parallel.to_host(mask),
+            fault_stats=jax.tree_util.tree_map(parallel.to_host, stats),
         )
 
     def _cache_sharding(self, cache: KVCache):
-        from aqn_jax import parallel
-
         return jax.tree_util.tree_map(
             lambda x: (
                 parallel.replicated(self.mesh)

@@ -232,32 +232,51 @@ class Trainer:
         )
         axes = logical_axes(model_config)
         self.param_sharding = parallel.param_shardings(axes, mesh)
-        params = jax.device_put(params, self.param_sharding)
-        critic_params = None
-        if self.use_critic:
-            caxes = logical_axes(model_config, head="value")
-            self.critic_sharding = parallel.param_shardings(caxes, mesh)
-            critic_params = init_critic(model_config, params)
-            critic_params = jax.device_put(critic_params, self.critic_sharding)
-        self.ref_params = jax.tree_util.tree_map(jnp.copy, params) if self.use_ref else None
-        state = RLState(
-            step=jnp.zeros((), jnp.int32),
-            params=params,
-            opt_state=self.actor_opt.init(params),
-            critic_params=critic_params,
-            critic_opt_state=None if critic_params is None else self.critic_opt.init(critic_params),
-        )
-        # Optimizer counters and the step are created on the default device: replicate them.
         rep = parallel.replicated(mesh)
-        self.state_sharding = jax.tree_util.tree_map(
-            lambda x: (
-                x.sharding
-                if isinstance(x.sharding, jax.sharding.NamedSharding) and x.sharding.mesh == mesh
-                else rep
-            ),
-            state,
+        # Host values in, global arrays out: every process holds only its own shards.
+        host_params = jax.device_get(params)
+        params = parallel.put_global(host_params, self.param_sharding)
+        critic_params = critic_sharding = None
+        if self.use_critic:
+            critic_sharding = parallel.param_shardings(
+                logical_axes(model_config, head="value"), mesh
+            )
+            critic_params = parallel.put_global(
+                init_critic(model_config, host_params), critic_sharding
+            )
+        self.critic_sharding = critic_sharding
+        self.ref_params = jax.tree_util.tree_map(jnp.copy, params) if self.use_ref else None
+
+        def opt_sharding(opt, p, shardings):
+            # Moments follow their params; counters and other scalars are replicated.
+            return optax.tree_map_params(
+                opt,
+                lambda _, s: s,
+                jax.eval_shape(opt.init, p),
+                shardings,
+                transform_non_params=lambda _: rep,
+            )
+
+        self.state_sharding = RLState(
+            step=rep,
+            params=self.param_sharding,
+            opt_state=opt_sharding(self.actor_opt, params, self.param_sharding),
+            critic_params=critic_sharding,
+            critic_opt_state=None
+            if critic_params is None
+            else opt_sharding(self.critic_opt, critic_params, critic_sharding),
         )
-        self.state = jax.device_put(state, self.state_sharding)
+
+        def init_state(p, cp):
+            return RLState(
+                step=jnp.zeros((), jnp.int32),
+                params=p,
+                opt_state=self.actor_opt.init(p),
+                critic_params=cp,
+                critic_opt_state=None if cp is None else self.critic_opt.init(cp),
+            )
+
+        self.state = jax.jit(init_state, out_shardings=self.state_sharding)(params, critic_params)
         self._prepare = jax.jit(self._prepare_fn, static_argnums=(6,))
         self._update = jax.jit(
             self._update_fn,
@@ -475,7 +494,7 @@ class Trainer:
         t0 = time.perf_counter()
         dev = parallel.put_batch({k: v for k, v in tb.items() if k not in ("scores",)}, self.mesh)
         train_key = step_key(self.seed, step, "train")
-        scores_dev = jax.device_put(tb["scores"], parallel.batch_sharding(self.mesh, 1))
+        scores_dev = parallel.put_batch(tb["scores"], self.mesh)
         prep = self._prepare(self.state, self.ref_params, dev, scores_dev, train_key, values, plen)
         prep = jax.block_until_ready(prep)
         t_prep = time.perf_counter() - t0
@@ -487,15 +506,15 @@ class Trainer:
             upd.update(values=prep["values"], returns=prep["returns"])
         t0 = time.perf_counter()
         self.state, mets = self._update(self.state, upd, train_key, values, plen)
-        mets = {k: float(v) for k, v in jax.device_get(mets).items()}
+        mets = {k: float(parallel.to_host(v)) for k, v in mets.items()}
         t_upd = time.perf_counter() - t0
 
         rmask = tb["rmask"]
         lengths = rmask.sum(1)
-        old_logp = np.asarray(prep["old_logp"])
+        old_logp = parallel.to_host(prep["old_logp"])
         drift = np.abs(old_logp - tb["sampler_logp"])[rmask > 0]
-        adv = np.asarray(prep["advantages"])
-        rewards = np.asarray(prep["token_rewards"]).sum(1)
+        adv = parallel.to_host(prep["advantages"])
+        rewards = parallel.to_host(prep["token_rewards"]).sum(1)
         eos = (tb["tokens"] == self.tokenizer.eos_id).any(1)
         m: dict[str, float] = {
             "step": float(step),
@@ -523,14 +542,14 @@ class Trainer:
             "data/epoch": float(batch["epoch"]),
         }
         if self.use_critic:
-            vals = np.asarray(prep["values"])
+            vals = parallel.to_host(prep["values"])
             m["critic/values/mean"] = float(vals[rmask > 0].mean())
-            m["critic/returns/mean"] = float(np.asarray(prep["returns"])[rmask > 0].mean())
+            m["critic/returns/mean"] = float(parallel.to_host(prep["returns"])[rmask > 0].mean())
         m.update(mets)
         for name, v in summarize_stats(out.fault_stats).items():
             if name.endswith("/mean"):
                 m[f"faults/rollout/{name.removesuffix('/mean')}"] = v
-        for name, v in summarize_stats(jax.device_get(prep["fault_stats"])).items():
+        for name, v in summarize_stats(jax.tree_util.tree_map(parallel.to_host, prep["fault_stats"])).items():
             if name.endswith("/mean"):
                 m[f"faults/train/{name.removesuffix('/mean')}"] = v
         check_finite(step, m)
@@ -604,8 +623,8 @@ def init_critic(model_config: Qwen2Config, policy_params):
     (zero-initialised: every value starts at 0)."""
     backbone = {k: v for k, v in policy_params.items() if k != "lm_head"}
     D = model_config.hidden_size
-    head = {"kernel": jnp.zeros((D, 1), jnp.float32), "bias": jnp.zeros((1,), jnp.float32)}
-    return {**jax.tree_util.tree_map(jnp.copy, backbone), "value_head": head}
+    head = {"kernel": np.zeros((D, 1), np.float32), "bias": np.zeros((1,), np.float32)}
+    return {**jax.tree_util.tree_map(np.array, backbone), "value_head": head}
 
 
 def _optimizer(section, warmup_field: str, total_updates: int, per_step: int, field: str):

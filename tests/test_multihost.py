@@ -1,0 +1,150 @@
+"""Several hosts: two processes joined by `jax.distributed` over loopback (CPU collectives via
+gloo), one CPU device each, run the train job and agree exactly with one process driving the
+same two-device mesh; config.distributed is checked before anything starts."""
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from aqn_jax import parallel
+from aqn_jax.checkpoint import Checkpointer
+
+from conftest import load_config
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FLAGS = [
+    "--config=configs/deadzone.py:smoke",
+    # All-zero rewards (the smoke SFT cannot solve the task yet) would leave only weight decay
+    # to update the params; the entropy bonus gives every step a real, batch-wide gradient.
+    "--config.algo.entropy_coeff=0.01",
+    "--config.checkpoint.every=1",
+]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(workdir, cache, extra=(), devices=1):
+    env = dict(
+        os.environ,
+        HF_HUB_OFFLINE="1",
+        JAX_PLATFORMS="cpu",
+        XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+    )
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "aqn_jax.launch",
+            *FLAGS,
+            f"--config.sft.cache_dir={cache}",
+            *extra,
+            f"--workdir={workdir}",
+        ],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _finish(proc, what):
+    out, err = proc.communicate(timeout=400)
+    assert proc.returncode == 0, f"{what}: {err[-3000:]}"
+    return out
+
+
+def _rows(workdir):
+    rows = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if not k.startswith("timing_s/")} for r in rows]
+
+
+def test_two_processes_agree_with_one(tmp_path):
+    cache = tmp_path / "cache"
+    single, multi = tmp_path / "single", tmp_path / "multi"
+    # The reference: one process, two devices (the same data=2 mesh), which also fills the
+    # SFT cache that both processes of the multi-host run then read.
+    _finish(_launch(single, cache, devices=2), "single process")
+
+    coordinator = f"127.0.0.1:{_free_port()}"
+    procs = [
+        _launch(
+            multi,
+            cache,
+            extra=[
+                f"--config.distributed.coordinator={coordinator}",
+                "--config.distributed.num_processes=2",
+                f"--config.distributed.process_id={i}",
+            ],
+        )
+        for i in range(2)
+    ]
+    outs = [_finish(p, f"process {i}") for i, p in enumerate(procs)]
+    assert "report:" in outs[0] and "report:" not in outs[1]  # only process 0 reports
+
+    assert _rows(multi) == _rows(single)
+    rows = _rows(multi)
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert rows[1]["faults/rollout/deadzone.flushed"] > 0 and rows[1]["actor/entropy"] > 0
+
+    a, meta_a = Checkpointer(str(single), 0, 2).restore_host(2)
+    b, meta_b = Checkpointer(str(multi), 0, 2).restore_host(2)
+    assert meta_a == meta_b and meta_b["data"]["step"] == 2
+    first, _ = Checkpointer(str(multi), 0, 2).restore_host(1)
+    la, lb = jax.tree_util.tree_leaves(a["params"]), jax.tree_util.tree_leaves(b["params"])
+    assert len(la) == len(lb) > 50
+    for x, y in zip(la, lb, strict=True):
+        np.testing.assert_array_equal(x, y)
+    moved = [
+        np.abs(x - y).max()
+        for x, y in zip(
+            jax.tree_util.tree_leaves(first["params"]),
+            lb,
+            strict=True,
+        )
+    ]
+    assert max(moved) > 1e-6  # step 2 really updated the params
+
+
+def test_distributed_config_is_checked():
+    dist = load_config("targeted").distributed
+    parallel.check_distributed(dist)  # the default: one process
+    assert parallel.initialize(dist) is False
+    cases = {
+        "coordinator": ("localhost", "expected 'host:port'"),
+        "num_processes": (0, "must be >= 1"),
+        "process_id": (2, "must be in [0, num_processes=2)"),
+        "local_device_ids": ("0,a", "comma-separated integers"),
+    }
+    for field, (value, message) in cases.items():
+        bad = load_config("targeted").distributed
+        bad.coordinator, bad.num_processes, bad.process_id = "h:1", 2, 0
+        bad[field] = value
+        with pytest.raises(ValueError, match=rf"config\.distributed\.{field}="):
+            parallel.check_distributed(bad)
+        with pytest.raises(ValueError, match=re.escape(message)):
+            parallel.check_distributed(bad)
+    both = load_config("targeted").distributed
+    both.auto, both.coordinator = True, "h:1"
+    with pytest.raises(ValueError, match="give one"):
+        parallel.check_distributed(both)
+
+
+def test_to_host_and_put_batch_round_trip():
+    mesh = parallel.make_mesh(load_config("targeted").mesh)
+    x = np.arange(8 * len(mesh.devices.flat), dtype=np.float32).reshape(-1, 4)
+    y = parallel.put_batch({"x": x, "s": np.float32(3)}, mesh)
+    assert y["x"].sharding.spec[0] == parallel.BATCH_AXES
+    np.testing.assert_array_equal(parallel.to_host(y["x"]), x)
+    assert float(parallel.to_host(y["s"])) == 3.0
