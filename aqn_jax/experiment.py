@@ -91,6 +91,7 @@ def base_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
     config.trainer = ml_collections.ConfigDict()
     config.trainer.total_steps = 30
+    config.trainer.total_epochs = 0  # > 0: this many passes over the train split instead
     config.trainer.val_every = 10  # 0 = only at the start and the end
     config.trainer.val_size = 256  # test examples per validation
     config.trainer.val_batch_size = 64

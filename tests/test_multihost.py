@@ -1,11 +1,10 @@
-"""Several hosts: two processes joined by `jax.distributed` over loopback (CPU collectives via
-gloo), one CPU device each, run the train job and agree exactly with one process driving the
-same two-device mesh; config.distributed is checked before anything starts."""
+"""Several hosts: two processes started by launch/local.py, joined by `jax.distributed` over
+loopback (CPU collectives via gloo), one CPU device each, run the train job and agree exactly
+with one process driving the same two-device mesh; config.distributed is checked up front."""
 
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 
@@ -28,41 +27,29 @@ FLAGS = [
 ]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _launch(workdir, cache, extra=(), devices=1):
+def _launch(workdir, cache, devices):
     env = dict(
         os.environ,
         HF_HUB_OFFLINE="1",
         JAX_PLATFORMS="cpu",
         XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
     )
-    return subprocess.Popen(
+    proc = subprocess.run(
         [
             sys.executable,
             "-m",
             "aqn_jax.launch",
             *FLAGS,
             f"--config.sft.cache_dir={cache}",
-            *extra,
             f"--workdir={workdir}",
         ],
         cwd=REPO,
         env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
+        capture_output=True,
         text=True,
+        timeout=400,
     )
-
-
-def _finish(proc, what):
-    out, err = proc.communicate(timeout=400)
-    assert proc.returncode == 0, f"{what}: {err[-3000:]}"
-    return out
+    assert proc.returncode == 0, proc.stderr[-3000:]
 
 
 def _rows(workdir):
@@ -75,23 +62,31 @@ def test_two_processes_agree_with_one(tmp_path):
     single, multi = tmp_path / "single", tmp_path / "multi"
     # The reference: one process, two devices (the same data=2 mesh), which also fills the
     # SFT cache that both processes of the multi-host run then read.
-    _finish(_launch(single, cache, devices=2), "single process")
+    _launch(single, cache, devices=2)
 
-    coordinator = f"127.0.0.1:{_free_port()}"
-    procs = [
-        _launch(
-            multi,
-            cache,
-            extra=[
-                f"--config.distributed.coordinator={coordinator}",
-                "--config.distributed.num_processes=2",
-                f"--config.distributed.process_id={i}",
-            ],
-        )
-        for i in range(2)
-    ]
-    outs = [_finish(p, f"process {i}") for i, p in enumerate(procs)]
-    assert "report:" in outs[0] and "report:" not in outs[1]  # only process 0 reports
+    # launch/local.py: two processes, one CPU device each, joined over loopback.
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "launch/local.py",
+            "--num_processes=2",
+            "--",
+            *FLAGS,
+            f"--config.sft.cache_dir={cache}",
+            f"--workdir={multi}",
+        ],
+        cwd=REPO,
+        env=dict(os.environ, HF_HUB_OFFLINE="1"),
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    lines = proc.stdout.splitlines()
+    # Both processes ran; only process 0 writes the report.
+    assert any(x.startswith("[p1] step 0: val acc") for x in lines)
+    assert any(x.startswith("[p0] report:") for x in lines)
+    assert not any(x.startswith("[p1] report:") for x in lines)
 
     assert _rows(multi) == _rows(single)
     rows = _rows(multi)

@@ -8,6 +8,7 @@ active during diagnosis (it is the treatment, not the device).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import os
 import time
@@ -119,6 +120,8 @@ def diagnose(
 ) -> dict[str, Any]:
     """Scans, verdict and sigma map as one JSON-ready dict (the content of srdd.json)."""
     check_config(diag)
+    if model.config.remat:  # forward only: remat buys nothing, and its trace hides the probes
+        model = model.clone(config=dataclasses.replace(model.config, remat=False))
     t0 = time.perf_counter()
     scans = scan_layers(
         model,

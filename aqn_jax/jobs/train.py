@@ -30,8 +30,35 @@ from aqn_jax.report import write_run_report
 from aqn_jax.rl.trainer import Trainer, hyper_from
 
 
+def check_required(config) -> None:
+    """`config.required`: fields a config leaves empty for the user to fill (local paths)."""
+    for field in config.get("required", ()):
+        node = config
+        for part in field.split("."):
+            node = node[part]
+        if node in ("", None):
+            raise ValueError(
+                f"config.{field} is required by this config and is empty; pass"
+                f" --config.{field}=<local path> (nothing can be downloaded at run time)"
+            )
+
+
+def check_prompt_lengths(config, tokenizer, test_examples) -> None:
+    """Validation prompts must fit the largest prompt bucket (training drops longer ones)."""
+    size = min(int(config.trainer.val_size), len(test_examples))
+    longest = max(len(tokenizer.encode_chat(ex.prompt_messages)) for ex in test_examples[:size])
+    limit = min(max(config.rollout.prompt_buckets), int(config.rollout.max_prompt_len))
+    if longest > limit:
+        raise ValueError(
+            f"the longest validation prompt has {longest} tokens > {limit}: raise"
+            f" config.rollout.prompt_buckets={tuple(config.rollout.prompt_buckets)} and"
+            f" config.rollout.max_prompt_len={config.rollout.max_prompt_len}"
+        )
+
+
 def validate(config):
     """Every check that needs no compile; raises ValueError naming the field."""
+    check_required(config)
     qcfg = model_config(config.model)
     n = qcfg.num_hidden_layers
     tokenizer = tokenizer_for(config)
@@ -45,7 +72,9 @@ def validate(config):
     mesh_shape = parallel.mesh_shape(config.mesh, jax.device_count())
     hyper_from(config)
     tr = config.trainer
-    if tr.total_steps < 1:
+    if tr.get("total_epochs", 0) < 0:
+        raise ValueError(f"config.trainer.total_epochs={tr.total_epochs}; must be >= 0 (0 = steps)")
+    if not tr.get("total_epochs", 0) and tr.total_steps < 1:
         raise ValueError(f"config.trainer.total_steps={tr.total_steps}; must be >= 1")
     if tr.val_every < 0:
         raise ValueError(f"config.trainer.val_every={tr.val_every}; must be >= 0 (0 = start/end)")
@@ -70,6 +99,7 @@ def run(config, workdir: str) -> None:
     n_layers = qcfg.num_hidden_layers
     train_examples = load_split(config.data, "train")
     test_examples = load_split(config.data, "test")
+    check_prompt_lengths(config, tokenizer, test_examples)
     primary = jax.process_index() == 0
     if primary:
         with open(os.path.join(workdir, "config.json"), "w") as f:
@@ -109,10 +139,10 @@ def run(config, workdir: str) -> None:
             f.write(plan.manifest_json())
 
     mesh = parallel.make_mesh(config.mesh)
-    total = int(config.trainer.total_steps)
     trainer = Trainer(
-        config, qcfg, params, tokenizer, train_examples, test_examples, plan, hw_plan, mesh, total
+        config, qcfg, params, tokenizer, train_examples, test_examples, plan, hw_plan, mesh
     )
+    total = trainer.total_steps
     writer = MetricsWriter(workdir)
     ckpt = Checkpointer(workdir, int(config.checkpoint.every), int(config.checkpoint.keep))
     val_size = min(int(config.trainer.val_size), len(test_examples))

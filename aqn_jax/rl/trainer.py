@@ -164,7 +164,7 @@ class Trainer:
         plan: FaultPlan,
         hardware_plan: FaultPlan,
         mesh: jax.sharding.Mesh,
-        total_steps: int,
+        total_steps: int | None = None,
     ):
         self.config = config
         self.h = hyper_from(config)
@@ -174,7 +174,6 @@ class Trainer:
         self.hw_plan = hardware_plan
         self.critic_plan = hardware_plan if config.critic.faults else FaultPlan()
         self.mesh = mesh
-        self.total_steps = int(total_steps)
         self.seed = int(config.seed)
         self.policy = Qwen2ForCausalLM(model_config)
         self.critic = Qwen2ForCausalLM(model_config, head="value")
@@ -194,6 +193,10 @@ class Trainer:
             drop_long=True,
         )
         self.test_examples = list(test_examples)
+        # None: config.trainer.total_epochs passes over the (length-filtered) train split.
+        if total_steps is None:
+            total_steps = total_steps_of(config, self.batcher.batches_per_epoch)
+        self.total_steps = int(total_steps)
         vocab = tokenizer.vocab_size
         self.sample_params = SamplingParams(
             max_new_tokens=self.max_new,
@@ -206,15 +209,15 @@ class Trainer:
             vocab_size=vocab,
         )
         greedy = dataclasses.replace(self.sample_params, temperature=0.0, top_k=0, top_p=1.0, n=1)
-        self.rollout_sampler = Sampler(
-            self.policy, self.sample_params, plan, self.buckets, mesh=mesh
-        )
+        # Generation has no backward pass: the samplers' model does not remat.
+        gen = Qwen2ForCausalLM(dataclasses.replace(model_config, remat=False))
+        self.rollout_sampler = Sampler(gen, self.sample_params, plan, self.buckets, mesh=mesh)
         self.clean_sampler = Sampler(
-            self.policy, greedy, FaultPlan(), self.buckets, phase="eval", mesh=mesh
+            gen, greedy, FaultPlan(), self.buckets, phase="eval", mesh=mesh
         )
         # On a clean device both validations are the same program: compile it once.
         self.val_sampler = (
-            Sampler(self.policy, greedy, hardware_plan, self.buckets, phase="eval", mesh=mesh)
+            Sampler(gen, greedy, hardware_plan, self.buckets, phase="eval", mesh=mesh)
             if hardware_plan.active("eval")
             else self.clean_sampler
         )
@@ -277,6 +280,16 @@ class Trainer:
             )
 
         self.state = jax.jit(init_state, out_shardings=self.state_sharding)(params, critic_params)
+        # bf16 compute with fp32 master weights: the update keeps the fp32 params (each matmul
+        # casts its kernel); generation gets one bf16 copy per step (the inference engine's
+        # weights), which equals what every traced cast produces.
+        self._cast = None
+        if jnp.dtype(model_config.dtype) != jnp.dtype(model_config.param_dtype):
+            dt = jnp.dtype(model_config.dtype)
+            self._cast = jax.jit(
+                lambda p: jax.tree_util.tree_map(lambda x: x.astype(dt), p),
+                out_shardings=self.param_sharding,
+            )
         self._prepare = jax.jit(self._prepare_fn, static_argnums=(6,))
         self._update = jax.jit(
             self._update_fn,
@@ -450,10 +463,14 @@ class Trainer:
         return state.replace(step=state.step + 1), mets
 
     # -- one RL step -------------------------------------------------------------------------
+    def generation_weights(self):
+        """The policy's weights for generation: the params in the compute dtype."""
+        return self.state.params if self._cast is None else self._cast(self.state.params)
+
     def rollout(self, batch, step: int, sigma: float):
         key = jax.random.fold_in(jax.random.key(self.seed), step)
         out = self.rollout_sampler(
-            self.state.params,
+            self.generation_weights(),
             batch["input_ids"],
             batch["attention_mask"],
             jax.random.fold_in(key, 0),
@@ -549,7 +566,9 @@ class Trainer:
         for name, v in summarize_stats(out.fault_stats).items():
             if name.endswith("/mean"):
                 m[f"faults/rollout/{name.removesuffix('/mean')}"] = v
-        for name, v in summarize_stats(jax.tree_util.tree_map(parallel.to_host, prep["fault_stats"])).items():
+        for name, v in summarize_stats(
+            jax.tree_util.tree_map(parallel.to_host, prep["fault_stats"])
+        ).items():
             if name.endswith("/mean"):
                 m[f"faults/train/{name.removesuffix('/mean')}"] = v
         check_finite(step, m)
@@ -560,11 +579,12 @@ class Trainer:
         """Greedy accuracy on the first `size` test examples: on the faulty device (hardware
         faults, no AQN: `val-core/...`) and on a clean device (`val-clean/...`)."""
         examples = self.test_examples[:size]
+        weights = self.generation_weights()
         out = {}
         for prefix, sampler in (("val-core", self.val_sampler), ("val-clean", self.clean_sampler)):
             scores = evaluate(
                 sampler,
-                self.state.params,
+                weights,
                 examples,
                 self.tokenizer,
                 batch_size,
@@ -643,6 +663,12 @@ def _optimizer(section, warmup_field: str, total_updates: int, per_step: int, fi
         field=field,
     )
     return schedule, opt
+
+
+def total_steps_of(config, batches_per_epoch: int) -> int:
+    """RL steps of a run: config.trainer.total_epochs full passes when set, else total_steps."""
+    epochs = int(config.trainer.get("total_epochs", 0))
+    return epochs * int(batches_per_epoch) if epochs > 0 else int(config.trainer.total_steps)
 
 
 def check_finite(step: int, metrics: Mapping[str, float]) -> None:
