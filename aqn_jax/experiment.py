@@ -16,6 +16,7 @@ import ml_collections
 
 from aqn_jax.data.config import data_config
 from aqn_jax.diagnosis.srdd import diagnosis_config
+from aqn_jax.evaluation import evaluate_config
 from aqn_jax.faults.config import aqn_config, faults_config
 from aqn_jax.jobs.pretrain import sft_config
 from aqn_jax.models.factory import model_section
@@ -103,6 +104,7 @@ def base_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.mesh = mesh_config()
     config.distributed = distributed_config()  # several hosts (launch/*.sh set it)
     config.diagnosis = diagnosis_config()
+    config.evaluate = evaluate_config()  # job `evaluate` (the robustness matrix)
 
     config.faults = faults_config()
     config.faults.deadzone.layers = str(FAULT_LAYER)

@@ -1,9 +1,21 @@
 """Shared fixtures: tiny random HF Qwen2 checkpoints made locally (no hub access)."""
 
+import getpass
 import os
+import tempfile
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+# One persistent XLA compilation cache for the whole session: both xdist workers and every
+# subprocess a test starts (they inherit the environment). The arm smokes, resume, multi-host
+# and real-scale runs compile the same programs; entries are keyed by the program, the JAX
+# version and the flags, so a stale entry is never used for a different program.
+os.environ.setdefault(
+    "JAX_COMPILATION_CACHE_DIR",
+    os.path.join(tempfile.gettempdir(), f"aqn_jax_test_xla_cache_{getpass.getuser()}"),
+)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import numpy as np
 import pytest

@@ -608,9 +608,13 @@ def evaluate(
     batch_size: int,
     max_prompt_len: int,
     fault_key=None,
+    values=None,
+    key=None,
 ) -> np.ndarray:
     """verl scores (strict `####`) of `sampler`'s completions for every example, in order
-    (the last batch padded with repeats of its first prompt, which are dropped)."""
+    (the last batch padded with repeats of its first prompt, which are dropped); with
+    `sampler.params.n > 1` each example's score is the mean over its n samples (mean@n)."""
+    n = sampler.params.n
     scores = []
     for start in range(0, len(examples), batch_size):
         chunk = list(examples[start : start + batch_size])
@@ -628,12 +632,15 @@ def evaluate(
         for r, i in enumerate(ids):
             arr[r, width - len(i) :] = i
             mask[r, width - len(i) :] = 1
-        key = jax.random.key(0)
-        out = sampler(params, arr, mask, key, fault_key=key if fault_key is None else fault_key)
+        k = jax.random.key(0) if key is None else jax.random.fold_in(key, start)
+        out = sampler(
+            params, arr, mask, k, fault_key=k if fault_key is None else fault_key, values=values
+        )
         texts = [
             tokenizer.decode(t[m > 0]) for t, m in zip(out.tokens, out.response_mask, strict=True)
         ]
-        s = score_batch(texts[:real], [ex.ground_truth for ex in chunk[:real]])
+        truths = [ex.ground_truth for ex in chunk[:real] for _ in range(n)]
+        s = score_batch(texts[: real * n], truths).reshape(real, n).mean(axis=1)
         scores.extend(s.tolist())
     return np.asarray(scores, np.float32)
 

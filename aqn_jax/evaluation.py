@@ -1,0 +1,246 @@
+"""Robustness evaluation of a policy: test-split accuracy under a matrix of device conditions,
+and the held-out loss (seed 001's metric) with the fault off and on.
+
+Conditions (`config.evaluate`): the hardware fault of `config.faults` off / on, crossed with a
+perturbation of every decoder linear: none, relative Gaussian noise on the outputs
+(`noise_levels`, e.g. 5% and 10%: y + scale * randn * |y|) and MXFP4 fake quantisation of the
+inputs (OCP MX: blocks of 32 along the contraction axis, E2M1 elements, power-of-two scale).
+Names: 'clean', 'clean+noise5%', 'clean+mxfp4', 'fault', 'fault+noise10%', ...
+
+Programs are shared where the maths allows: every noise level (0 included, which adds exactly
+0) is one compiled program with the level as a traced value, so the matrix compiles
+2 (fault off / on) x 2 (noise, MXFP4) samplers, not one per condition.
+
+Decoding: greedy (`samples=1`, the accuracy verl reports as mean@1), or `samples=n` completions
+per prompt at `config.rollout.temperature` with their mean accuracy (mean@n).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from aqn_jax.data.gsm8k import Example
+from aqn_jax.data.tokenizers import Tokenizer
+from aqn_jax.faults.config import build_plan
+from aqn_jax.faults.intercept import FaultPlan, Injection, Noise, Quantize, Scale, step_key
+from aqn_jax.faults.sites import LINEAR_KINDS, SiteSelector
+from aqn_jax.models.qwen2 import Qwen2Config, Qwen2ForCausalLM
+from aqn_jax.rl.sampler import Sampler, SamplingParams
+from aqn_jax.rl.sft import sft_sequences
+from aqn_jax.rl.trainer import evaluate
+
+EVAL_NOISE = "eval_noise"  # the traced relative-noise level of the noise conditions
+
+
+def evaluate_config() -> ml_collections.ConfigDict:
+    c = ml_collections.ConfigDict()
+    c.run = ""  # a train run's workdir: its checkpoint is evaluated; '' = the warm start
+    c.step = -1  # checkpoint step of `run`; -1 = the latest
+    c.size = 0  # test examples; 0 = config.trainer.val_size
+    c.batch_size = 0  # 0 = config.trainer.val_batch_size
+    c.fault = (False, True)  # the hardware fault of config.faults off and/or on
+    c.noise_levels = (0.0, 0.05, 0.10)  # relative noise on every linear output (0 = none)
+    c.mxfp4 = True  # also MXFP4 on every linear input
+    c.samples = 1  # 1 = greedy; n > 1: n samples per prompt at rollout.temperature (mean@n)
+    c.loss = True  # held-out loss (answer-token cross-entropy) with the fault off / on
+    return c
+
+
+def check_evaluate(ev: Any) -> None:
+    """Raise naming the field."""
+    fault = (ev.fault,) if isinstance(ev.fault, bool) else tuple(ev.fault)
+    if not fault or any(not isinstance(f, bool) for f in fault):
+        raise ValueError(f"config.evaluate.fault={ev.fault!r}; allowed: (False,), (True,), both")
+    levels = tuple(ev.noise_levels)
+    if any(not 0 <= float(x) <= 1 for x in levels):
+        raise ValueError(f"config.evaluate.noise_levels={levels}; each must be in [0, 1]")
+    if not levels and not ev.mxfp4:
+        raise ValueError(
+            "config.evaluate.noise_levels=() and mxfp4=False leave no condition; use"
+            " noise_levels=(0.0,) for the unperturbed device"
+        )
+    for field in ("size", "batch_size"):
+        if ev[field] < 0:
+            raise ValueError(f"config.evaluate.{field}={ev[field]}; must be >= 0 (0 = default)")
+    if ev.samples < 1:
+        raise ValueError(f"config.evaluate.samples={ev.samples}; must be >= 1 (1 = greedy)")
+    if ev.step < -1:
+        raise ValueError(f"config.evaluate.step={ev.step}; must be a step >= 0 or -1 (latest)")
+
+
+@dataclasses.dataclass(frozen=True)
+class Condition:
+    name: str
+    fault: bool
+    kind: str  # 'noise' | 'mxfp4'
+    level: float = 0.0
+
+
+def conditions(ev: Any) -> list[Condition]:
+    out = []
+    faults = (ev.fault,) if isinstance(ev.fault, bool) else tuple(ev.fault)
+    for fault in faults:
+        base = "fault" if fault else "clean"
+        for level in ev.noise_levels:
+            level = float(level)
+            name = base if level == 0 else f"{base}+noise{level * 100:g}%"
+            out.append(Condition(name, fault, "noise", level))
+        if ev.mxfp4:
+            out.append(Condition(f"{base}+mxfp4", fault, "mxfp4"))
+    return out
+
+
+def hardware_plan(config, num_layers: int) -> FaultPlan:
+    """The device of `config.faults` alone (no AQN: evaluation never injects training noise)."""
+    cfg = copy.deepcopy(config)
+    with cfg.unlocked():
+        cfg.aqn.enabled = False
+    return build_plan(cfg, num_layers)
+
+
+def condition_plan(hw: FaultPlan, fault: bool, kind: str) -> FaultPlan:
+    """The hardware plan (or none) followed by the perturbation of every decoder linear."""
+    sites = "all"
+    if kind == "noise":
+        inj = Injection(
+            "eval_noise",
+            SiteSelector(LINEAR_KINDS, sites, "output"),
+            Noise("relative_gaussian", Scale(1.0, value=EVAL_NOISE)),
+            ("eval",),
+        )
+    else:
+        inj = Injection(
+            "eval_mxfp4",
+            SiteSelector(LINEAR_KINDS, sites, "input"),
+            Quantize("mxfp4"),
+            ("eval",),
+        )
+    base = [i for i in hw.injections if "eval" in i.phases] if fault else []
+    return FaultPlan([*base, inj])
+
+
+def robustness(
+    config,
+    model_config: Qwen2Config,
+    params,
+    tokenizer: Tokenizer,
+    examples: Sequence[Example],
+    mesh=None,
+    log=print,
+) -> dict[str, Any]:
+    """Accuracy (and the held-out loss) of `params` on `examples` under every condition of
+    `config.evaluate`. Returns {"conditions": {name: {acc, n, samples}}, "loss": {...},
+    "wall_time_s"}."""
+    ev = config.evaluate
+    check_evaluate(ev)
+    t0 = time.perf_counter()
+    n_layers = model_config.num_hidden_layers
+    hw = hardware_plan(config, n_layers)
+    gen = Qwen2ForCausalLM(dataclasses.replace(model_config, remat=False))
+    if jnp.dtype(model_config.dtype) != jnp.dtype(model_config.param_dtype):
+        params = jax.tree_util.tree_map(lambda x: x.astype(model_config.dtype), params)
+    samples = int(ev.samples)
+    sp = SamplingParams(
+        max_new_tokens=int(config.rollout.max_new_tokens),
+        eos_id=tokenizer.eos_id,
+        pad_id=tokenizer.pad_id,
+        temperature=0.0 if samples == 1 else float(config.rollout.temperature),
+        n=samples,
+        vocab_size=tokenizer.vocab_size,
+    )
+    buckets = tuple(int(b) for b in config.rollout.prompt_buckets)
+    bs = int(ev.batch_size or config.trainer.val_batch_size)
+    fault_key = step_key(int(config.seed), 0, "eval")
+    results: dict[str, Any] = {}
+    samplers: dict[tuple[bool, str], Sampler] = {}
+    for cond in conditions(ev):
+        key = (cond.fault, cond.kind)
+        if key not in samplers:
+            plan = condition_plan(hw, cond.fault, cond.kind)
+            plan.validate(n_layers)
+            samplers[key] = Sampler(gen, sp, plan, buckets, phase="eval", mesh=mesh)
+        values = {EVAL_NOISE: np.float32(cond.level)} if cond.kind == "noise" else {}
+        scores = evaluate(
+            samplers[key],
+            params,
+            examples,
+            tokenizer,
+            bs,
+            int(config.rollout.max_prompt_len),
+            fault_key=fault_key,
+            values=values,
+            key=jax.random.key(int(config.seed)),
+        )
+        results[cond.name] = {
+            "acc": float(np.mean(scores)),
+            "n": len(scores),
+            "samples": samples,
+            "fault": cond.fault,
+            "perturbation": cond.kind if cond.kind == "mxfp4" or cond.level else "none",
+            "level": cond.level,
+        }
+        log(f"  {cond.name:<18} acc {results[cond.name]['acc']:.3f} (n={len(scores)})")
+    out: dict[str, Any] = {"conditions": results}
+    if ev.loss:
+        faults = (ev.fault,) if isinstance(ev.fault, bool) else tuple(ev.fault)
+        out["loss"] = {
+            ("fault" if f else "clean"): heldout_loss(
+                Qwen2ForCausalLM(model_config),
+                params,
+                hw if f else FaultPlan(),
+                examples,
+                tokenizer,
+                bs,
+                fault_key,
+            )
+            for f in faults
+        }
+    out["wall_time_s"] = time.perf_counter() - t0
+    return out
+
+
+def heldout_loss(
+    model: Qwen2ForCausalLM,
+    params,
+    plan: FaultPlan,
+    examples: Sequence[Example],
+    tokenizer: Tokenizer,
+    batch_size: int,
+    fault_key,
+) -> float:
+    """Token-mean cross-entropy of the worked solutions (+ EOS) given the prompts, on the device
+    of `plan` (phase 'eval'): the loss of seed 001's table."""
+    data = sft_sequences(examples, tokenizer)
+
+    @jax.jit
+    def batch_nll(params, ids, mask, loss_mask, key):
+        with plan.apply("eval", key=key, values={}):
+            logits = model.apply({"params": params}, ids, attention_mask=mask)
+        logp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1)
+        nll = -jnp.take_along_axis(logp, ids[:, 1:, None], axis=-1)[..., 0]
+        w = loss_mask[:, 1:].astype(jnp.float32)
+        return jnp.sum(nll * w), jnp.sum(w)
+
+    total, count = 0.0, 0.0
+    n = len(data.ids)
+    for start in range(0, n, batch_size):
+        sl = slice(start, start + batch_size)
+        ids, mask, lm = data.ids[sl], data.mask[sl], data.loss_mask[sl]
+        pad = batch_size - len(ids)
+        if pad:  # one shape for every batch: padding rows carry no loss
+            ids = np.concatenate([ids, np.repeat(ids[:1], pad, 0)])
+            mask = np.concatenate([mask, np.repeat(mask[:1], pad, 0)])
+            lm = np.concatenate([lm, np.zeros((pad, lm.shape[1]), lm.dtype)])
+        s, c = batch_nll(params, ids, mask, lm, jax.random.fold_in(fault_key, start))
+        total += float(s)
+        count += float(c)
+    return total / max(count, 1.0)

@@ -1,0 +1,163 @@
+"""Job `evaluate`: a policy's test-split accuracy under the robustness matrix of
+aqn_jax/evaluation.py (the fault off / on x no perturbation, relative noise on every linear
+output, MXFP4 on every linear input) and its held-out loss; writes `evaluation.json`,
+`evaluation.md` and the bar plot `evaluation.png` into the workdir.
+
+  python -m aqn_jax.launch --config=configs/evaluate.py --config.evaluate.run=runs/targeted
+  python -m aqn_jax.launch --config=configs/targeted.py --config.job=evaluate \
+      --config.evaluate.run=runs/targeted --workdir=runs/targeted/eval
+
+`config.evaluate.run` names a train run's workdir (its latest checkpoint, or `evaluate.step`);
+empty, the warm start (the SFT cache or config.model) is evaluated. The model, tokenizer, data
+and fault sections must describe the run's (use the run's own config file).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import numpy as np
+
+from aqn_jax import parallel
+from aqn_jax.checkpoint import Checkpointer
+from aqn_jax.data.config import check_data, load_split
+from aqn_jax.evaluation import check_evaluate, conditions, hardware_plan, robustness
+from aqn_jax.jobs.pretrain import tokenizer_for, warm_start
+from aqn_jax.jobs.train import check_prompt_lengths
+from aqn_jax.models.factory import logical_axes, model_config
+
+
+def validate(config):
+    ev = config.evaluate
+    check_evaluate(ev)
+    qcfg = model_config(config.model)
+    tokenizer = tokenizer_for(config)
+    check_data(config.data)
+    hardware_plan(config, qcfg.num_hidden_layers)
+    if ev.run and not os.path.isdir(os.path.join(os.path.expanduser(ev.run), "checkpoints")):
+        raise ValueError(
+            f"config.evaluate.run={ev.run!r}: no checkpoints/ there; expected the workdir of a"
+            " train run (or '' to evaluate the warm start)"
+        )
+    mesh_shape = parallel.mesh_shape(config.mesh, jax.device_count())
+    bs = int(ev.batch_size or config.trainer.val_batch_size)
+    if bs % (mesh_shape[0] * mesh_shape[1]):
+        raise ValueError(
+            f"config.evaluate.batch_size={bs} does not split over the data x fsdp ="
+            f" {mesh_shape[0] * mesh_shape[1]} devices of config.mesh"
+        )
+    return qcfg, tokenizer
+
+
+def load_policy(config, workdir: str):
+    """(model config, host params, description) of what config.evaluate names."""
+    ev = config.evaluate
+    if not ev.run:
+        qcfg, params, info = warm_start(config, workdir)
+        source = "config.model" if info.get("sft") == "off" else f"SFT, cache {info['cache']}"
+        return qcfg, jax.device_get(params), f"warm start ({source})"
+    qcfg = model_config(config.model)
+    ckpt = Checkpointer(os.path.expanduser(ev.run), 0, 1)
+    step = ckpt.latest_step() if ev.step < 0 else int(ev.step)
+    if step is None or step not in ckpt.manager.all_steps():
+        ckpt.close()
+        raise ValueError(
+            f"config.evaluate.step={ev.step}: {ev.run} has checkpoints"
+            f" {sorted(ckpt.manager.all_steps())}"
+        )
+    state, _ = ckpt.restore_host(step)
+    ckpt.close()
+    params = state["params"]
+    want = jax.tree_util.tree_map(lambda a: tuple(a), logical_axes(qcfg), is_leaf=_is_axes)
+    got_shapes = jax.tree_util.tree_map(np.shape, params)
+    if jax.tree_util.tree_structure(want, is_leaf=_is_axes) != jax.tree_util.tree_structure(
+        got_shapes, is_leaf=lambda x: isinstance(x, tuple)
+    ):
+        raise ValueError(
+            f"config.evaluate.run={ev.run!r}: its checkpoint's params do not match config.model;"
+            " evaluate with the run's own config file"
+        )
+    return qcfg, params, f"{ev.run} step {step}"
+
+
+def _is_axes(x):
+    return isinstance(x, tuple) and all(isinstance(a, (str, type(None))) for a in x)
+
+
+def run(config, workdir: str) -> None:
+    qcfg, tokenizer = validate(config)
+    size = int(config.evaluate.size or config.trainer.val_size)
+    test = load_split(config.data, "test")[:size]
+    with config.unlocked():
+        config.trainer.val_size = len(test)
+    check_prompt_lengths(config, tokenizer, test)
+    qcfg, params, what = load_policy(config, workdir)
+    mesh = parallel.make_mesh(config.mesh)
+    params = parallel.put_global(params, parallel.param_shardings(logical_axes(qcfg), mesh))
+    names = [c.name for c in conditions(config.evaluate)]
+    print(f"evaluating {what} on {len(test)} test examples; conditions: {names}")
+    result = robustness(config, qcfg, params, tokenizer, test, mesh=mesh)
+    result.update(policy=what, test_size=len(test), fault_config=config.faults.to_dict())
+    if jax.process_index() == 0:
+        with open(os.path.join(workdir, "evaluation.json"), "w") as f:
+            json.dump(result, f, indent=2, default=str)
+        path = write_evaluation_report(result, workdir)
+        print(f"report: {path}")
+
+
+def write_evaluation_report(result: dict, workdir: str) -> str:
+    """`evaluation.md` (the matrix as a table) and `evaluation.png` (grouped bars)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    conds = result["conditions"]
+    rows = sorted({("fault" if c["fault"] else "clean") for c in conds.values()})
+    cols = []
+    for name in conds:
+        col = name.split("+", 1)[1] if "+" in name else "none"
+        if col not in cols:
+            cols.append(col)
+
+    def cell(row, col):
+        name = row if col == "none" else f"{row}+{col}"
+        return conds.get(name, {}).get("acc")
+
+    lines = [
+        f"# Robustness evaluation: {result['policy']}",
+        "",
+        f"{result['test_size']} test examples; accuracy (strict `####`), mean@"
+        f"{next(iter(conds.values()))['samples']}; {result['wall_time_s']:.0f}s.",
+        "",
+        "| device | " + " | ".join(cols) + " |",
+        "|---|" + "---|" * len(cols),
+    ]
+    for row in rows:
+        vals = [cell(row, c) for c in cols]
+        lines.append(
+            f"| {row} | " + " | ".join("n/a" if v is None else f"{v:.3f}" for v in vals) + " |"
+        )
+    if "loss" in result:
+        lines += ["", "Held-out loss (answer-token cross-entropy):", ""]
+        lines += [f"- {k}: {v:.4f}" for k, v in result["loss"].items()]
+    lines += ["", "![robustness](evaluation.png)", ""]
+    fig, ax = plt.subplots(figsize=(1.6 * len(cols) + 3, 4))
+    width = 0.8 / max(len(rows), 1)
+    for i, row in enumerate(rows):
+        ys = [cell(row, c) or 0.0 for c in cols]
+        ax.bar(np.arange(len(cols)) + i * width, ys, width, label=f"fault {row}")
+    ax.set_xticks(np.arange(len(cols)) + width * (len(rows) - 1) / 2, cols)
+    ax.set_ylabel("test accuracy")
+    ax.set_title(result["policy"])
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    fig.savefig(os.path.join(workdir, "evaluation.png"), dpi=100)
+    plt.close(fig)
+    path = os.path.join(workdir, "evaluation.md")
+    with open(path, "w") as f:
+        f.write("\n".join(lines))
+    return path
