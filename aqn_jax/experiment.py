@@ -21,6 +21,7 @@ from aqn_jax.faults.config import aqn_config, faults_config
 from aqn_jax.jobs.pretrain import sft_config
 from aqn_jax.models.factory import model_section
 from aqn_jax.parallel import distributed_config, mesh_config
+from aqn_jax.planner import planner_config
 
 FAULT_LAYER = 4  # the middle of the tiny model's 8 layers
 
@@ -102,7 +103,8 @@ def base_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.checkpoint.keep = 2
 
     config.mesh = mesh_config()
-    config.distributed = distributed_config()  # several hosts (launch/*.sh set it)
+    config.distributed = distributed_config()  # several hosts (launch/*.py set it)
+    config.planner = planner_config()  # per-device memory plan, checked before compiling
     config.diagnosis = diagnosis_config()
     config.evaluate = evaluate_config()  # job `evaluate` (the robustness matrix)
 

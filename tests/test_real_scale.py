@@ -164,3 +164,14 @@ def test_required_paths_are_refused_before_anything_is_written(snapshot, tmp_pat
     assert not work.exists() or not any(work.iterdir())
     with pytest.raises(ValueError, match="allowed arms"):
         load_config("gsm8k_qwen2p5_1p5b", "tageted")
+
+
+def test_memory_planner_refuses_before_compiling(snapshot, tmp_path):
+    """A device too small for the plan: the run stops in validation, naming the mesh and
+    showing the per-device table, before any SFT, diagnosis or compile (nothing written)."""
+    work = tmp_path / "small"
+    out = launch_cli(*shrunk(snapshot), "--config.planner.device_memory_gb=0.001", workdir=work)
+    assert out.returncode != 0
+    assert "config.mesh=(data=1, fsdp=1, tensor=1) does not fit in device memory" in out.stderr
+    assert "params" in out.stderr and "kv_cache" in out.stderr
+    assert not work.exists() or not any(work.iterdir())

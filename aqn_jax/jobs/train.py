@@ -17,7 +17,7 @@ import time
 import jax
 import numpy as np
 
-from aqn_jax import parallel
+from aqn_jax import parallel, planner
 from aqn_jax.checkpoint import Checkpointer
 from aqn_jax.data.config import check_data, load_split
 from aqn_jax.diagnosis import srdd
@@ -90,12 +90,20 @@ def validate(config):
             f"config.actor.micro_batch_rows={config.actor.micro_batch_rows} does not split over"
             f" the data x fsdp = {divisor} devices of config.mesh"
         )
-    return qcfg, tokenizer, hw
+    if config.trainer.val_batch_size % divisor:
+        raise ValueError(
+            f"config.trainer.val_batch_size={config.trainer.val_batch_size} does not split over"
+            f" the data x fsdp = {divisor} devices of config.mesh"
+        )
+    # Per-device memory from shapes alone; refuses (suggesting a mesh) when it cannot fit.
+    memory = planner.check(config, qcfg, jax.device_count())
+    return qcfg, tokenizer, hw, memory
 
 
 def run(config, workdir: str) -> None:
     t_start = time.perf_counter()
-    qcfg, tokenizer, hw_plan = validate(config)
+    qcfg, tokenizer, hw_plan, memory = validate(config)
+    print(memory.table())
     n_layers = qcfg.num_hidden_layers
     train_examples = load_split(config.data, "train")
     test_examples = load_split(config.data, "test")

@@ -317,37 +317,57 @@ class Trainer:
         return response_logits(v[..., None], plen, self.max_new)[..., 0]
 
     def _prepare_fn(self, state: RLState, ref_params, batch, scores, key, values, plen):
-        """Old and reference log-probs (and values), token rewards and advantages."""
+        """Old and reference log-probs (and values), token rewards and advantages.
+
+        The forward passes run over the update's micro-batches (`lax.map`, micro_batch_rows
+        rows each, the same rows the update will group): the memory of one micro-batch, not
+        of the whole batch, and a tensor-wide fault statistic (a deadzone's amax) sees the
+        same rows here as in the update, so the first PPO ratio compares like with like."""
         h = self.h
-        logits, fstate = self._policy_logits(
-            state.params, self.plan, batch, plen, jax.random.fold_in(key, 0), values
-        )
-        old_logp = token_logprobs(logits, batch["tokens"], h.temperature)
-        entropy = losses.entropy_from_logits(logits / h.temperature)
-        out = {
-            "old_logp": old_logp,
-            "entropy": entropy,
-            "fault_stats": fstate.get("fault_stats", {}),
-        }
+        rows = batch["ids"].shape[0]
+        C = h.mini_batches * h.micro_batches
+
+        def chunks(x):
+            return x.reshape(C, rows // C, *x.shape[1:])
+
+        def one(xs):
+            j, mic = xs
+            logits, fstate = self._policy_logits(
+                state.params, self.plan, mic, plen, jax.random.fold_in(key, 3 * j), values
+            )
+            o = {
+                "old_logp": token_logprobs(logits, mic["tokens"], h.temperature),
+                "entropy": losses.entropy_from_logits(logits / h.temperature),
+                "fault_stats": fstate.get("fault_stats", {}),
+            }
+            if ref_params is not None:
+                ref_logits, _ = self._policy_logits(
+                    ref_params, self.plan, mic, plen, jax.random.fold_in(key, 3 * j + 1), values
+                )
+                o["ref_logp"] = token_logprobs(ref_logits, mic["tokens"], h.temperature)
+            if h.estimator == "gae":
+                o["values"] = self._values(
+                    state.critic_params, mic, plen, jax.random.fold_in(key, 3 * j + 2), values
+                )
+            return o
+
+        mics = {k: chunks(batch[k]) for k in ("ids", "mask", "tokens", "rmask")}
+        outs = jax.lax.map(one, (jnp.arange(C), mics))
+        stats = jax.tree_util.tree_map(lambda v: jnp.mean(v, axis=0), outs.pop("fault_stats"))
+        out = {k: v.reshape(rows, *v.shape[2:]) for k, v in outs.items()}
+        out["fault_stats"] = stats
+        old_logp = out["old_logp"]
         mask = batch["rmask"]
         kl = None
         if ref_params is not None:
-            ref_logits, _ = self._policy_logits(
-                ref_params, self.plan, batch, plen, jax.random.fold_in(key, 1), values
-            )
-            ref_logp = token_logprobs(ref_logits, batch["tokens"], h.temperature)
-            out["ref_logp"] = ref_logp
-            kl = losses.kl_penalty(old_logp, ref_logp, h.kl_type)
+            kl = losses.kl_penalty(old_logp, out["ref_logp"], h.kl_type)
         rewards = adv_lib.token_level_rewards(
             scores, mask, kl if h.use_kl_in_reward else None, h.kl_coef
         )
         out["token_rewards"] = rewards
         if h.estimator == "gae":
-            vals = self._values(
-                state.critic_params, batch, plen, jax.random.fold_in(key, 2), values
-            )
-            a, r = adv_lib.gae_advantage_return(rewards, vals, mask, h.gamma, h.lam)
-            out.update(advantages=a, returns=r, values=vals)
+            a, r = adv_lib.gae_advantage_return(rewards, out["values"], mask, h.gamma, h.lam)
+            out.update(advantages=a, returns=r)
         else:
             # GRPO scores the outcome (the KL-in-reward term, if any, summed per response).
             seq = jnp.sum(rewards, axis=1)

@@ -1,0 +1,673 @@
+"""Per-device memory plan of the RL train job, made before anything compiles.
+
+`estimate` sizes what one device of the mesh holds from the *shapes* alone: the params, optimizer
+state and KV caches from `jax.eval_shape` (no compile, no allocation), the activations from a
+stated analytic model. The mesh enters only through its shape (data, fsdp, tensor), so a
+64- or 256-device mesh can be planned on a laptop. `check` compares the estimate with the
+device memory and refuses a run that would not fit, naming the mesh, the components, and a
+mesh (or remat / micro-batch setting) that fits, as command-line flags.
+
+Sharding follows the trainer: every array is split by its logical axes
+(`parallel.DEFAULT_RULES`: embed -> fsdp; heads, kv_heads, mlp, vocab -> tensor; a dim of size
+n on axes of total size k holds ceil(n / k) per device); batch rows and the KV caches are split
+over data x fsdp (`Sampler._cache_sharding`), not over tensor.
+
+Components (bytes per device):
+
+  always held (the train state and the samplers' buffers)
+    params           the master weights (`param_dtype`)
+    optimizer        AdamW moments (two param copies) and its counters
+    reference        a frozen copy of params (algo.use_kl_loss or use_kl_in_reward)
+    critic           the value model's params and its AdamW state (algo.estimator='gae')
+    rollout_weights  params cast to `dtype` for generation (0 when dtype == param_dtype)
+    kv_cache         the rollout sampler's caches: prompts * n rows, one cache per prompt bucket
+                     the run can reach (the sampler keeps every bucket's cache between calls)
+    val_kv_cache     the validation samplers' caches (trainer.val_batch_size rows; one sampler
+                     on a clean device, two when the hardware faults act in phase 'eval')
+  one program at a time (the peak of these is added to the above)
+    rollout          generation: the prefill's working set of one decoder layer
+    prepare          old/reference log-probs: forwards over the update's micro-batches, one
+                     micro-batch at a time (`lax.map`)
+    update           gradients (one param-sized accumulator, in param_dtype as
+                     `zeros_like(params)`) + activations of one micro-batch's forward+backward
+    optimizer step   gradients + the param-sized update tree of the AdamW step
+
+Activation model. Per device: r rows (the micro-batch's rows / (data * fsdp) in the update and
+in prepare, all prompts * n rows / (data * fsdp) in generation), T = bucket + max_new_tokens
+positions, R = max_new_tokens response positions, tensor size t, compute itemsize c, and
+N, K, H, D, I, L, V the model's heads, kv heads, head dim, hidden, mlp, layers and vocab.
+Attention scores and probabilities are float32 and materialised (`Qwen2Attention`): s copies
+of (N / t) * S * 4 bytes per token over S key positions. Per token, a decoder layer
+
+  saves for its backward   (6 D + 3 (N + K) H / t + 4 I / t) * c + 3 (N / t) T * 4
+                           (x, both norms' outputs, h, the o_proj and down_proj outputs; q, k,
+                           v, roped q and k, the attention output; gate, up, silu, product)
+  holds in a forward       3 (I / t) * c + s (N / t) S * 4
+                           (gate, up and their product; s = 3 over S = T keys in a full
+                           forward, s = 2 over S = bucket + max_new cache slots in a prefill;
+                           the D-sized tensors are small beside these, I / D ~ 5.5 in Qwen2.5)
+
+  update (activations)  layers: without remat L * r * T * saved;  with remat (each layer's
+                        input only, plus one layer recomputed in its backward)
+                        L * r * T * D * c + r * T * saved
+                        logits: 3 (T + R) * r * V / t * 4  (float32: three copies over all T
+                        positions, as the model computes logits at every position and XLA does
+                        not push the response slice into the lm_head matmul, three over the R
+                        response positions: log-softmax, the entropy's softmax, gradients)
+  prepare               r * T * forward + ((1 + ref) T + 2 R) * r * V / t * 4
+                        (one layer at a time; the policy's and the reference's logits)
+  generation            r * bucket * forward (the prefill; the decode steps and the
+                        last-position logits are small)
+
+The copy counts were read off XLA's buffer assignment (`compiled.memory_analysis()`) on
+XLA:CPU for the trainer's own loss functions, and tests/test_planner.py compares the estimates
+with compiled programs of the tiny model. XLA:CPU does not honour remat (its temp size is the
+same with and without `nn.remat`), so the remat formula is the stated model, not a
+measurement. Not counted: XLA's scratch and fragmentation (the reason for `headroom`), the
+host-side batch and the sampler's small per-token outputs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import math
+from collections import Counter
+from collections.abc import Iterator, Mapping
+from typing import Any, NamedTuple
+
+import flax.linen as nn
+import jax
+import ml_collections
+import numpy as np
+import optax
+from jax.sharding import PartitionSpec as P
+
+from aqn_jax import parallel
+from aqn_jax.diagnosis.srdd import hardware_plan
+from aqn_jax.models.qwen2 import Qwen2Config, Qwen2ForCausalLM, init_cache
+from aqn_jax.rl.optim import adamw, lr_schedule
+
+GIB = 2**30
+RESIDENT = (
+    "params",
+    "optimizer",
+    "reference",
+    "critic",
+    "rollout_weights",
+    "kv_cache",
+    "val_kv_cache",
+)
+# The programs that run one at a time, and the components each adds to the resident ones.
+PHASES: dict[str, tuple[str, ...]] = {
+    "rollout": ("generation",),
+    "prepare": ("prepare",),
+    "update": ("gradients", "activations"),
+    "optimizer step": ("gradients", "optimizer_step"),
+}
+COMPONENTS = RESIDENT + ("generation", "prepare", "gradients", "activations", "optimizer_step")
+_BATCH = P(parallel.BATCH_AXES)  # axis 0 over (data, fsdp), the rest whole
+
+
+def planner_config() -> ml_collections.ConfigDict:
+    """`config.planner`: the per-device memory check that runs before the train job compiles."""
+    c = ml_collections.ConfigDict()
+    c.enabled = True  # False: report the plan, never refuse
+    c.device_memory_gb = 0.0  # GiB per device; 0 = the backend's bytes_limit (none on CPU)
+    c.headroom = 0.9  # fraction of the device memory the estimate may use (XLA needs scratch)
+    return c
+
+
+def check_planner(section: Any) -> None:
+    """Raise naming the field of `config.planner` that is out of range."""
+    if not 0.0 < float(section.headroom) <= 1.0:
+        raise ValueError(
+            f"config.planner.headroom={section.headroom}; must be in (0, 1] (the fraction of the"
+            " device memory the estimate may use)"
+        )
+    if float(section.device_memory_gb) < 0:
+        raise ValueError(
+            f"config.planner.device_memory_gb={section.device_memory_gb}; must be >= 0"
+            " (0 = detect from the device)"
+        )
+
+
+def detect_capacity() -> int | None:
+    """Bytes one local device may allocate (`memory_stats()['bytes_limit']`), or None when the
+    backend reports nothing (CPU)."""
+    stats = jax.local_devices()[0].memory_stats()
+    limit = (stats or {}).get("bytes_limit")
+    return int(limit) if limit else None
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+    """The estimate for one device of a (data, fsdp, tensor) mesh.
+
+    components: bytes per component (`COMPONENTS`); total: the resident ones plus the largest
+    phase (`PHASES`), named by `peak_phase`. capacity: device bytes (None: unknown); fits is
+    True when capacity is unknown, else total <= headroom * capacity.
+    """
+
+    mesh: tuple[int, int, int]
+    components: Mapping[str, int]
+    total: int
+    peak_phase: str
+    remat: bool
+    micro_batch_rows: int
+    capacity: int | None = None
+    headroom: float = 0.9
+
+    @property
+    def budget(self) -> int | None:
+        """Bytes the estimate may use: headroom * capacity (None when capacity is unknown)."""
+        return None if self.capacity is None else int(self.headroom * self.capacity)
+
+    @property
+    def fits(self) -> bool:
+        return self.budget is None or self.total <= self.budget
+
+    @property
+    def mesh_flag(self) -> str:
+        """`config.mesh=(data=.., fsdp=.., tensor=..)` with the resolved sizes."""
+        return (
+            "config.mesh=("
+            + ", ".join(f"{a}={s}" for a, s in zip(parallel.AXES, self.mesh, strict=True))
+            + ")"
+        )
+
+    def phase_bytes(self, phase: str) -> int:
+        return sum(self.components[c] for c in PHASES[phase])
+
+    def table(self) -> str:
+        """The components in GiB, the peak phase marked, and the verdict."""
+        when = {c: "always" for c in RESIDENT}
+        for phase, parts in PHASES.items():
+            for c in parts:
+                when[c] = f"{when[c]}, {phase}" if c in when else phase
+        lines = [
+            f"memory per device: {self.mesh_flag}, remat={self.remat},"
+            f" micro_batch_rows={self.micro_batch_rows}",
+            f"  {'component':16s} {'GiB':>9s}  held during",
+        ]
+        for c in COMPONENTS:
+            mark = "  <- peak" if c in PHASES[self.peak_phase] else ""
+            lines.append(f"  {c:16s} {self.components[c] / GIB:9.2f}  {when[c]}{mark}")
+        lines.append(
+            f"  {'total':16s} {self.total / GIB:9.2f}  always + {self.peak_phase}"
+            f" ({self.phase_bytes(self.peak_phase) / GIB:.2f})"
+        )
+        if self.capacity is None:
+            lines.append("  capacity unknown (the backend reports no memory limit): not checked")
+        else:
+            verdict = "fits" if self.fits else "DOES NOT FIT"
+            lines.append(
+                f"  {'capacity':16s} {self.capacity / GIB:9.2f}  x headroom {self.headroom:g} ="
+                f" {self.budget / GIB:.2f} GiB: {verdict}"
+            )
+        return "\n".join(lines)
+
+
+@dataclasses.dataclass(frozen=True)
+class Suggestion:
+    """A setting as command-line flags (mesh, remat, micro-batch) and its plan."""
+
+    flags: tuple[str, ...]
+    plan: MemoryPlan
+
+    def __str__(self) -> str:
+        return f"{' '.join(self.flags)} (est. {self.plan.total / GIB:.1f} GiB per device)"
+
+
+# --- shapes -> per-device bytes -----------------------------------------------------------------
+class _Group(NamedTuple):
+    """`count` arrays of one shape, itemsize and placement (mesh axes per dim)."""
+
+    shape: tuple[int, ...]
+    itemsize: int
+    spec: tuple[tuple[str, ...], ...]
+    count: int
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _axes(entry: Any) -> tuple[str, ...]:
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _groups(abstract: Any, specs: Any) -> tuple[_Group, ...]:
+    """Group the leaves of a ShapeDtypeStruct tree by (shape, itemsize, PartitionSpec)."""
+    counts: Counter = Counter()
+
+    def add(leaf, spec):
+        per_dim = tuple(_axes(spec[i]) if i < len(spec) else () for i in range(len(leaf.shape)))
+        counts[(tuple(leaf.shape), np.dtype(leaf.dtype).itemsize, per_dim)] += 1
+
+    jax.tree_util.tree_map(add, abstract, specs)
+    return tuple(_Group(*key, n) for key, n in counts.items())
+
+
+def _shard_bytes(groups: tuple[_Group, ...], mesh: Mapping[str, int]) -> int:
+    """Bytes one device holds: each dim divided (ceil) by the sizes of its mesh axes."""
+    total = 0
+    for g in groups:
+        n = g.itemsize
+        for dim, axes in zip(g.shape, g.spec, strict=True):
+            n *= _cdiv(dim, math.prod(mesh[a] for a in axes))
+        total += n * g.count
+    return total
+
+
+@functools.lru_cache(maxsize=8)
+def _abstract_model(model_cfg: Qwen2Config, head: str) -> tuple[Any, Any]:
+    """(ShapeDtypeStruct params, PartitionSpec per param) of `Qwen2ForCausalLM(cfg, head)`,
+    from one eval_shape of init (as `factory.logical_axes`, with the dtypes kept)."""
+    model = Qwen2ForCausalLM(model_cfg, head=head)
+    ids = jax.ShapeDtypeStruct((1, 1), np.int32)
+    boxed = jax.eval_shape(lambda x: model.init(jax.random.key(0), x), ids)["params"]
+    is_box = lambda x: isinstance(x, nn.LogicallyPartitioned)
+    specs = jax.tree_util.tree_map(
+        lambda box: nn.logical_to_mesh_axes(tuple(box.names), parallel.DEFAULT_RULES),
+        boxed,
+        is_leaf=is_box,
+    )
+    return nn.unbox(boxed), specs
+
+
+def _state_groups(
+    section: Any, warmup_field: str, field: str, total_steps: int, params: Any, specs: Any
+) -> tuple[_Group, ...]:
+    """Groups of the AdamW state of `section` (config.actor / config.critic): moments follow
+    their params' placement, counters are replicated (as in `Trainer.__init__`)."""
+    schedule = lr_schedule(
+        float(section.lr),
+        max(total_steps, 1),
+        warmup_steps=int(section[warmup_field]),
+        schedule=section.schedule,
+        field=field,
+    )
+    opt = adamw(
+        schedule,
+        weight_decay=float(section.weight_decay),
+        grad_clip=float(section.grad_clip),
+        field=field,
+    )
+    state = jax.eval_shape(opt.init, params)
+    state_specs = optax.tree_map_params(
+        opt, lambda _, s: s, state, specs, transform_non_params=lambda _: P()
+    )
+    return _groups(state, state_specs)
+
+
+def _cache_groups(model_cfg: Qwen2Config, rows: int, lengths: tuple[int, ...], copies: int):
+    """Groups of `copies` x one KV cache of `rows` rows per slot count in `lengths`, rows split
+    over (data, fsdp) and nothing over tensor (`Sampler._cache_sharding`)."""
+    groups: list[_Group] = []
+    for length in lengths:
+        cache = jax.eval_shape(lambda n=length: init_cache(model_cfg, rows, n))
+        specs = jax.tree_util.tree_map(lambda x: _BATCH if x.ndim else P(), cache)
+        groups += [g._replace(count=g.count * copies) for g in _groups(cache, specs)]
+    return tuple(groups)
+
+
+def reachable_buckets(rollout: Any) -> tuple[int, ...]:
+    """The sampler's prompt buckets a run can use: every `rollout.prompt_buckets` entry up to the
+    smallest one >= max_prompt_len (prompts are at most that long; all of them if none is)."""
+    buckets = sorted(int(b) for b in rollout.prompt_buckets)
+    above = [b for b in buckets if b >= int(rollout.max_prompt_len)]
+    top = above[0] if above else buckets[-1]
+    return tuple(b for b in buckets if b <= top)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Job:
+    """What a plan needs from the config and the model, independent of the mesh."""
+
+    model: Qwen2Config
+    params: tuple[_Group, ...]
+    optimizer: tuple[_Group, ...]
+    critic: tuple[_Group, ...]  # params + AdamW state; () without a critic
+    rollout_weights: tuple[_Group, ...]  # () when dtype == param_dtype
+    kv_cache: tuple[_Group, ...]
+    val_kv_cache: tuple[_Group, ...]
+    rows: int  # prompts * n: the rollout, prepare and update batch
+    val_rows: int
+    mini_batch_rows: int
+    bucket: int  # the largest reachable prompt bucket
+    max_new: int
+    use_ref: bool
+
+
+def _job(config: Any, model_cfg: Qwen2Config) -> _Job:
+    shapes_cfg = dataclasses.replace(model_cfg, remat=False)  # remat changes no shape
+    total_steps = int(config.trainer.total_steps)
+    params, specs = _abstract_model(shapes_cfg, "lm")
+    param_groups = _groups(params, specs)
+    optimizer = _state_groups(
+        config.actor, "warmup_steps", "config.actor", total_steps, params, specs
+    )
+    critic: tuple[_Group, ...] = ()
+    if config.algo.estimator == "gae":
+        cparams, cspecs = _abstract_model(shapes_cfg, "value")
+        critic = _groups(cparams, cspecs) + _state_groups(
+            config.critic, "lr_warmup_steps", "config.critic", total_steps, cparams, cspecs
+        )
+    rollout_weights: tuple[_Group, ...] = ()
+    if model_cfg.dtype != model_cfg.param_dtype:
+        itemsize = np.dtype(model_cfg.dtype).itemsize
+        rollout_weights = tuple(g._replace(itemsize=itemsize) for g in param_groups)
+
+    ro = config.rollout
+    rows = int(config.data_batch.prompts) * int(ro.n)
+    val_rows = int(config.trainer.val_batch_size)
+    max_new = int(ro.max_new_tokens)
+    buckets = reachable_buckets(ro)
+    lengths = tuple(b + max_new for b in buckets)
+    # The clean validation sampler, and a second one when the faults act in phase 'eval'.
+    val_samplers = 2 if hardware_plan(config, model_cfg.num_hidden_layers).active("eval") else 1
+    return _Job(
+        model=model_cfg,
+        params=param_groups,
+        optimizer=optimizer,
+        critic=critic,
+        rollout_weights=rollout_weights,
+        kv_cache=_cache_groups(model_cfg, rows, lengths, 1),
+        val_kv_cache=_cache_groups(model_cfg, val_rows, lengths, val_samplers),
+        rows=rows,
+        val_rows=val_rows,
+        mini_batch_rows=int(config.actor.mini_batch_prompts) * int(ro.n),
+        bucket=buckets[-1],
+        max_new=max_new,
+        use_ref=bool(config.algo.use_kl_loss or config.algo.use_kl_in_reward),
+    )
+
+
+# --- the activation model ---------------------------------------------------------------------
+def _scores(model_cfg: Qwen2Config, tensor: int, keys: int, copies: int) -> int:
+    return copies * _cdiv(model_cfg.num_attention_heads, tensor) * keys * 4
+
+
+def saved_layer_bytes(model_cfg: Qwen2Config, tensor: int, keys: int) -> int:
+    """Bytes one decoder layer saves per token for its backward over `keys` key positions:
+    (6 D + 3 (N + K) H / t + 4 I / t) * itemsize + 3 (N / t) * keys * 4."""
+    m = model_cfg
+    heads, kv_heads = _cdiv(m.num_attention_heads, tensor), _cdiv(m.num_key_value_heads, tensor)
+    elements = (
+        6 * m.hidden_size
+        + 3 * (heads + kv_heads) * m.resolved_head_dim
+        + 4 * _cdiv(m.intermediate_size, tensor)
+    )
+    return elements * np.dtype(m.dtype).itemsize + _scores(m, tensor, keys, 3)
+
+
+def forward_layer_bytes(model_cfg: Qwen2Config, tensor: int, keys: int, score_copies: int) -> int:
+    """Bytes of one decoder layer's forward working set per token over `keys` key positions:
+    3 (I / t) * itemsize + score_copies * (N / t) * keys * 4."""
+    mlp = 3 * _cdiv(model_cfg.intermediate_size, tensor) * np.dtype(model_cfg.dtype).itemsize
+    return mlp + _scores(model_cfg, tensor, keys, score_copies)
+
+
+def activation_terms(
+    model_cfg: Qwen2Config, rows: int, prompt_len: int, max_new: int, tensor: int, remat: bool
+) -> dict[str, int]:
+    """Bytes of one micro-batch's forward+backward on one device, `rows` rows of
+    `prompt_len + max_new` positions: {'layers': the decoder layers' saved activations,
+    'logits': the float32 logits and their softmax copies and gradients}."""
+    m = model_cfg
+    T = prompt_len + max_new
+    tokens = rows * T
+    layer = saved_layer_bytes(m, tensor, T)
+    if remat:
+        layers = m.num_hidden_layers * tokens * m.hidden_size * np.dtype(m.dtype).itemsize
+        layers += tokens * layer
+    else:
+        layers = m.num_hidden_layers * tokens * layer
+    logits = 3 * (T + max_new) * rows * _cdiv(m.vocab_size, tensor) * 4
+    return {"layers": layers, "logits": logits}
+
+
+def prepare_bytes(
+    model_cfg: Qwen2Config, rows: int, prompt_len: int, max_new: int, tensor: int, ref: bool
+) -> int:
+    """Bytes of the prepare program on one device: a forward of `rows` rows (one layer's working
+    set at a time) and the policy's (and the reference's) float32 logits."""
+    T = prompt_len + max_new
+    logits = ((1 + int(ref)) * T + 2 * max_new) * rows * _cdiv(model_cfg.vocab_size, tensor) * 4
+    return rows * T * forward_layer_bytes(model_cfg, tensor, T, 3) + logits
+
+
+def generation_bytes(
+    model_cfg: Qwen2Config, rows: int, prompt_len: int, max_new: int, tensor: int
+) -> int:
+    """Bytes of the sampler's prefill on one device: one layer's working set for `rows` rows of
+    `prompt_len` queries against `prompt_len + max_new` cache slots (two score copies)."""
+    return rows * prompt_len * forward_layer_bytes(model_cfg, tensor, prompt_len + max_new, 2)
+
+
+def _plan(
+    job: _Job,
+    mesh: tuple[int, int, int],
+    remat: bool,
+    micro_batch_rows: int,
+    capacity: int | None = None,
+    headroom: float = 0.9,
+) -> MemoryPlan:
+    sizes = dict(zip(parallel.AXES, mesh, strict=True))
+    dp, tensor = mesh[0] * mesh[1], mesh[2]
+    params = _shard_bytes(job.params, sizes)
+    act = activation_terms(
+        job.model, _cdiv(micro_batch_rows, dp), job.bucket, job.max_new, tensor, remat
+    )
+    components = {
+        "params": params,
+        "optimizer": _shard_bytes(job.optimizer, sizes),
+        "reference": params if job.use_ref else 0,
+        "critic": _shard_bytes(job.critic, sizes),
+        "rollout_weights": _shard_bytes(job.rollout_weights, sizes),
+        "kv_cache": _shard_bytes(job.kv_cache, sizes),
+        "val_kv_cache": _shard_bytes(job.val_kv_cache, sizes),
+        "generation": generation_bytes(
+            job.model, _cdiv(max(job.rows, job.val_rows), dp), job.bucket, job.max_new, tensor
+        ),
+        "prepare": prepare_bytes(
+            job.model, _cdiv(micro_batch_rows, dp), job.bucket, job.max_new, tensor, job.use_ref
+        ),
+        "gradients": params,
+        "activations": act["layers"] + act["logits"],
+        "optimizer_step": params,
+    }
+    phase = {name: sum(components[c] for c in parts) for name, parts in PHASES.items()}
+    peak = max(phase, key=phase.get)
+    return MemoryPlan(
+        mesh=tuple(mesh),
+        components=components,
+        total=sum(components[c] for c in RESIDENT) + phase[peak],
+        peak_phase=peak,
+        remat=remat,
+        micro_batch_rows=micro_batch_rows,
+        capacity=capacity,
+        headroom=headroom,
+    )
+
+
+# --- public entry points ----------------------------------------------------------------------
+def _section(config: Any) -> Any:
+    section = config.get("planner") if hasattr(config, "get") else None
+    section = planner_config() if section is None else section
+    check_planner(section)
+    return section
+
+
+def estimate(config: Any, model_cfg: Qwen2Config, num_devices: int) -> MemoryPlan:
+    """Per-device bytes of the train job for `config.mesh` on `num_devices` devices, from shapes
+    only (`jax.eval_shape`; nothing is compiled or allocated). The capacity is left unknown."""
+    section = _section(config)
+    mesh = parallel.mesh_shape(config.mesh, num_devices)
+    return _plan(
+        _job(config, model_cfg),
+        mesh,
+        bool(model_cfg.remat),
+        int(config.actor.micro_batch_rows),
+        headroom=float(section.headroom),
+    )
+
+
+def _capacity(section: Any, capacity_bytes: int | None) -> int | None:
+    if capacity_bytes is not None:
+        if capacity_bytes <= 0:
+            raise ValueError(f"capacity_bytes={capacity_bytes}; must be > 0 (or None)")
+        return int(capacity_bytes)
+    if float(section.device_memory_gb) > 0:
+        return int(float(section.device_memory_gb) * GIB)
+    return detect_capacity()
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _splittable(model_cfg: Qwen2Config) -> int:
+    """The largest tensor size that splits every tensor-sharded dim evenly."""
+    m = model_cfg
+    return math.gcd(m.num_attention_heads, m.num_key_value_heads, m.intermediate_size, m.vocab_size)
+
+
+def _settings(
+    job: _Job, num_devices: int, remat: bool, micro_batch_rows: int
+) -> Iterator[tuple[int, tuple[int, int, int], bool, int]]:
+    """(tier, mesh, remat, micro_batch_rows) the train job accepts on `num_devices`: tensor
+    divides every tensor-split dim (heads, kv heads, mlp, vocab), fsdp divides the hidden size,
+    data x fsdp divides the rollout rows and the micro-batch, which divides the mini-batch.
+    Micro-batches: the configured one and every smaller valid one (the smallest valid one when
+    data x fsdp exceeds it). Tier 0 changes only the mesh, 1 adds remat, 2 the micro-batch,
+    3 both."""
+    for tensor in _divisors(num_devices):
+        dp = num_devices // tensor
+        if _splittable(job.model) % tensor or job.rows % dp:
+            continue
+        valid = [d for d in _divisors(job.mini_batch_rows) if d % dp == 0]
+        micros = [d for d in valid if d <= micro_batch_rows] or valid[:1]
+        for fsdp in _divisors(dp):
+            if job.model.hidden_size % fsdp:
+                continue
+            for r, mb in itertools.product(sorted({remat, True}), micros):
+                tier = int(r != remat) + 2 * int(mb != micro_batch_rows)
+                yield tier, (dp // fsdp, fsdp, tensor), r, mb
+
+
+def _flags(plan: MemoryPlan, remat: bool, micro_batch_rows: int) -> tuple[str, ...]:
+    flags = [f"--config.mesh.{a}={s}" for a, s in zip(parallel.AXES, plan.mesh, strict=True)]
+    if plan.remat != remat:
+        flags.append(f"--config.model.remat={plan.remat}")
+    if plan.micro_batch_rows != micro_batch_rows:
+        flags.append(f"--config.actor.micro_batch_rows={plan.micro_batch_rows}")
+    return tuple(flags)
+
+
+def _search(
+    job: _Job, num_devices: int, remat: bool, micro: int, capacity: int | None, headroom: float
+) -> tuple[list[Suggestion], Suggestion | None]:
+    """(the settings that fit, best first: fewest changes, then the smallest estimate; the
+    setting with the smallest estimate, fitting or not)."""
+    fitting, smallest = [], None
+    for tier, mesh, r, mb in _settings(job, num_devices, remat, micro):
+        plan = _plan(job, mesh, r, mb, capacity, headroom)
+        option = Suggestion(_flags(plan, remat, micro), plan)
+        if smallest is None or plan.total < smallest.plan.total:
+            smallest = option
+        if plan.fits:
+            fitting.append((tier, plan.total, option))
+    fitting.sort(key=lambda x: x[:2])
+    return [s for _, _, s in fitting], smallest
+
+
+def suggest(
+    config: Any, model_cfg: Qwen2Config, num_devices: int, capacity_bytes: int
+) -> list[Suggestion]:
+    """Settings on `num_devices` devices that fit `headroom * capacity_bytes`, best first
+    (only the mesh changed, then remat, then a smaller micro-batch; then the smallest
+    estimate)."""
+    section = _section(config)
+    found, _ = _search(
+        _job(config, model_cfg),
+        num_devices,
+        bool(model_cfg.remat),
+        int(config.actor.micro_batch_rows),
+        _capacity(section, capacity_bytes),
+        float(section.headroom),
+    )
+    return found
+
+
+def check(
+    config: Any, model_cfg: Qwen2Config, num_devices: int, capacity_bytes: int | None = None
+) -> MemoryPlan:
+    """`estimate`, then refuse (ValueError) when it exceeds `config.planner.headroom` of the
+    device memory: `capacity_bytes`, else `config.planner.device_memory_gb` (GiB), else the
+    backend's limit. With no capacity known (CPU) or `config.planner.enabled=False` the plan
+    is returned, never refused. The message names the mesh, lists the components and suggests
+    flags that fit (or the device count that would)."""
+    section = _section(config)
+    job = _job(config, model_cfg)
+    remat, micro = bool(model_cfg.remat), int(config.actor.micro_batch_rows)
+    capacity = _capacity(section, capacity_bytes)
+    headroom = float(section.headroom)
+    mesh = parallel.mesh_shape(config.mesh, num_devices)
+    plan = _plan(job, mesh, remat, micro, capacity, headroom)
+    if plan.fits or not section.enabled:
+        return plan
+    raise ValueError(_refusal(job, plan, num_devices, remat, micro))
+
+
+def _refusal(job: _Job, plan: MemoryPlan, num_devices: int, remat: bool, micro: int) -> str:
+    largest = max(COMPONENTS, key=plan.components.get)
+    lines = [
+        f"{plan.mesh_flag} does not fit in device memory: an estimated"
+        f" {plan.total / GIB:.1f} GiB per device > headroom {plan.headroom:g} x"
+        f" {plan.capacity / GIB:.1f} GiB = {plan.budget / GIB:.1f} GiB (peak program:"
+        f" {plan.peak_phase}; largest component: {largest}"
+        f" {plan.components[largest] / GIB:.1f} GiB).",
+        plan.table(),
+    ]
+    found, smallest = _search(job, num_devices, remat, micro, plan.capacity, plan.headroom)
+    if found:
+        lines.append(f"Suggested: {found[0]}")
+        if len(found) > 1:
+            lines.append("Also fits: " + "; ".join(str(s) for s in found[1:3]))
+        return "\n".join(lines)
+    lines.append(
+        f"No (data, fsdp, tensor) mesh of {num_devices} devices fits, with or without remat and"
+        " smaller micro-batches."
+    )
+    if smallest is not None:
+        biggest = max(COMPONENTS, key=smallest.plan.components.get)
+        lines.append(
+            f"Smallest estimate on {num_devices} devices: {smallest} (largest component:"
+            f" {biggest} {smallest.plan.components[biggest] / GIB:.1f} GiB)."
+        )
+    # More devices: every data x fsdp that splits the rows and the mini-batch, times every
+    # tensor size that splits the model, above num_devices, smallest first.
+    counts = sorted(
+        {
+            dp * tensor
+            for dp in _divisors(math.gcd(job.rows, job.mini_batch_rows))
+            for tensor in _divisors(_splittable(job.model))
+            if dp * tensor > num_devices
+        }
+    )
+    for devices in counts:
+        found, _ = _search(job, devices, remat, micro, plan.capacity, plan.headroom)
+        if found:
+            lines.append(f"It would need {devices} devices: {found[0]}")
+            return "\n".join(lines)
+    lines.append(
+        f"No mesh of any device count fits either: data x fsdp can be at most"
+        f" gcd(prompts * n, mini-batch rows) = {math.gcd(job.rows, job.mini_batch_rows)} and"
+        f" tensor at most {_splittable(job.model)} here."
+    )
+    return "\n".join(lines)

@@ -1,0 +1,169 @@
+"""Statistics over seeds: descriptive summaries, Welch's t-test, effect sizes, Holm's correction.
+
+Pure numpy; scipy is used only for the Student t distribution (`scipy.stats.t.cdf` / `.ppf`).
+Every function takes plain sequences of floats; `None` and non-finite values (a run that did not
+measure a metric, or diverged to NaN) are dropped and counted in `n_dropped`.
+
+Formulas (x_1..x_n one group, n its size, level = 0.95 unless given):
+
+describe(x)
+  mean  m = sum(x) / n
+  std   s = sqrt(sum((x - m)^2) / (n - 1))            (sample SD, ddof = 1)
+  sem     = s / sqrt(n)
+  CI      m ± t_{(1+level)/2, n-1} * sem               (Student t with n - 1 df)
+  n = 1: std, sem and the CI are None (undefined); n = 0: the mean is None too.
+
+welch(a, b)  (a: n1, m1, s1^2; b: n2, m2, s2^2)
+  diff  = m1 - m2
+  se    = sqrt(s1^2/n1 + s2^2/n2)
+  t     = diff / se
+  df    = se^4 / ((s1^2/n1)^2/(n1-1) + (s2^2/n2)^2/(n2-1))        (Welch–Satterthwaite)
+  p     = 2 * P(T_df <= -|t|) = 2 * cdf(-|t|, df)                  (two-sided)
+  CI    diff ± t_{(1+level)/2, df} * se                            (same Welch df)
+  Cohen's d = diff / s_p with s_p = sqrt((s1^2 + s2^2) / 2)        (the root of the MEAN of the
+            two variances, unweighted; it equals the df-weighted pooled SD when n1 = n2)
+  Hedges' g = J * d with J = 1 - 3 / (4 (n1 + n2) - 9)             (small-sample correction)
+  Degenerate: n1 < 2 or n2 < 2, or both variances zero (se = 0) -> t, df, p, CI, d, g are None
+  and `reason` says why; `diff` is still reported whenever both groups have a value.
+
+holm(p_1..p_m)  (Holm–Bonferroni step-down; None entries are tests not run and are left out of
+  the family: m counts the non-None p-values)
+  sort ascending p_(1) <= ... <= p_(m);  adj_(i) = max_{j <= i} min(1, (m - j + 1) p_(j))
+  returned in the input order.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from scipy import stats as _sps
+
+LEVEL = 0.95
+
+
+def _values(x: Sequence[Any] | np.ndarray) -> tuple[np.ndarray, int]:
+    """The finite float values of `x` and how many entries were dropped (None / NaN / inf)."""
+    raw = np.asarray(x, dtype=object).ravel().tolist()
+    vals = [float(v) for v in raw if v is not None and math.isfinite(float(v))]
+    return np.asarray(vals, dtype=np.float64), len(raw) - len(vals)
+
+
+def _var(v: np.ndarray, m: float) -> float:
+    """Sample variance (ddof=1); exactly 0 for identical values (the float mean of n copies of
+    x need not be x, which would leave a ~1e-32 variance and an infinite t)."""
+    if np.all(v == v[0]):
+        return 0.0
+    return float(np.sum((v - m) ** 2) / (v.size - 1))
+
+
+def _tcrit(df: float, level: float) -> float:
+    return float(_sps.t.ppf(0.5 + level / 2.0, df))
+
+
+def describe(x: Sequence[Any] | np.ndarray, level: float = LEVEL) -> dict[str, Any]:
+    """n, mean, std (ddof=1), sem and the t-based CI of the mean (half-width and bounds)."""
+    v, dropped = _values(x)
+    n = int(v.size)
+    out: dict[str, Any] = {
+        "n": n,
+        "n_dropped": dropped,
+        "mean": float(v.mean()) if n else None,
+        "std": None,
+        "sem": None,
+        "ci_level": level,
+        "ci_half": None,
+        "ci_low": None,
+        "ci_high": None,
+    }
+    if n >= 2:
+        m = float(v.mean())
+        s = math.sqrt(_var(v, m))
+        sem = s / math.sqrt(n)
+        half = _tcrit(n - 1, level) * sem
+        out.update(std=s, sem=sem, ci_half=half, ci_low=m - half, ci_high=m + half)
+    return out
+
+
+def welch(
+    a: Sequence[Any] | np.ndarray, b: Sequence[Any] | np.ndarray, level: float = LEVEL
+) -> dict[str, Any]:
+    """Welch's unequal-variance t-test of mean(a) - mean(b), with its CI and effect sizes."""
+    va, da = _values(a)
+    vb, db = _values(b)
+    n1, n2 = int(va.size), int(vb.size)
+    out: dict[str, Any] = {
+        "n_a": n1,
+        "n_b": n2,
+        "n_dropped": da + db,
+        "mean_a": float(va.mean()) if n1 else None,
+        "mean_b": float(vb.mean()) if n2 else None,
+        "diff": float(va.mean() - vb.mean()) if n1 and n2 else None,
+        "se": None,
+        "t": None,
+        "df": None,
+        "p": None,
+        "ci_level": level,
+        "diff_ci_low": None,
+        "diff_ci_high": None,
+        "diff_ci_half": None,
+        "sd_pooled": None,
+        "cohen_d": None,
+        "hedges_g": None,
+        "reason": None,
+    }
+    if n1 < 2 or n2 < 2:
+        out["reason"] = f"n < 2 (n_a={n1}, n_b={n2})"
+        return out
+    m1, m2 = float(va.mean()), float(vb.mean())
+    v1, v2 = _var(va, m1), _var(vb, m2)
+    q1, q2 = v1 / n1, v2 / n2
+    se = math.sqrt(q1 + q2)
+    sd_pooled = math.sqrt((v1 + v2) / 2.0)
+    if se == 0.0:
+        out["reason"] = "zero variance in both groups"
+        return out
+    diff = m1 - m2
+    t = diff / se
+    df = (q1 + q2) ** 2 / (q1**2 / (n1 - 1) + q2**2 / (n2 - 1))
+    p = float(min(1.0, 2.0 * _sps.t.cdf(-abs(t), df)))
+    half = _tcrit(df, level) * se
+    d = diff / sd_pooled
+    j = 1.0 - 3.0 / (4.0 * (n1 + n2) - 9.0)
+    out.update(
+        se=se,
+        t=t,
+        df=df,
+        p=p,
+        diff_ci_low=diff - half,
+        diff_ci_high=diff + half,
+        diff_ci_half=half,
+        sd_pooled=sd_pooled,
+        cohen_d=d,
+        hedges_g=j * d,
+    )
+    return out
+
+
+def holm(pvalues: Sequence[float | None]) -> list[float | None]:
+    """Holm–Bonferroni adjusted p-values, in the input order (None stays None, not counted)."""
+    idx = [i for i, p in enumerate(pvalues) if p is not None]
+    m = len(idx)
+    order = sorted(idx, key=lambda i: pvalues[i])
+    adjusted: list[float | None] = [None] * len(pvalues)
+    running = 0.0
+    for rank, i in enumerate(order):
+        running = max(running, min(1.0, (m - rank) * float(pvalues[i])))
+        adjusted[i] = running
+    return adjusted
+
+
+def format_p(p: float | None) -> str:
+    """A p-value with 3 significant digits, "< 0.001" below 0.001, "n/a" for None."""
+    if p is None:
+        return "n/a"
+    if p < 0.001:
+        return "< 0.001"
+    return np.format_float_positional(p, precision=3, unique=False, fractional=False, trim="k")

@@ -1,0 +1,158 @@
+"""The robustness evaluation: condition names and plans, agreement with the trainer's own
+validation, noise level 0 adding exactly nothing, mean@n, the held-out loss against a direct
+computation, and the job's outputs and bad input."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from aqn_jax.evaluation import (
+    check_evaluate,
+    condition_plan,
+    conditions,
+    hardware_plan,
+    heldout_loss,
+    robustness,
+)
+from aqn_jax.faults.intercept import FaultPlan, step_key
+from aqn_jax.models.qwen2 import Qwen2ForCausalLM
+from aqn_jax.rl.sampler import Sampler, SamplingParams
+from aqn_jax.rl.sft import sft_loss, sft_sequences
+from aqn_jax.rl.trainer import evaluate
+
+from conftest import launch_cli, load_config
+
+
+def _config(**ev):
+    config = load_config("evaluate")
+    config.rollout.max_new_tokens = 16
+    for k, v in ev.items():
+        config.evaluate[k] = v
+    return config
+
+
+def test_condition_names_and_plans():
+    config = _config()
+    names = [c.name for c in conditions(config.evaluate)]
+    assert names == [
+        "clean",
+        "clean+noise5%",
+        "clean+noise10%",
+        "clean+mxfp4",
+        "fault",
+        "fault+noise5%",
+        "fault+noise10%",
+        "fault+mxfp4",
+    ]
+    hw = hardware_plan(config, 8)
+    assert [i.name for i in hw.injections] == ["deadzone"]  # AQN never enters evaluation
+    on = condition_plan(hw, True, "mxfp4")
+    off = condition_plan(hw, False, "noise")
+    assert [i.name for i in on.injections] == ["deadzone", "eval_mxfp4"]
+    assert [i.name for i in off.injections] == ["eval_noise"]
+    assert set(off.injections[0].sites.kinds) == {
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+    }
+
+
+def test_matrix_agrees_with_validation_and_noise_zero_is_exact(sft_tiny):
+    cfg, params, tok, task = sft_tiny
+    config = _config(size=16, batch_size=8, loss=False)
+    examples = task.examples("test", 16)
+    out = robustness(config, cfg, params, tok, examples, log=lambda *_: None)
+    conds = out["conditions"]
+    assert len(conds) == 8 and all(c["n"] == 16 for c in conds.values())
+
+    # The trainer's greedy validation programs, built independently: clean and faulty device.
+    greedy = SamplingParams(
+        max_new_tokens=16, eos_id=tok.eos_id, pad_id=tok.pad_id, temperature=0.0
+    )
+    model = Qwen2ForCausalLM(cfg)
+    key = step_key(0, 0, "eval")
+    hw = hardware_plan(config, cfg.num_hidden_layers)
+    for name, plan in (("clean", FaultPlan()), ("fault", hw)):
+        sampler = Sampler(model, greedy, plan, (96,), phase="eval")
+        ref = evaluate(sampler, params, examples, tok, 8, 96, fault_key=key)
+        # noise level 0 through the traced-noise program equals no perturbation exactly.
+        assert conds[name]["acc"] == pytest.approx(float(np.mean(ref)), abs=0)
+    assert conds["clean"]["perturbation"] == "none" and conds["fault+mxfp4"]["fault"]
+
+
+def test_mean_at_n(sft_tiny):
+    cfg, params, tok, task = sft_tiny
+    config = _config(size=8, batch_size=8, samples=3, noise_levels=(0.0,), mxfp4=False)
+    config.evaluate.fault = (False,)
+    config.evaluate.loss = False
+    examples = task.examples("test", 8)
+    out = robustness(config, cfg, params, tok, examples, log=lambda *_: None)
+    acc = out["conditions"]["clean"]["acc"]
+    assert out["conditions"]["clean"]["samples"] == 3
+    assert acc * 8 * 3 == pytest.approx(round(acc * 8 * 3), abs=1e-4)  # k of 24 samples
+
+
+def test_heldout_loss_equals_direct_cross_entropy(sft_tiny):
+    cfg, params, tok, task = sft_tiny
+    examples = task.examples("test", 12)
+    model = Qwen2ForCausalLM(cfg)
+    key = jax.random.key(0)
+    loss = heldout_loss(model, params, FaultPlan(), examples, tok, 5, key)  # padded last batch
+    data = sft_sequences(examples, tok)
+    direct = float(sft_loss(model, params, data.ids, data.mask, data.loss_mask))
+    assert loss == pytest.approx(direct, rel=1e-5)
+    config = _config()
+    config.faults.deadzone.threshold = 0.5
+    faulty = heldout_loss(model, params, hardware_plan(config, 8), examples, tok, 5, key)
+    assert faulty > loss + 0.1
+
+
+def test_bad_evaluate_config_is_refused():
+    for field, value, message in (
+        ("noise_levels", (0.0, 1.5), "each must be in [0, 1]"),
+        ("samples", 0, "must be >= 1"),
+        ("fault", (), "allowed"),
+        ("step", -3, "must be a step"),
+    ):
+        config = _config(**{field: value})
+        with pytest.raises(ValueError, match=f"config.evaluate.{field}="):
+            check_evaluate(config.evaluate)
+        with pytest.raises(ValueError, match=message.replace("[", r"\[")):
+            check_evaluate(config.evaluate)
+
+
+def test_evaluate_job(tmp_path):
+    work = tmp_path / "eval"
+    out = launch_cli(
+        "--config=configs/evaluate.py:smoke",
+        "--config.evaluate.noise_levels=(0.0,0.1)",
+        workdir=work,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads((work / "evaluation.json").read_text())
+    assert list(result["conditions"]) == [
+        "clean",
+        "clean+noise10%",
+        "clean+mxfp4",
+        "fault",
+        "fault+noise10%",
+        "fault+mxfp4",
+    ]
+    assert result["test_size"] == 8 and set(result["loss"]) == {"clean", "fault"}
+    text = (work / "evaluation.md").read_text()
+    assert "| device | none | noise10% | mxfp4 |" in text
+    assert f"| clean | {result['conditions']['clean']['acc']:.3f} |" in text
+    assert (work / "evaluation.png").stat().st_size > 1000
+
+    bad = launch_cli(
+        "--config=configs/evaluate.py:smoke",
+        f"--config.evaluate.run={tmp_path / 'nowhere'}",
+        workdir=tmp_path / "bad",
+    )
+    assert bad.returncode != 0 and "config.evaluate.run=" in bad.stderr

@@ -1,0 +1,336 @@
+"""The study statistics (against scipy and hand arithmetic) and the study report."""
+
+import copy
+import json
+import math
+import os
+
+import numpy as np
+import pytest
+import scipy.stats
+
+from aqn_jax.study import report, stats
+
+# Fixed 5-seed samples, shaped like the seed-001 losses (targeted ~12.837 ± 0.005, global
+# ~12.861 ± 0.010); the published numbers are summaries, so these arrays are made up.
+TARGETED = np.array([12.8321, 12.8412, 12.8350, 12.8436, 12.8351])
+GLOBAL = np.array([12.8502, 12.8713, 12.8589, 12.8498, 12.8728])
+
+
+def test_describe_against_scipy():
+    d = stats.describe(TARGETED)
+    n = len(TARGETED)
+    assert d["n"] == n and d["n_dropped"] == 0
+    assert d["mean"] == pytest.approx(TARGETED.mean(), rel=1e-12)
+    assert d["std"] == pytest.approx(np.std(TARGETED, ddof=1), rel=1e-12)
+    assert d["sem"] == pytest.approx(scipy.stats.sem(TARGETED), rel=1e-12)
+    lo, hi = scipy.stats.t.interval(
+        0.95, n - 1, loc=TARGETED.mean(), scale=scipy.stats.sem(TARGETED)
+    )
+    assert d["ci_low"] == pytest.approx(lo, rel=1e-12)
+    assert d["ci_high"] == pytest.approx(hi, rel=1e-12)
+    assert d["ci_half"] == pytest.approx((hi - lo) / 2, rel=1e-9)
+    # t_{0.975, 4} = 2.776445...: the half-width is that times the sem.
+    assert d["ci_half"] == pytest.approx(2.7764451 * d["sem"], rel=1e-6)
+
+
+def test_describe_drops_missing_and_handles_small_n():
+    d = stats.describe([0.5, None, float("nan"), 0.7])
+    assert d["n"] == 2 and d["n_dropped"] == 2
+    assert d["mean"] == pytest.approx(0.6)
+    assert d["std"] == pytest.approx(math.sqrt(0.02))  # ((0.1)^2 + (0.1)^2) / 1
+    one = stats.describe([0.42])
+    assert one["n"] == 1 and one["mean"] == pytest.approx(0.42)
+    assert one["std"] is None and one["sem"] is None and one["ci_half"] is None
+    assert one["ci_low"] is None and one["ci_high"] is None
+    empty = stats.describe([])
+    assert empty["n"] == 0 and empty["mean"] is None
+    const = stats.describe([0.3, 0.3, 0.3])
+    assert const["std"] == 0.0 and const["ci_half"] == 0.0
+
+
+def test_welch_against_scipy():
+    w = stats.welch(TARGETED, GLOBAL)
+    ref = scipy.stats.ttest_ind(TARGETED, GLOBAL, equal_var=False)
+    assert w["reason"] is None
+    assert w["t"] == pytest.approx(ref.statistic, rel=1e-10)
+    assert w["p"] == pytest.approx(ref.pvalue, rel=1e-8)
+    assert w["p"] < 0.01  # these made-up samples are well separated
+    # Welch–Satterthwaite by hand.
+    q1 = np.var(TARGETED, ddof=1) / 5
+    q2 = np.var(GLOBAL, ddof=1) / 5
+    df = (q1 + q2) ** 2 / (q1**2 / 4 + q2**2 / 4)
+    assert w["df"] == pytest.approx(df, rel=1e-12)
+    assert w["df"] == pytest.approx(ref.df, rel=1e-10)
+    assert w["diff"] == pytest.approx(TARGETED.mean() - GLOBAL.mean(), rel=1e-12)
+    lo, hi = ref.confidence_interval(0.95)
+    assert w["diff_ci_low"] == pytest.approx(lo, rel=1e-9)
+    assert w["diff_ci_high"] == pytest.approx(hi, rel=1e-9)
+    lo2, hi2 = scipy.stats.t.interval(0.95, df, loc=w["diff"], scale=math.sqrt(q1 + q2))
+    assert (w["diff_ci_low"], w["diff_ci_high"]) == pytest.approx((lo2, hi2), rel=1e-9)
+    # Symmetry: swapping the groups flips t, the difference and d; p and df stay.
+    r = stats.welch(GLOBAL, TARGETED)
+    assert r["t"] == pytest.approx(-w["t"]) and r["cohen_d"] == pytest.approx(-w["cohen_d"])
+    assert r["p"] == pytest.approx(w["p"]) and r["df"] == pytest.approx(w["df"])
+
+
+def test_welch_by_hand():
+    # a = [1, 2, 3]: mean 2, var = (1 + 0 + 1) / 2 = 1
+    # b = [2, 4, 6]: mean 4, var = (4 + 0 + 4) / 2 = 4
+    # se = sqrt(1/3 + 4/3) = sqrt(5/3);  t = (2 - 4) / sqrt(5/3) = -1.5491933
+    # df = (5/3)^2 / ((1/3)^2 / 2 + (4/3)^2 / 2) = (25/9) / (17/18) = 50/17
+    # s_p = sqrt((1 + 4) / 2) = sqrt(2.5);  d = -2 / sqrt(2.5) = -1.2649111
+    # J = 1 - 3 / (4 * 6 - 9) = 1 - 3/15 = 0.8;  g = 0.8 * d = -1.0119289
+    w = stats.welch([1.0, 2.0, 3.0], [2.0, 4.0, 6.0])
+    assert w["diff"] == pytest.approx(-2.0)
+    assert w["se"] == pytest.approx(math.sqrt(5 / 3))
+    assert w["t"] == pytest.approx(-2 / math.sqrt(5 / 3))
+    assert w["df"] == pytest.approx(50 / 17)
+    assert w["sd_pooled"] == pytest.approx(math.sqrt(2.5))
+    assert w["cohen_d"] == pytest.approx(-1.2649111, rel=1e-7)
+    assert w["hedges_g"] == pytest.approx(-1.0119289, rel=1e-7)
+    # p against scipy's t distribution at the hand df, and against ttest_ind.
+    assert w["p"] == pytest.approx(2 * scipy.stats.t.sf(2 / math.sqrt(5 / 3), 50 / 17))
+    assert w["p"] == pytest.approx(
+        scipy.stats.ttest_ind([1, 2, 3], [2, 4, 6], equal_var=False).pvalue
+    )
+    # Unequal sizes: a = [0, 2] (mean 1, var 2), b = [1, 1, 4] (mean 2, var 3):
+    # s_p = sqrt((2 + 3) / 2) = sqrt(2.5); d = -1 / sqrt(2.5) = -0.6324555
+    # J = 1 - 3 / (4 * 5 - 9) = 1 - 3/11 = 8/11; g = -0.6324555 * 8/11 = -0.4599677
+    u = stats.welch([0.0, 2.0], [1.0, 1.0, 4.0])
+    assert u["cohen_d"] == pytest.approx(-0.6324555, rel=1e-6)
+    assert u["hedges_g"] == pytest.approx(-0.4599677, rel=1e-6)
+    ref = scipy.stats.ttest_ind([0.0, 2.0], [1.0, 1.0, 4.0], equal_var=False)
+    assert u["t"] == pytest.approx(ref.statistic) and u["p"] == pytest.approx(ref.pvalue)
+
+
+def test_welch_degenerate():
+    single = stats.welch([0.5], [0.4, 0.5, 0.6])
+    assert single["p"] is None and single["t"] is None and single["cohen_d"] is None
+    assert "n < 2" in single["reason"]
+    assert single["diff"] == pytest.approx(0.0)
+    assert stats.welch([], [0.1, 0.2])["diff"] is None
+    # Seven copies of 0.7 have a float mean != 0.7 (a ~1e-32 variance if computed naively).
+    const = stats.welch([0.7] * 7, [0.5, 0.5])
+    assert const["p"] is None and const["reason"] == "zero variance in both groups"
+    assert const["diff"] == pytest.approx(0.2)
+    assert stats.describe([0.7] * 7)["std"] == 0.0
+    same = stats.welch([0.3, 0.3], [0.3, 0.3])
+    assert same["p"] is None and same["diff"] == 0.0
+    # One constant group is fine: df = n_other - 1.
+    # a = [0.25] * 3 (var 0), b = [0.1, 0.2, 0.3, 0.6]: mean 0.3, var = (0.04 + 0.01 + 0 + 0.09)
+    # / 3 = 0.14/3; se = sqrt(0.14/12); t = -0.05 / se; df = n_b - 1 = 3.
+    one_const = stats.welch([0.25, 0.25, 0.25], [0.1, 0.2, 0.3, 0.6])
+    assert one_const["df"] == pytest.approx(3.0)
+    assert one_const["t"] == pytest.approx(-0.05 / math.sqrt(0.14 / 12))
+    assert one_const["p"] == pytest.approx(2 * scipy.stats.t.cdf(-0.05 / math.sqrt(0.14 / 12), 3))
+    assert one_const["cohen_d"] == pytest.approx(-0.05 / math.sqrt(0.14 / 6))
+
+
+def test_holm_by_hand():
+    # m = 4 (None is not a test). Sorted: 0.005 * 4 = 0.02; 0.01 * 3 = 0.03; 0.03 * 2 = 0.06;
+    # 0.04 * 1 = 0.04 -> max(0.06, 0.04) = 0.06 (monotone).
+    adj = stats.holm([0.01, 0.04, 0.03, None, 0.005])
+    assert adj[3] is None
+    assert adj[:3] + adj[4:] == pytest.approx([0.03, 0.06, 0.06, 0.02])
+    assert stats.holm([0.5, 0.6]) == pytest.approx([1.0, 1.0])  # 2 * 0.5 = 1; capped at 1
+    assert stats.holm([0.2]) == pytest.approx([0.2])
+    assert stats.holm([]) == []
+
+
+def test_format_p():
+    assert stats.format_p(None) == "n/a"
+    assert stats.format_p(0.0004) == "< 0.001"
+    assert stats.format_p(0.13) == "0.130"
+    assert stats.format_p(0.0123456) == "0.0123"
+    assert stats.format_p(0.001) == "0.00100"
+    assert stats.format_p(1.0) == "1.00"
+
+
+# ---------------------------------------------------------------------------------------------
+# The report on a synthetic study
+
+ACC = {  # (arm, seed) -> (acc_fault, acc_clean, heldout_loss)
+    ("clean", "0"): (0.610, 0.640, 1.2345),
+    ("clean", "1"): (0.620, 0.650, 1.2301),
+    ("clean", "2"): (0.600, 0.630, 1.2399),
+    ("global_aqn", "0"): (0.500, 0.600, 1.3012),
+    ("global_aqn", "2"): (0.520, 0.590, 1.2987),  # seed 1 missing
+    ("targeted", "0"): (0.540, 0.610, 1.2876),
+    ("targeted", "1"): (0.560, 0.605, 1.2911),
+    ("targeted", "2"): (0.530, 0.620, 1.2850),
+    ("healthy", "0"): (0.515, 0.600, 1.2950),  # a single seed
+}
+CONDITIONS = ["fault", "clean", "noise_5pct"]
+
+
+def _run(arm, seed, acc_fault, acc_clean, loss):
+    k = int(seed)
+    steps = [0, 5, 10]
+    core = [acc_fault - 0.1, None, acc_fault]  # validation not measured at step 5
+    return {
+        "final": {"acc_fault": acc_fault, "acc_clean": acc_clean, "heldout_loss": loss},
+        "curve": {
+            "step": steps,
+            "val-core/acc": core,
+            "val-clean/acc": [acc_clean - 0.05, None, acc_clean],
+            "critic/score/mean": [0.1 + 0.01 * k, 0.2, 0.3],
+        },
+        "robustness": {
+            "fault": acc_fault,
+            "clean": acc_clean,
+            "noise_5pct": round(acc_fault - 0.02 * (k + 1), 4),
+        },
+        "telemetry": {"flushed": 0.0 if arm == "clean" else 0.01 * (k + 1), "rescued": 0.002 * k},
+        "wall_time_s": 100.0 + 10 * k,
+    }
+
+
+@pytest.fixture
+def study(tmp_path):
+    runs = {}
+    for (arm, seed), vals in ACC.items():
+        runs.setdefault(arm, {})[seed] = _run(arm, seed, *vals)
+    results = {
+        "name": "compare",
+        "variant": "threshold_0.1",
+        "arms": ["clean", "deadzone", "global_aqn", "targeted", "healthy"],  # deadzone: no runs
+        "seeds": [0, 1, 2],
+        "reference_arm": "global_aqn",
+        "comparisons": [["targeted", "global_aqn"], ["healthy", "global_aqn"]],
+        "conditions": CONDITIONS,
+        "runs": runs,
+        "timing": {"total_s": 1234.5, "device": "cpu"},
+    }
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps(results))
+    return results, str(tmp_path)
+
+
+def _vals(arm, i):
+    return np.array([v[i] for (a, _), v in ACC.items() if a == arm])
+
+
+def test_summarize_numbers(study):
+    results, _ = study
+    s = report.summarize(results)
+    assert s["arms"] == ["clean", "global_aqn", "targeted", "healthy"]
+    assert s["present"]["global_aqn"] == ["0", "2"] and s["missing"]["global_aqn"] == ["1"]
+    assert any("deadzone" in n and "no runs" in n for n in s["notes"])
+    assert any("healthy" in n and "single seed" in n for n in s["notes"])
+    t = _vals("targeted", 0)
+    assert s["final"]["acc_fault"]["targeted"]["mean"] == pytest.approx(t.mean())
+    assert s["final"]["acc_fault"]["targeted"]["std"] == pytest.approx(np.std(t, ddof=1))
+    assert s["final"]["acc_fault"]["healthy"]["std"] is None
+    tests = {(x["a"], x["metric"]): x for x in s["tests"]}
+    assert len(s["tests"]) == 6  # 2 comparisons x 3 metrics
+    tg = tests[("targeted", "acc_fault")]
+    ref = scipy.stats.ttest_ind(t, _vals("global_aqn", 0), equal_var=False)
+    assert tg["p"] == pytest.approx(ref.pvalue) and tg["t"] == pytest.approx(ref.statistic)
+    # healthy has one seed: no test, so the family has one p and Holm leaves it unchanged.
+    hg = tests[("healthy", "acc_fault")]
+    assert hg["p"] is None and "n < 2" in hg["reason"] and hg["p_holm"] is None
+    assert tg["p_holm"] == pytest.approx(tg["p"])
+    # Robustness, telemetry, wall time.
+    rob = s["robustness"]["arms"]["targeted"]["noise_5pct"]
+    assert rob["mean"] == pytest.approx(np.mean([0.52, 0.52, 0.47]))
+    assert s["telemetry"]["targeted"]["flushed"]["mean"] == pytest.approx(0.02)
+    assert s["telemetry"]["clean"]["flushed"]["mean"] == 0.0
+    assert s["wall_time"]["global_aqn"]["mean"] == pytest.approx(110.0)
+    assert s["wall_time"]["global_aqn"]["total"] == pytest.approx(220.0)
+    # Strict JSON: no NaN anywhere in the summary.
+    json.dumps(s, allow_nan=False)
+
+
+def test_curve_band_ignores_nulls(study):
+    results, _ = study
+    runs = list(results["runs"]["targeted"].values())
+    steps, mean, std, n = report.curve_band(runs, "val-core/acc")
+    assert steps.tolist() == [0, 10]  # step 5 holds only nulls
+    assert n.tolist() == [3, 3]
+    assert mean[1] == pytest.approx(_vals("targeted", 0).mean())
+    assert std[1] == pytest.approx(np.std(_vals("targeted", 0), ddof=1))
+    steps, mean, std, n = report.curve_band(runs, "critic/score/mean")
+    assert steps.tolist() == [0, 5, 10]
+    assert mean[0] == pytest.approx(0.11)  # (0.10 + 0.11 + 0.12) / 3
+    assert std[1] == pytest.approx(0.0)
+
+
+def test_write_report(study):
+    results, workdir = study
+    original = copy.deepcopy(results)
+    path = report.write_report(results, workdir)
+    assert path == os.path.join(workdir, "report.md")
+    with open(path) as f:
+        text = f.read()
+    assert results == original  # the caller's dict is not modified
+    assert text.startswith("# Study report: compare (threshold_0.1)")
+    # Means (3 decimals for accuracy, 4 for the loss), recomputed here.
+    t = _vals("targeted", 0)
+    row = f"| targeted | 3 | {t.mean():.3f} ± {np.std(t, ddof=1):.3f} |"
+    assert row in text and row == "| targeted | 3 | 0.543 ± 0.015 |"
+    loss = _vals("clean", 2)
+    assert f"| clean | 3 | {loss.mean():.4f} ± {np.std(loss, ddof=1):.4f} |" in text
+    assert "| healthy | 1 | 0.515 ± n/a | n/a |" in text
+    assert "| deadzone | none | 0, 1, 2 |" in text
+    assert "| global_aqn | 0, 2 | 1 |" in text
+    # The tests row of targeted vs global_aqn (acc_fault) carries scipy's p.
+    g = _vals("global_aqn", 0)
+    ref = scipy.stats.ttest_ind(t, g, equal_var=False)
+    p = stats.format_p(ref.pvalue)
+    rows = [line for line in text.splitlines() if line.startswith("| targeted vs global_aqn |")]
+    fault_row = [r for r in rows if "| acc_fault |" in r]
+    assert len(rows) == 3 and len(fault_row) == 1
+    cells = [c.strip() for c in fault_row[0].strip("|").split("|")]
+    assert cells[2] == "3 / 2"
+    assert cells[3].startswith(f"{t.mean() - g.mean():+.3f} [")
+    assert cells[4] == f"{ref.statistic:.2f}"
+    assert cells[6] == p and cells[7] == p  # one test in the family: Holm p = p
+    reading = [line for line in text.splitlines() if line.startswith("- targeted − global_aqn")]
+    assert any(f"p = {p}" in r for r in reading)
+    assert "test not run (n < 2 (n_a=1, n_b=2))" in text
+    # Robustness matrix and telemetry.
+    header = "| arm | n | fault | clean | noise_5pct |"
+    assert header in text
+    assert "| targeted | 0.0200 ± 0.0100 | 0.0020 ± 0.0020 |" in text
+    assert '"total_s": 1234.5' in text
+    # Plots.
+    for name in ("curves.png", "final.png", "robustness.png"):
+        png = os.path.join(workdir, name)
+        with open(png, "rb") as f:
+            head = f.read(8)
+        assert head == b"\x89PNG\r\n\x1a\n" and os.path.getsize(png) > 1024
+    # results.json: the summary added, everything else kept.
+    with open(os.path.join(workdir, "results.json")) as f:
+        stored = json.load(f)
+    assert "summary" in stored
+    assert stored["runs"] == json.loads(json.dumps(original["runs"]))
+    assert {k: v for k, v in stored.items() if k != "summary"} == json.loads(json.dumps(original))
+    assert stored["summary"]["final"]["acc_fault"]["targeted"]["mean"] == pytest.approx(t.mean())
+    assert not os.path.exists(os.path.join(workdir, "results.json.tmp"))
+    # Re-running on the stored file (with its summary) gives the same summary.
+    again = report.summarize(report.load_results(os.path.join(workdir, "results.json")))
+    assert json.dumps(again, sort_keys=True) == json.dumps(stored["summary"], sort_keys=True)
+
+
+def test_write_report_empty_and_significant(tmp_path):
+    # No runs at all: a report with notes, no crash.
+    empty = {"name": "compare", "variant": "default", "arms": ["clean"], "seeds": [0], "runs": {}}
+    with open(report.write_report(empty, str(tmp_path / "empty"))) as f:
+        text = f.read()
+    assert "arm clean: no runs; skipped" in text
+    # Well separated arms: significant after Holm, in favour of the lower loss.
+    runs = {}
+    for arm, base in (("targeted", 12.83), ("global_aqn", 12.86)):
+        runs[arm] = {
+            str(k): {"final": {"acc_fault": 0.5, "acc_clean": 0.6, "heldout_loss": x}}
+            for k, x in enumerate(base + np.array([0.002, -0.004, 0.005, -0.001, 0.0]))
+        }
+    res = {"arms": ["targeted", "global_aqn"], "reference_arm": "global_aqn", "runs": runs}
+    s = report.summarize(res)
+    loss = [t for t in s["tests"] if t["metric"] == "heldout_loss"][0]
+    assert loss["reading"].endswith("significant at 0.05 after Holm, in favour of targeted")
+    assert loss["reading"].startswith("targeted − global_aqn (heldout_loss): −0.0300 loss")
+    acc = [t for t in s["tests"] if t["metric"] == "acc_fault"][0]
+    assert acc["reason"] == "zero variance in both groups"
+    report.write_report(res, str(tmp_path / "sig"))
