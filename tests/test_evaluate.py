@@ -65,11 +65,13 @@ def test_condition_names_and_plans():
 
 def test_matrix_agrees_with_validation_and_noise_zero_is_exact(sft_tiny):
     cfg, params, tok, task = sft_tiny
-    config = _config(size=16, batch_size=8, loss=False)
+    # Noise level 0 only (the traced-noise program at 0), fault off and on: 2 programs here,
+    # 2 references below; the other conditions are exercised by the job test.
+    config = _config(size=16, batch_size=8, loss=False, noise_levels=(0.0,), mxfp4=False)
     examples = task.examples("test", 16)
     out = robustness(config, cfg, params, tok, examples, log=lambda *_: None)
     conds = out["conditions"]
-    assert len(conds) == 8 and all(c["n"] == 16 for c in conds.values())
+    assert list(conds) == ["clean", "fault"] and all(c["n"] == 16 for c in conds.values())
 
     # The trainer's greedy validation programs, built independently: clean and faulty device.
     greedy = SamplingParams(
@@ -83,19 +85,20 @@ def test_matrix_agrees_with_validation_and_noise_zero_is_exact(sft_tiny):
         ref = evaluate(sampler, params, examples, tok, 8, 96, fault_key=key)
         # noise level 0 through the traced-noise program equals no perturbation exactly.
         assert conds[name]["acc"] == pytest.approx(float(np.mean(ref)), abs=0)
-    assert conds["clean"]["perturbation"] == "none" and conds["fault+mxfp4"]["fault"]
+    assert conds["clean"]["perturbation"] == "none" and conds["fault"]["fault"]
 
 
 def test_mean_at_n(sft_tiny):
     cfg, params, tok, task = sft_tiny
-    config = _config(size=8, batch_size=8, samples=3, noise_levels=(0.0,), mxfp4=False)
+    config = _config(size=4, batch_size=4, samples=3, noise_levels=(0.0,), mxfp4=False)
+    config.rollout.max_new_tokens = 8
     config.evaluate.fault = (False,)
     config.evaluate.loss = False
-    examples = task.examples("test", 8)
+    examples = task.examples("test", 4)
     out = robustness(config, cfg, params, tok, examples, log=lambda *_: None)
     acc = out["conditions"]["clean"]["acc"]
     assert out["conditions"]["clean"]["samples"] == 3
-    assert acc * 8 * 3 == pytest.approx(round(acc * 8 * 3), abs=1e-4)  # k of 24 samples
+    assert acc * 4 * 3 == pytest.approx(round(acc * 4 * 3), abs=1e-4)  # k of 12 samples
 
 
 def test_heldout_loss_equals_direct_cross_entropy(sft_tiny):

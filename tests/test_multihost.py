@@ -24,6 +24,7 @@ FLAGS = [
     # to update the params; the entropy bonus gives every step a real, batch-wide gradient.
     "--config.algo.entropy_coeff=0.01",
     "--config.checkpoint.every=1",
+    "--config.trainer.val_every=0",  # validation at the start and the end only
 ]
 
 
@@ -91,6 +92,7 @@ def test_two_processes_agree_with_one(tmp_path):
     assert _rows(multi) == _rows(single)
     rows = _rows(multi)
     assert [r["step"] for r in rows] == [0, 1, 2]
+    assert "val-core/acc" in rows[2] and "val-core/acc" not in rows[1]
     assert rows[1]["faults/rollout/deadzone.flushed"] > 0 and rows[1]["actor/entropy"] > 0
 
     a, meta_a = Checkpointer(str(single), 0, 2).restore_host(2)

@@ -44,7 +44,13 @@ def sft_config() -> ml_collections.ConfigDict:
     c.schedule = "cosine"
     c.examples = 2048  # train examples used for SFT (the first N of the train split)
     c.cache_dir = ""  # '' = <workdir>/../cache
+    c.seed = -1  # init + SFT seed; -1 = config.seed (the compare job fixes it: one warm start)
     return c
+
+
+def sft_seed(config) -> int:
+    seed = int(config.sft.get("seed", -1))
+    return int(config.seed) if seed < 0 else seed
 
 
 def check_sft(sft: Any) -> None:
@@ -81,8 +87,8 @@ def cache_key(config) -> str:
             "task": d.task.to_dict(),
             "train_size": d.train_size,
         },
-        "sft": {k: v for k, v in config.sft.to_dict().items() if k != "cache_dir"},
-        "seed": config.seed,
+        "sft": {k: v for k, v in config.sft.to_dict().items() if k not in ("cache_dir", "seed")},
+        "seed": sft_seed(config),
     }
     blob = json.dumps(parts, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
@@ -97,7 +103,7 @@ def warm_start(config, workdir: str, verbose: bool = True) -> tuple[Qwen2Config,
     """(model config, params, info): the SFT'd policy (from the cache when present), or the
     configured model itself when `config.sft.enabled` is False."""
     if not config.sft.enabled:
-        qcfg, params = load_model(config.model, config.seed)
+        qcfg, params = load_model(config.model, sft_seed(config))
         return qcfg, params, {"sft": "off"}
     check_sft(config.sft)
     path = cache_dir(config, workdir)
@@ -114,7 +120,7 @@ def warm_start(config, workdir: str, verbose: bool = True) -> tuple[Qwen2Config,
     tokenizer = tokenizer_for(config)
     examples = load_split(config.data, "train")[: int(config.sft.examples)]
     data = sft_sequences(examples, tokenizer)
-    qcfg, params = load_model(config.model, config.seed)
+    qcfg, params = load_model(config.model, sft_seed(config))
     model = Qwen2ForCausalLM(qcfg)
     bar = progress(int(config.sft.steps), "SFT", enabled=verbose and jax.process_index() == 0)
 
@@ -133,7 +139,7 @@ def warm_start(config, workdir: str, verbose: bool = True) -> tuple[Qwen2Config,
         lr=float(config.sft.lr),
         warmup_steps=int(config.sft.warmup_steps),
         schedule=config.sft.schedule,
-        seed=int(config.seed),
+        seed=sft_seed(config),
         callback=tick,
     )
     bar.close()

@@ -1,0 +1,236 @@
+"""Job `compare`: the study. Every arm x every seed is a full train run plus a robustness
+evaluation; the statistics and the report come from aqn_jax/study.
+
+  python -m aqn_jax.launch --config=configs/compare.py                  # 6 arms x 5 seeds
+  python -m aqn_jax.launch --config=configs/compare.py:threshold_0.1    # a sweep variant
+  python -m aqn_jax.launch --config=configs/compare.py:smoke
+
+Layout of the workdir:
+
+  cache/                 the one SFT warm start every run shares (sft.seed fixed)
+  srdd/srdd.json         the one SRDD diagnosis of the faulty device (the warm start is shared,
+                         so every seed would find the same): targeted gets its located layers,
+                         srdd_guided its sigma map, as explicit flags
+  runs/<arm>/seed<k>/    each run's train workdir (+ evaluation.json)
+  xla_cache/             the persistent compilation cache: seeds and arms that share a program
+                         compile it once
+  results.json, report.md, curves.png, final.png, robustness.png
+
+A run whose `evaluation.json` exists is reused; a run killed midway resumes from its latest
+checkpoint (`checkpoint.every`); so re-running the same command completes only what is missing.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import time
+
+import jax
+import ml_collections
+import numpy as np
+
+from aqn_jax import parallel
+from aqn_jax.checkpoint import Checkpointer
+from aqn_jax.data.config import load_split
+from aqn_jax.diagnosis import srdd
+from aqn_jax.evaluation import conditions, robustness
+from aqn_jax.experiment import ARMS, apply_arm
+from aqn_jax.jobs import train
+from aqn_jax.jobs.pretrain import tokenizer_for, warm_start
+from aqn_jax.metrics import read_metrics
+from aqn_jax.models.factory import logical_axes
+from aqn_jax.models.qwen2 import Qwen2ForCausalLM
+from aqn_jax.study.report import write_report
+
+CURVE_KEYS = ("val-core/acc", "val-clean/acc", "critic/score/mean")
+
+
+def compare_config() -> ml_collections.ConfigDict:
+    c = ml_collections.ConfigDict()
+    c.arms = ARMS
+    c.seeds = (0, 1, 2, 3, 4)
+    c.variant = "default"  # a name for the report (configs/compare.py sets it per sweep)
+    c.reference_arm = "global_aqn"
+    c.comparisons = (("targeted", "global_aqn"), ("healthy", "global_aqn"))
+    c.compile_cache = True  # persistent XLA cache under the workdir (shared programs compile once)
+    return c
+
+
+def check_compare(cmp) -> None:
+    arms = tuple(cmp.arms)
+    bad = [a for a in arms if a not in ARMS]
+    if bad or not arms:
+        raise ValueError(f"config.compare.arms={arms}; allowed: non-empty subsets of {ARMS}")
+    seeds = tuple(cmp.seeds)
+    if not seeds or len(set(seeds)) != len(seeds) or any(int(s) < 0 for s in seeds):
+        raise ValueError(f"config.compare.seeds={seeds}; expected distinct seeds >= 0")
+    for pair in cmp.comparisons:
+        if len(pair) != 2 or any(a not in ARMS for a in pair):
+            raise ValueError(f"config.compare.comparisons has {tuple(pair)}; expected arm pairs")
+
+
+def run_config(config, arm: str, seed: int, workdir: str, diagnosis: dict | None):
+    """The train config of one (arm, seed): the shared warm start and diagnosis made explicit."""
+    c = copy.deepcopy(config)
+    with c.unlocked():
+        c.job = "train"
+        apply_arm(c, arm)
+        c.seed = int(seed)
+        c.sft.seed = int(config.sft.seed) if config.sft.seed >= 0 else int(config.seed)
+        c.sft.cache_dir = os.path.join(os.path.abspath(workdir), "cache")
+        if arm == "targeted":
+            c.aqn.layers = str(tuple(diagnosis["verdict"]["layers"]))
+        elif arm == "srdd_guided":
+            c.aqn.layer_sigmas = os.path.join(os.path.abspath(workdir), "srdd", "srdd.json")
+    return c
+
+
+def run(config, workdir: str) -> None:
+    t_start = time.perf_counter()
+    cmp = config.compare
+    check_compare(cmp)
+    arms, seeds = tuple(cmp.arms), tuple(int(s) for s in cmp.seeds)
+    # Validate one run config per arm now (no compile): bad input fails before any training.
+    stand_in = {"verdict": {"layers": [0]}}
+    for arm in arms:
+        train.validate(run_config(config, arm, seeds[0], workdir, stand_in))
+    if cmp.compile_cache:
+        jax.config.update("jax_compilation_cache_dir", os.path.join(workdir, "xla_cache"))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+    base = run_config(config, "deadzone", seeds[0], workdir, stand_in)
+    t0 = time.perf_counter()
+    qcfg, params, _ = warm_start(base, workdir)
+    timing = {"sft_s": time.perf_counter() - t0}
+
+    diagnosis = None
+    if {"targeted", "srdd_guided"} & set(arms):
+        path = os.path.join(workdir, "srdd", "srdd.json")
+        if os.path.isfile(path):
+            diagnosis = srdd.load_report(path)
+        else:
+            t0 = time.perf_counter()
+            ids, mask = srdd.calibration_batch(
+                load_split(base.data, "train"),
+                tokenizer_for(base),
+                int(base.diagnosis.num_prompts),
+                int(base.diagnosis.max_prompt_len),
+            )
+            diagnosis = srdd.diagnose(
+                Qwen2ForCausalLM(qcfg),
+                params,
+                srdd.hardware_plan(base, qcfg.num_hidden_layers),
+                ids,
+                mask,
+                base.diagnosis,
+                float(base.diagnosis.base_sigma or base.aqn.sigma_start),
+            )
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            srdd.write_report(diagnosis, os.path.dirname(path))
+            timing["srdd_s"] = time.perf_counter() - t0
+        print(f"SRDD (shared by every run): {diagnosis['verdict']['message']}")
+        if not diagnosis["verdict"]["layers"] and "targeted" in arms:
+            raise ValueError(
+                "the SRDD diagnosis found no faulty layer, so the targeted arm has nothing to"
+                " target; check config.faults or drop 'targeted' from config.compare.arms"
+            )
+
+    runs: dict[str, dict[str, dict]] = {}
+    walls = []
+    for arm in arms:
+        for seed in seeds:
+            run_dir = os.path.join(workdir, "runs", arm, f"seed{seed}")
+            os.makedirs(run_dir, exist_ok=True)
+            done = os.path.join(run_dir, "evaluation.json")
+            if not os.path.isfile(done):
+                print(f"== {arm} seed {seed} -> {run_dir}")
+                t0 = time.perf_counter()
+                rc = run_config(config, arm, seed, workdir, diagnosis)
+                train.run(rc, run_dir)
+                result = _evaluate(rc, run_dir)
+                result["wall_time_s"] = time.perf_counter() - t0
+                _write_json(done, result)
+                walls.append(result["wall_time_s"])
+            else:
+                print(f"== {arm} seed {seed}: done, reused ({run_dir})")
+            runs.setdefault(arm, {})[str(seed)] = _collect(run_dir)
+    timing["runs_s_this_invocation"] = float(np.sum(walls)) if walls else 0.0
+    timing["runs_this_invocation"] = len(walls)
+    timing["total_s_this_invocation"] = time.perf_counter() - t_start
+
+    ev = config.evaluate
+    results = {
+        "name": os.path.basename(os.path.abspath(workdir)),
+        "variant": cmp.variant,
+        "arms": list(arms),
+        "seeds": list(seeds),
+        "reference_arm": cmp.reference_arm,
+        "comparisons": [list(p) for p in cmp.comparisons if set(p) <= set(arms)],
+        "conditions": [c.name for c in conditions(ev)],
+        "fault": config.faults.deadzone.to_dict(),
+        "srdd": None if diagnosis is None else diagnosis["verdict"],
+        "runs": runs,
+        "timing": timing,
+    }
+    if jax.process_index() == 0:
+        _write_json(os.path.join(workdir, "results.json"), results)
+        report = write_report(results, workdir)
+        print(f"report: {report}")
+
+
+def _evaluate(config, run_dir: str) -> dict:
+    """The robustness matrix and held-out loss of the run's final checkpoint."""
+    ckpt = Checkpointer(run_dir, 0, 1)
+    state, _ = ckpt.restore_host(ckpt.latest_step())
+    ckpt.close()
+    qcfg, tokenizer, *_ = train.validate(config)
+    size = int(config.evaluate.size or config.trainer.val_size)
+    test = load_split(config.data, "test")[:size]
+    mesh = parallel.make_mesh(config.mesh)
+    params = parallel.put_global(
+        state["params"], parallel.param_shardings(logical_axes(qcfg), mesh)
+    )
+    return robustness(config, qcfg, params, tokenizer, test, mesh=mesh)
+
+
+def _collect(run_dir: str) -> dict:
+    """One run's entry of results.json (schema in aqn_jax/study/report.py)."""
+    with open(os.path.join(run_dir, "evaluation.json")) as f:
+        ev = json.load(f)
+    rows = read_metrics(run_dir)
+    curve = {"step": [r["step"] for r in rows]}
+    for key in CURVE_KEYS:
+        curve[key] = [r.get(key) for r in rows]
+    conds = ev["conditions"]
+    loss = ev.get("loss", {})
+
+    def mean_of(suffix):
+        vals = [
+            v
+            for r in rows[1:]
+            for k, v in r.items()
+            if k.startswith("faults/rollout/") and k.endswith(suffix)
+        ]
+        return float(np.mean(vals)) if vals else 0.0
+
+    return {
+        "final": {
+            "acc_fault": conds.get("fault", {}).get("acc"),
+            "acc_clean": conds.get("clean", {}).get("acc"),
+            "heldout_loss": loss.get("fault", loss.get("clean")),
+        },
+        "curve": curve,
+        "robustness": {name: c["acc"] for name, c in conds.items()},
+        "telemetry": {"flushed": mean_of(".flushed"), "rescued": mean_of(".rescued")},
+        "wall_time_s": ev.get("wall_time_s"),
+    }
+
+
+def _write_json(path: str, obj) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=2, default=str)
+    os.replace(tmp, path)

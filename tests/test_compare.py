@@ -1,0 +1,104 @@
+"""Job `compare` end to end on the shrink setting (2 arms x 2 seeds): the shared warm start and
+diagnosis, results.json in the study schema, the report; killed midway and re-run, it completes
+only the missing runs. Config variants and bad input."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import load_config
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FLAGS = [
+    "--config=configs/compare.py:smoke",
+    "--config.trainer.total_steps=1",
+    "--config.evaluate.noise_levels=(0.0,)",
+]
+
+
+def test_compare_resumes_and_reports(tmp_path):
+    work = tmp_path / "study"
+    cmd = [sys.executable, "-m", "aqn_jax.launch", *FLAGS, f"--workdir={work}"]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", JAX_PLATFORMS="cpu")
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+    first = work / "runs" / "global_aqn" / "seed0" / "evaluation.json"
+    deadline = time.time() + 400
+    while not first.is_file():
+        assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
+        assert time.time() < deadline, "the first run did not finish within 400 s"
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    stamp = first.stat().st_mtime_ns
+    assert not (work / "results.json").exists()
+
+    out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "== global_aqn seed 0: done, reused" in out.stdout
+    for arm, seed in (("global_aqn", 1), ("targeted", 0), ("targeted", 1)):
+        assert f"== {arm} seed {seed} -> " in out.stdout
+    assert first.stat().st_mtime_ns == stamp  # the finished run was not redone
+
+    results = json.loads((work / "results.json").read_text())
+    assert results["arms"] == ["global_aqn", "targeted"] and results["seeds"] == [0, 1]
+    assert results["srdd"]["layers"] == [4]  # one shared diagnosis of the layer-4 deadzone
+    assert (work / "srdd" / "srdd.json").is_file()
+    assert len(list((work / "cache").iterdir())) == 1  # one shared SFT warm start
+    for arm in ("global_aqn", "targeted"):
+        for seed in ("0", "1"):
+            entry = results["runs"][arm][seed]
+            assert set(entry["final"]) == {"acc_fault", "acc_clean", "heldout_loss"}
+            assert entry["final"]["heldout_loss"] > 0
+            assert set(entry["robustness"]) == {"clean", "fault"}
+            assert entry["curve"]["step"] == [0, 1]
+            assert entry["telemetry"]["flushed"] > 0
+    # The targeted runs trained with AQN on the located layer only.
+    summary = json.loads((work / "runs" / "targeted" / "seed0" / "summary.json").read_text())
+    assert summary["aqn_layers"] == [4]
+    assert json.loads((work / "runs" / "global_aqn" / "seed1" / "summary.json").read_text())[
+        "aqn_layers"
+    ] == list(range(8))
+    # The report: per-arm tables from the same numbers, the test row, plots.
+    report = (work / "report.md").read_text()
+    loss = results["summary"]["final"]["heldout_loss"]["targeted"]["mean"]
+    assert f"{loss:.4f}" in report
+    assert "| targeted vs global_aqn | heldout_loss |" in report
+    for png in ("curves.png", "final.png", "robustness.png"):
+        assert (work / png).stat().st_size > 1000
+
+
+def test_variants_and_bad_input():
+    assert load_config("compare", "threshold_0.5").faults.deadzone.threshold == 0.5
+    late = load_config("compare", "layer_late,smoke")
+    assert late.faults.deadzone.layers == "6" and late.compare.seeds == (0, 1)
+    assert load_config("compare", "two_layers").faults.deadzone.layers == "(2,5)"
+    default = load_config("compare")
+    assert default.compare.arms == (
+        "clean",
+        "deadzone",
+        "global_aqn",
+        "targeted",
+        "healthy",
+        "srdd_guided",
+    )
+    assert len(default.compare.seeds) == 5 and default.sft.seed == 0
+    with pytest.raises(ValueError, match="allowed: one of"):
+        load_config("compare", "threshold_0.3")
+
+    from aqn_jax.jobs.compare import check_compare
+
+    bad = load_config("compare")
+    bad.compare.arms = ("targeted", "random_aqn")
+    with pytest.raises(ValueError, match=r"config\.compare\.arms="):
+        check_compare(bad.compare)
+    bad = load_config("compare")
+    bad.compare.seeds = (0, 0)
+    with pytest.raises(ValueError, match=r"config\.compare\.seeds="):
+        check_compare(bad.compare)
