@@ -87,7 +87,7 @@ from jax.sharding import PartitionSpec as P
 from aqn_jax import parallel
 from aqn_jax.diagnosis.srdd import hardware_plan
 from aqn_jax.models.qwen2 import Qwen2Config, Qwen2ForCausalLM, init_cache
-from aqn_jax.rl.optim import adamw, lr_schedule
+from aqn_jax.rl.optim import optimizer_of
 
 GIB = 2**30
 RESIDENT = (
@@ -284,19 +284,7 @@ def _state_groups(
 ) -> tuple[_Group, ...]:
     """Groups of the AdamW state of `section` (config.actor / config.critic): moments follow
     their params' placement, counters are replicated (as in `Trainer.__init__`)."""
-    schedule = lr_schedule(
-        float(section.lr),
-        max(total_steps, 1),
-        warmup_steps=int(section[warmup_field]),
-        schedule=section.schedule,
-        field=field,
-    )
-    opt = adamw(
-        schedule,
-        weight_decay=float(section.weight_decay),
-        grad_clip=float(section.grad_clip),
-        field=field,
-    )
+    _, opt = optimizer_of(section, warmup_field, max(total_steps, 1), 1, field)
     state = jax.eval_shape(opt.init, params)
     state_specs = optax.tree_map_params(
         opt, lambda _, s: s, state, specs, transform_non_params=lambda _: P()

@@ -70,3 +70,23 @@ def adamw(
         parts.append(optax.clip_by_global_norm(grad_clip))
     parts.append(optax.adamw(schedule, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay))
     return optax.chain(*parts)
+
+
+def optimizer_of(section, warmup_field: str, total_updates: int, per_step: int, field: str):
+    """(schedule, AdamW) of a config section (config.actor / config.critic: lr, schedule,
+    weight_decay, grad_clip and `warmup_field` in RL steps), the schedule counted in optimizer
+    updates (`per_step` of them per RL step)."""
+    schedule = lr_schedule(
+        float(section.lr),
+        total_updates,
+        warmup_steps=int(section[warmup_field]) * per_step,
+        schedule=section.schedule,
+        field=field,
+    )
+    opt = adamw(
+        schedule,
+        weight_decay=float(section.weight_decay),
+        grad_clip=float(section.grad_clip),
+        field=field,
+    )
+    return schedule, opt

@@ -47,7 +47,7 @@ from aqn_jax.rewards import score_batch
 
 from . import advantages as adv_lib
 from . import losses
-from .optim import adamw, lr_schedule
+from .optim import optimizer_of
 from .sampler import Sampler, SamplingParams
 
 
@@ -227,10 +227,10 @@ class Trainer:
         # optax counts optimizer updates, `updates` per RL step.
         self.updates = self.h.ppo_epochs * self.h.mini_batches
         U = self.updates
-        self.actor_schedule, self.actor_opt = _optimizer(
+        self.actor_schedule, self.actor_opt = optimizer_of(
             config.actor, "warmup_steps", self.total_steps * U, U, "config.actor"
         )
-        _, self.critic_opt = _optimizer(
+        _, self.critic_opt = optimizer_of(
             config.critic, "lr_warmup_steps", self.total_steps * U, U, "config.critic"
         )
         axes = logical_axes(model_config)
@@ -672,24 +672,6 @@ def init_critic(model_config: Qwen2Config, policy_params):
     D = model_config.hidden_size
     head = {"kernel": np.zeros((D, 1), np.float32), "bias": np.zeros((1,), np.float32)}
     return {**jax.tree_util.tree_map(np.array, backbone), "value_head": head}
-
-
-def _optimizer(section, warmup_field: str, total_updates: int, per_step: int, field: str):
-    """(schedule, AdamW) of config.actor / config.critic, the schedule counted in updates."""
-    schedule = lr_schedule(
-        float(section.lr),
-        total_updates,
-        warmup_steps=int(section[warmup_field]) * per_step,
-        schedule=section.schedule,
-        field=field,
-    )
-    opt = adamw(
-        schedule,
-        weight_decay=float(section.weight_decay),
-        grad_clip=float(section.grad_clip),
-        field=field,
-    )
-    return schedule, opt
 
 
 def total_steps_of(config, batches_per_epoch: int) -> int:

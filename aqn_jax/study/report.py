@@ -337,6 +337,13 @@ def _pyplot():
     return plt
 
 
+def _save(plt, fig, path: str) -> str:
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
 def _colors(arms: Sequence[str]) -> dict[str, Any]:
     plt = _pyplot()
     cycle = plt.get_cmap("tab10")
@@ -367,10 +374,7 @@ def plot_curves(results: Mapping[str, Any], summary: Mapping[str, Any], path: st
     if axes[0].get_legend_handles_labels()[0]:
         axes[0].legend(fontsize=7)
     fig.suptitle(f"{summary['name']} ({summary['variant']}): mean over seeds ± 1 std")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def plot_final(summary: Mapping[str, Any], path: str) -> str:
@@ -396,10 +400,7 @@ def plot_final(summary: Mapping[str, Any], path: str) -> str:
         ax.set_title(f"final {metric}: seeds (dots), mean and 95% CI (black)", fontsize=10)
         ax.grid(alpha=0.3, axis="y")
     fig.suptitle(f"{summary['name']} ({summary['variant']})")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def plot_robustness(summary: Mapping[str, Any], path: str) -> str:
@@ -423,10 +424,7 @@ def plot_robustness(summary: Mapping[str, Any], path: str) -> str:
     ax.grid(alpha=0.3, axis="y")
     if arms:
         ax.legend(fontsize=7, ncol=min(3, len(arms)))
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 # ---------------------------------------------------------------------------------------------
