@@ -17,7 +17,6 @@ per prompt at `config.rollout.temperature` with their mean accuracy (mean@n).
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import time
 from collections.abc import Sequence
@@ -30,7 +29,7 @@ import numpy as np
 
 from aqn_jax.data.gsm8k import Example
 from aqn_jax.data.tokenizers import Tokenizer
-from aqn_jax.faults.config import build_plan
+from aqn_jax.diagnosis.srdd import hardware_plan
 from aqn_jax.faults.intercept import FaultPlan, Injection, Noise, Quantize, Scale, step_key
 from aqn_jax.faults.sites import LINEAR_KINDS, SiteSelector
 from aqn_jax.models.qwen2 import Qwen2Config, Qwen2ForCausalLM
@@ -97,14 +96,6 @@ def conditions(ev: Any) -> list[Condition]:
         if ev.mxfp4:
             out.append(Condition(f"{base}+mxfp4", fault, "mxfp4"))
     return out
-
-
-def hardware_plan(config, num_layers: int) -> FaultPlan:
-    """The device of `config.faults` alone (no AQN: evaluation never injects training noise)."""
-    cfg = copy.deepcopy(config)
-    with cfg.unlocked():
-        cfg.aqn.enabled = False
-    return build_plan(cfg, num_layers)
 
 
 def condition_plan(hw: FaultPlan, fault: bool, kind: str) -> FaultPlan:

@@ -154,13 +154,14 @@ def load_config(name: str, arg: str | None = None):
     return module.get_config() if arg is None else module.get_config(arg)
 
 
-def launch_cli(*args, workdir, cwd=None):
-    """`python -m aqn_jax.launch ARGS --workdir=WORKDIR` in a subprocess (CPU, offline)."""
+def launch_cli(*args, workdir, cwd=None, env=None):
+    """`python -m aqn_jax.launch ARGS --workdir=WORKDIR` in a subprocess (CPU, offline; `env`
+    adds variables)."""
     import subprocess
     import sys
 
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, HF_HUB_OFFLINE="1", JAX_PLATFORMS="cpu")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", JAX_PLATFORMS="cpu", **(env or {}))
     return subprocess.run(
         [sys.executable, "-m", "aqn_jax.launch", *args, f"--workdir={workdir}"],
         cwd=cwd or repo,

@@ -8,15 +8,16 @@ import jax
 import numpy as np
 import pytest
 
+from aqn_jax.diagnosis.srdd import hardware_plan
 from aqn_jax.evaluation import (
     check_evaluate,
     condition_plan,
     conditions,
-    hardware_plan,
     heldout_loss,
     robustness,
 )
 from aqn_jax.faults.intercept import FaultPlan, step_key
+from aqn_jax.faults.sites import LINEAR_KINDS
 from aqn_jax.models.qwen2 import Qwen2ForCausalLM
 from aqn_jax.rl.sampler import Sampler, SamplingParams
 from aqn_jax.rl.sft import sft_loss, sft_sequences
@@ -52,15 +53,8 @@ def test_condition_names_and_plans():
     off = condition_plan(hw, False, "noise")
     assert [i.name for i in on.injections] == ["deadzone", "eval_mxfp4"]
     assert [i.name for i in off.injections] == ["eval_noise"]
-    assert set(off.injections[0].sites.kinds) == {
-        "q_proj",
-        "k_proj",
-        "v_proj",
-        "o_proj",
-        "gate_proj",
-        "up_proj",
-        "down_proj",
-    }
+    assert set(off.injections[0].sites.kinds) == set(LINEAR_KINDS) and len(LINEAR_KINDS) == 7
+    assert off.injections[0].sites.layers == "all" and on.injections[1].sites.point == "input"
 
 
 def test_matrix_agrees_with_validation_and_noise_zero_is_exact(sft_tiny):

@@ -15,7 +15,7 @@ import pytest
 from aqn_jax import parallel
 from aqn_jax.checkpoint import Checkpointer
 
-from conftest import load_config
+from conftest import launch_cli, load_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FLAGS = [
@@ -29,28 +29,13 @@ FLAGS = [
 
 
 def _launch(workdir, cache, devices):
-    env = dict(
-        os.environ,
-        HF_HUB_OFFLINE="1",
-        JAX_PLATFORMS="cpu",
-        XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+    out = launch_cli(
+        *FLAGS,
+        f"--config.sft.cache_dir={cache}",
+        workdir=workdir,
+        env={"XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"},
     )
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "aqn_jax.launch",
-            *FLAGS,
-            f"--config.sft.cache_dir={cache}",
-            f"--workdir={workdir}",
-        ],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=400,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert out.returncode == 0, out.stderr[-3000:]
 
 
 def _rows(workdir):

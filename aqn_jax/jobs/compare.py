@@ -38,9 +38,9 @@ from aqn_jax.diagnosis import srdd
 from aqn_jax.evaluation import conditions, robustness
 from aqn_jax.experiment import ARMS, apply_arm
 from aqn_jax.jobs import train
-from aqn_jax.jobs.pretrain import tokenizer_for, warm_start
+from aqn_jax.jobs.pretrain import sft_seed, tokenizer_for, warm_start
 from aqn_jax.metrics import read_metrics
-from aqn_jax.models.factory import logical_axes
+from aqn_jax.models.factory import logical_axes, model_config
 from aqn_jax.models.qwen2 import Qwen2ForCausalLM
 from aqn_jax.study.report import write_report
 
@@ -78,7 +78,7 @@ def run_config(config, arm: str, seed: int, workdir: str, diagnosis: dict | None
         c.job = "train"
         apply_arm(c, arm)
         c.seed = int(seed)
-        c.sft.seed = int(config.sft.seed) if config.sft.seed >= 0 else int(config.seed)
+        c.sft.seed = sft_seed(config)  # every seed of the study shares one warm start
         c.sft.cache_dir = os.path.join(os.path.abspath(workdir), "cache")
         if arm == "targeted":
             c.aqn.layers = str(tuple(diagnosis["verdict"]["layers"]))
@@ -186,7 +186,7 @@ def _evaluate(config, run_dir: str) -> dict:
     ckpt = Checkpointer(run_dir, 0, 1)
     state, _ = ckpt.restore_host(ckpt.latest_step())
     ckpt.close()
-    qcfg, tokenizer, *_ = train.validate(config)
+    qcfg, tokenizer = model_config(config.model), tokenizer_for(config)
     size = int(config.evaluate.size or config.trainer.val_size)
     test = load_split(config.data, "test")[:size]
     mesh = parallel.make_mesh(config.mesh)

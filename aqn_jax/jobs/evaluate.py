@@ -23,10 +23,12 @@ import numpy as np
 from aqn_jax import parallel
 from aqn_jax.checkpoint import Checkpointer
 from aqn_jax.data.config import check_data, load_split
-from aqn_jax.evaluation import check_evaluate, conditions, hardware_plan, robustness
+from aqn_jax.diagnosis.srdd import hardware_plan
+from aqn_jax.evaluation import check_evaluate, conditions, robustness
 from aqn_jax.jobs.pretrain import tokenizer_for, warm_start
 from aqn_jax.jobs.train import check_prompt_lengths
 from aqn_jax.models.factory import logical_axes, model_config
+from aqn_jax.models.hf import abstract_params
 
 
 def validate(config):
@@ -70,20 +72,13 @@ def load_policy(config, workdir: str):
     state, _ = ckpt.restore_host(step)
     ckpt.close()
     params = state["params"]
-    want = jax.tree_util.tree_map(lambda a: tuple(a), logical_axes(qcfg), is_leaf=_is_axes)
-    got_shapes = jax.tree_util.tree_map(np.shape, params)
-    if jax.tree_util.tree_structure(want, is_leaf=_is_axes) != jax.tree_util.tree_structure(
-        got_shapes, is_leaf=lambda x: isinstance(x, tuple)
-    ):
+    want = jax.tree_util.tree_map(lambda a: a.shape, abstract_params(qcfg))
+    if jax.tree_util.tree_map(np.shape, params) != want:
         raise ValueError(
             f"config.evaluate.run={ev.run!r}: its checkpoint's params do not match config.model;"
             " evaluate with the run's own config file"
         )
     return qcfg, params, f"{ev.run} step {step}"
-
-
-def _is_axes(x):
-    return isinstance(x, tuple) and all(isinstance(a, (str, type(None))) for a in x)
 
 
 def run(config, workdir: str) -> None:
