@@ -11,6 +11,10 @@ Programs are shared where the maths allows: every noise level (0 included, which
 0) is one compiled program with the level as a traced value, so the matrix compiles
 2 (fault off / on) x 2 (noise, MXFP4) samplers, not one per condition.
 
+Programs are also kept for the life of the process (keyed by everything that defines them:
+model config, sampling parameters, buckets, the plan's injections, the mesh), so the `compare`
+job, which evaluates one run after another, traces and compiles the matrix once per process.
+
 Decoding: greedy (`samples=1`, the accuracy verl reports as mean@1), or `samples=n` completions
 per prompt at `config.rollout.temperature` with their mean accuracy (mean@n).
 """
@@ -158,7 +162,10 @@ def robustness(
         if key not in samplers:
             plan = condition_plan(hw, cond.fault, cond.kind)
             plan.validate(n_layers)
-            samplers[key] = Sampler(gen, sp, plan, buckets, phase="eval", mesh=mesh)
+            samplers[key] = _program(
+                ("sampler", gen.config, sp, buckets, repr(plan.injections), mesh),
+                lambda plan=plan: Sampler(gen, sp, plan, buckets, phase="eval", mesh=mesh),
+            )
         values = {EVAL_NOISE: np.float32(cond.level)} if cond.kind == "noise" else {}
         scores = evaluate(
             samplers[key],
@@ -212,15 +219,19 @@ def heldout_loss(
     of `plan` (phase 'eval'): the loss of seed 001's table."""
     data = sft_sequences(examples, tokenizer)
 
-    @jax.jit
-    def batch_nll(params, ids, mask, loss_mask, key):
-        with plan.apply("eval", key=key, values={}):
-            logits = model.apply({"params": params}, ids, attention_mask=mask)
-        logp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1)
-        nll = -jnp.take_along_axis(logp, ids[:, 1:, None], axis=-1)[..., 0]
-        w = loss_mask[:, 1:].astype(jnp.float32)
-        return jnp.sum(nll * w), jnp.sum(w)
+    def make():
+        @jax.jit
+        def batch_nll(params, ids, mask, loss_mask, key):
+            with plan.apply("eval", key=key, values={}):
+                logits = model.apply({"params": params}, ids, attention_mask=mask)
+            logp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1)
+            nll = -jnp.take_along_axis(logp, ids[:, 1:, None], axis=-1)[..., 0]
+            w = loss_mask[:, 1:].astype(jnp.float32)
+            return jnp.sum(nll * w), jnp.sum(w)
 
+        return batch_nll
+
+    batch_nll = _program(("nll", model.config, model.head, repr(plan.injections)), make)
     total, count = 0.0, 0.0
     n = len(data.ids)
     for start in range(0, n, batch_size):
@@ -235,3 +246,14 @@ def heldout_loss(
         total += float(s)
         count += float(c)
     return total / max(count, 1.0)
+
+
+_PROGRAMS: dict[tuple, Any] = {}
+
+
+def _program(key: tuple, make):
+    """The process-wide instance of a jitted program (a Sampler or a jitted function) defined
+    by `key`; `make()` builds it the first time. Its jit cache then serves every later call."""
+    if key not in _PROGRAMS:
+        _PROGRAMS[key] = make()
+    return _PROGRAMS[key]

@@ -53,8 +53,10 @@ def base_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.rollout.top_k = 0
     config.rollout.top_p = 1.0
     config.rollout.max_new_tokens = 24  # answers are ~17 characters + EOS
-    config.rollout.max_prompt_len = 96
-    config.rollout.prompt_buckets = (96,)
+    # The task's chat prompts are 24-69 characters long (mean 38): one bucket of 72 pads far
+    # less than 96 would (every RL row is bucket + max_new_tokens; WORKSPACE.md, issue 8).
+    config.rollout.max_prompt_len = 72
+    config.rollout.prompt_buckets = (72,)
 
     config.algo = ml_collections.ConfigDict()
     config.algo.estimator = "grpo"  # grpo | drgrpo | gae (PPO with a critic)

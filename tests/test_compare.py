@@ -1,6 +1,6 @@
-"""Job `compare` end to end on the shrink setting (2 arms x 2 seeds): the shared warm start and
-diagnosis, results.json in the study schema, the report; killed midway and re-run, it completes
-only the missing runs. Config variants and bad input."""
+"""Job `compare` end to end on the shrink setting (2 arms x 2 seeds, in one worker process per
+core): the shared warm start and diagnosis, results.json in the study schema, the report; killed
+midway and re-run, it completes only the missing runs. Config variants and bad input."""
 
 import json
 import os
@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -34,16 +35,33 @@ def test_compare_resumes_and_reports(tmp_path):
         assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
         assert time.time() < deadline, "the first run did not finish within 400 s"
         time.sleep(0.1)
+    workers = _children(proc.pid)
+    assert len(workers) >= 2  # the 2 workers (+ multiprocessing's resource tracker)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     stamp = first.stat().st_mtime_ns
     assert not (work / "results.json").exists()
+    # The workers die with the job: none is left writing into the workdir.
+    deadline = time.time() + 10
+    while any(_alive(p) for p in workers) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in workers if _alive(p)]
 
     out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "== global_aqn seed 0: done, reused" in out.stdout
+    # The other runs: finished by the first invocation too (the two workers can finish together)
+    # or run now, by the 2 workers of this 2-core machine; none twice.
+    again = [
+        (arm, seed)
+        for arm, seed in (("global_aqn", 1), ("targeted", 0), ("targeted", 1))
+        if f"== {arm} seed {seed}: finished" in out.stdout
+    ]
+    assert ("targeted", 1) in again and f"{len(again)} runs over 2 worker processes" in out.stdout
     for arm, seed in (("global_aqn", 1), ("targeted", 0), ("targeted", 1)):
-        assert f"== {arm} seed {seed} -> " in out.stdout
+        reused = f"== {arm} seed {seed}: done, reused" in out.stdout
+        assert reused != ((arm, seed) in again)
+        assert (work / "runs" / arm / f"seed{seed}" / "log.txt").stat().st_size > 0
     assert first.stat().st_mtime_ns == stamp  # the finished run was not redone
 
     results = json.loads((work / "results.json").read_text())
@@ -74,6 +92,27 @@ def test_compare_resumes_and_reports(tmp_path):
         assert (work / png).stat().st_size > 1000
 
 
+def _children(pid: int) -> list[int]:
+    out = []
+    for stat in os.listdir("/proc"):
+        if stat.isdigit():
+            try:
+                fields = Path(f"/proc/{stat}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                out.append(int(stat))
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
 def test_variants_and_bad_input():
     assert load_config("compare", "threshold_0.5").faults.deadzone.threshold == 0.5
     late = load_config("compare", "layer_late,smoke")
@@ -102,3 +141,20 @@ def test_variants_and_bad_input():
     bad.compare.seeds = (0, 0)
     with pytest.raises(ValueError, match=r"config\.compare\.seeds="):
         check_compare(bad.compare)
+    bad = load_config("compare")
+    bad.compare.workers = -1
+    with pytest.raises(ValueError, match=r"config\.compare\.workers=-1"):
+        check_compare(bad.compare)
+
+
+def test_worker_count():
+    from aqn_jax.jobs.compare import worker_count
+
+    cmp = load_config("compare").compare
+    cores = len(os.sched_getaffinity(0))
+    assert worker_count(cmp, 30) == cores  # 0 = one per core on a single-process CPU backend
+    assert worker_count(cmp, 1) == 1  # never more workers than pending runs
+    cmp.workers = 1
+    assert worker_count(cmp, 30) == 1
+    cmp.workers = 3
+    assert worker_count(cmp, 2) == 2

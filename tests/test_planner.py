@@ -128,7 +128,7 @@ def test_kv_cache_hand_formula(dtype, mesh):
     plan = planner.estimate(config, model_config(config.model), 8)
     itemsize = np.dtype(dtype).itemsize
     split = plan.mesh[0] * plan.mesh[1]  # rows over data x fsdp only, never over tensor
-    slots = 96 + 24  # bucket + max_new_tokens
+    slots = config.rollout.prompt_buckets[-1] + 24  # bucket + max_new_tokens
 
     def cache(rows):  # keys and values of every layer, the int32 mask and the end counter
         kv = 2 * 28 * rows * slots * 2 * 128 * itemsize  # layers, kv_heads 2, head_dim 128
@@ -142,6 +142,7 @@ def test_kv_cache_hand_formula(dtype, mesh):
 
 def test_kv_cache_counts_every_bucket_and_both_validation_samplers():
     config = make_config("targeted", "qwen2p5_1p5b", data=1, fsdp=8)
+    config.rollout.max_prompt_len = 96
     config.rollout.prompt_buckets = (32, 64, 96, 128)  # 128 is never reached (max_prompt_len 96)
     cfg = model_config(config.model)
     plan = planner.estimate(config, cfg, 8)
@@ -183,7 +184,7 @@ def test_activation_models_against_compiled_tiny_programs():
     config = make_config()  # tiny; 1 device: the whole batch on it
     cfg = model_config(config.model)
     plan = planner.estimate(config, cfg, 1)
-    bucket, new = 96, int(config.rollout.max_new_tokens)
+    bucket, new = config.rollout.prompt_buckets[-1], int(config.rollout.max_new_tokens)
     micro, rows = int(config.actor.micro_batch_rows), 80
     model = Qwen2ForCausalLM(cfg)
     params = abstract_params(cfg)

@@ -18,14 +18,27 @@ Layout of the workdir:
 
 A run whose `evaluation.json` exists is reused; a run killed midway resumes from its latest
 checkpoint (`checkpoint.every`); so re-running the same command completes only what is missing.
+
+Parallel runs (`config.compare.workers`): on a single-process CPU backend the pending runs go to
+one worker process per core (0 = that default; each worker pinned to its share of the cores),
+because the tiny model's programs use two cores far less than twice as well as one
+(WORKSPACE.md, issue 8). A worker keeps its compiled programs from one run to the next; each
+run's output goes to `runs/<arm>/seed<k>/log.txt`. On GPU/TPU, or over several hosts, runs go one
+after another in this process (workers=1). SIGTERM is passed to the workers: each saves a
+checkpoint and the job exits 143; nothing finished is redone on the re-run.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
+import multiprocessing
 import os
+import signal
+import sys
 import time
+import traceback
 
 import jax
 import ml_collections
@@ -55,6 +68,7 @@ def compare_config() -> ml_collections.ConfigDict:
     c.reference_arm = "global_aqn"
     c.comparisons = (("targeted", "global_aqn"), ("healthy", "global_aqn"))
     c.compile_cache = True  # persistent XLA cache under the workdir (shared programs compile once)
+    c.workers = 0  # runs in parallel processes: 0 = one per CPU core (CPU, single host), else 1
     return c
 
 
@@ -69,6 +83,23 @@ def check_compare(cmp) -> None:
     for pair in cmp.comparisons:
         if len(pair) != 2 or any(a not in ARMS for a in pair):
             raise ValueError(f"config.compare.comparisons has {tuple(pair)}; expected arm pairs")
+    if int(cmp.workers) < 0:
+        raise ValueError(f"config.compare.workers={cmp.workers}; must be >= 0 (0 = one per core)")
+
+
+def worker_count(cmp, pending: int) -> int:
+    """How many runs go in parallel (see the module docstring)."""
+    w = int(cmp.workers)
+    single_cpu = jax.default_backend() == "cpu" and jax.process_count() == 1
+    if w > 1 and not single_cpu:
+        raise ValueError(
+            f"config.compare.workers={w}: parallel worker processes share the CPU cores of one"
+            f" host; this is a {jax.default_backend()} backend with {jax.process_count()}"
+            " process(es): use 0 or 1 (one run after another)"
+        )
+    if w == 0:
+        w = len(os.sched_getaffinity(0)) if single_cpu else 1
+    return max(1, min(w, pending))
 
 
 def run_config(config, arm: str, seed: int, workdir: str, diagnosis: dict | None):
@@ -97,9 +128,7 @@ def run(config, workdir: str) -> None:
     for arm in arms:
         train.validate(run_config(config, arm, seeds[0], workdir, stand_in))
     if cmp.compile_cache:
-        jax.config.update("jax_compilation_cache_dir", os.path.join(workdir, "xla_cache"))
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+        _use_compile_cache(os.path.join(workdir, "xla_cache"))
 
     base = run_config(config, "deadzone", seeds[0], workdir, stand_in)
     t0 = time.perf_counter()
@@ -138,28 +167,37 @@ def run(config, workdir: str) -> None:
                 " target; check config.faults or drop 'targeted' from config.compare.arms"
             )
 
-    runs: dict[str, dict[str, dict]] = {}
-    walls = []
+    todo, runs = [], {}
     for arm in arms:
         for seed in seeds:
             run_dir = os.path.join(workdir, "runs", arm, f"seed{seed}")
             os.makedirs(run_dir, exist_ok=True)
-            done = os.path.join(run_dir, "evaluation.json")
-            if not os.path.isfile(done):
-                print(f"== {arm} seed {seed} -> {run_dir}")
-                t0 = time.perf_counter()
-                rc = run_config(config, arm, seed, workdir, diagnosis)
-                train.run(rc, run_dir)
-                result = _evaluate(rc, run_dir)
-                result["wall_time_s"] = time.perf_counter() - t0
-                _write_json(done, result)
-                walls.append(result["wall_time_s"])
-            else:
+            if os.path.isfile(os.path.join(run_dir, "evaluation.json")):
                 print(f"== {arm} seed {seed}: done, reused ({run_dir})")
-            runs.setdefault(arm, {})[str(seed)] = _collect(run_dir)
+            else:
+                todo.append((arm, seed, run_dir))
+    workers = worker_count(cmp, len(todo))
+    timing["workers"] = workers
+    t0 = time.perf_counter()
+    cache_dir = os.path.join(workdir, "xla_cache") if cmp.compile_cache else None
+    jobs = [
+        (run_config(config, arm, seed, workdir, diagnosis), run_dir) for arm, seed, run_dir in todo
+    ]
+    if workers == 1:
+        walls = []
+        for (arm, seed, run_dir), job in zip(todo, jobs, strict=True):
+            print(f"== {arm} seed {seed} -> {run_dir}")
+            walls.append(train_and_evaluate(*job))
+    else:
+        walls = _run_parallel(todo, jobs, workers, cache_dir)
+    timing["runs_wall_s_this_invocation"] = time.perf_counter() - t0
     timing["runs_s_this_invocation"] = float(np.sum(walls)) if walls else 0.0
     timing["runs_this_invocation"] = len(walls)
     timing["total_s_this_invocation"] = time.perf_counter() - t_start
+    for arm in arms:
+        for seed in seeds:
+            run_dir = os.path.join(workdir, "runs", arm, f"seed{seed}")
+            runs.setdefault(arm, {})[str(seed)] = _collect(run_dir)
 
     ev = config.evaluate
     results = {
@@ -179,6 +217,111 @@ def run(config, workdir: str) -> None:
         _write_json(os.path.join(workdir, "results.json"), results)
         report = write_report(results, workdir)
         print(f"report: {report}")
+
+
+def train_and_evaluate(rc, run_dir: str) -> float:
+    """One run of the study: train, then the robustness matrix into `evaluation.json` (written
+    last: its presence marks the run finished). Returns the wall time."""
+    t0 = time.perf_counter()
+    train.run(rc, run_dir)
+    result = _evaluate(rc, run_dir)
+    result["wall_time_s"] = time.perf_counter() - t0
+    _write_json(os.path.join(run_dir, "evaluation.json"), result)
+    return result["wall_time_s"]
+
+
+# -- parallel workers ------------------------------------------------------------------------------
+_STOP = None  # the workers' "stop" event (SIGTERM to the job)
+
+
+def _run_parallel(todo, jobs, workers: int, cache_dir: str | None) -> list[float]:
+    """The pending runs over `workers` processes, each pinned to its share of the cores."""
+    ctx = multiprocessing.get_context("spawn")  # a fresh JAX runtime per worker (no fork)
+    cores = sorted(os.sched_getaffinity(0))
+    groups = [cores[i::workers] for i in range(workers)]
+    slots = ctx.Queue()
+    for g in groups:
+        slots.put(g)
+    stop = ctx.Event()
+    print(
+        f"{len(jobs)} runs over {workers} worker processes (cores {groups}); logs in <run>/log.txt"
+    )
+    pool = ctx.Pool(workers, initializer=_init_worker, initargs=(slots, stop, cache_dir))
+    previous = signal.getsignal(signal.SIGTERM)
+
+    def forward_sigterm(signum, frame):
+        stop.set()  # workers finish their step, save a checkpoint and take no new run
+        for p in multiprocessing.active_children():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p.pid, signal.SIGTERM)
+
+    with contextlib.suppress(ValueError):  # only possible on the main thread
+        signal.signal(signal.SIGTERM, forward_sigterm)
+    walls, failed, preempted = [], [], []
+    try:
+        tasks = [(i, rc, run_dir) for i, (rc, run_dir) in enumerate(jobs)]
+        for i, status, value in pool.imap_unordered(_worker_task, tasks):
+            arm, seed, run_dir = todo[i]
+            if status == "ok":
+                walls.append(value)
+                print(f"== {arm} seed {seed}: finished in {value:.0f} s ({run_dir})", flush=True)
+            elif status == "preempted":
+                preempted.append(run_dir)
+            else:
+                failed.append(f"{arm} seed {seed} ({run_dir}/log.txt):\n{value}")
+        pool.close()
+    finally:
+        pool.terminate()
+        pool.join()
+        with contextlib.suppress(ValueError):
+            signal.signal(signal.SIGTERM, previous)
+    if failed:
+        raise RuntimeError(f"{len(failed)} run(s) failed: " + "\n".join(failed))
+    if preempted or stop.is_set():
+        print(f"SIGTERM: {len(preempted)} run(s) saved a checkpoint; rerun to resume")
+        raise SystemExit(143)
+    return walls
+
+
+def _init_worker(slots, stop, cache_dir) -> None:
+    global _STOP
+    _STOP = stop
+    with contextlib.suppress(Exception):  # die with the job (Linux), never orphaned
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    # Before the first JAX computation: XLA sizes its thread pools from this affinity.
+    os.sched_setaffinity(0, slots.get())
+    if cache_dir:
+        _use_compile_cache(cache_dir)
+
+
+def _worker_task(task):
+    i, rc, run_dir = task
+    if _STOP.is_set():
+        return i, "preempted", None
+    log = open(os.path.join(run_dir, "log.txt"), "a")  # noqa: SIM115 (closed below)
+    saved = os.dup(1), os.dup(2)
+    sys.stdout.flush(), sys.stderr.flush()
+    os.dup2(log.fileno(), 1), os.dup2(log.fileno(), 2)  # C-level output (XLA, absl) too
+    try:
+        return i, "ok", train_and_evaluate(rc, run_dir)
+    except SystemExit as e:  # SIGTERM: train.run saved a checkpoint
+        return i, ("preempted" if e.code == 143 else "failed"), f"exit {e.code}"
+    except Exception:
+        text = traceback.format_exc()
+        print(text, flush=True)
+        return i, "failed", text[-2000:]
+    finally:
+        sys.stdout.flush(), sys.stderr.flush()
+        os.dup2(saved[0], 1), os.dup2(saved[1], 2)
+        log.close()
+
+
+def _use_compile_cache(path: str) -> None:
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 def _evaluate(config, run_dir: str) -> dict:
