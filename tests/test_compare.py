@@ -147,6 +147,22 @@ def test_variants_and_bad_input():
         check_compare(bad.compare)
 
 
+def test_every_arm_validates_before_the_diagnosis_exists(tmp_path):
+    """The default study (all 6 arms) and each sweep variant pass validation in an empty workdir
+    (srdd_guided's sigma map and targeted's layers come from a diagnosis not yet made)."""
+    from aqn_jax.jobs.compare import run_config, validate
+
+    for variant in (None, "threshold_0.5", "layer_early", "two_layers"):
+        validate(load_config("compare", variant), str(tmp_path))
+    config = load_config("compare")
+    assert run_config(config, "srdd_guided", 3, str(tmp_path), None).aqn.layers == "srdd"
+    diagnosis = {"verdict": {"layers": [2, 5]}}
+    rc = run_config(config, "targeted", 3, str(tmp_path), diagnosis)
+    assert rc.aqn.layers == "(2, 5)" and rc.seed == 3 and rc.sft.seed == 0
+    rc = run_config(config, "srdd_guided", 3, str(tmp_path), diagnosis)
+    assert rc.aqn.layer_sigmas == str(tmp_path / "srdd" / "srdd.json")
+
+
 def test_worker_count():
     from aqn_jax.jobs.compare import worker_count
 

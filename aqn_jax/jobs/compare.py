@@ -25,7 +25,10 @@ because the tiny model's programs use two cores far less than twice as well as o
 (WORKSPACE.md, issue 8). A worker keeps its compiled programs from one run to the next; each
 run's output goes to `runs/<arm>/seed<k>/log.txt`. On GPU/TPU, or over several hosts, runs go one
 after another in this process (workers=1). SIGTERM is passed to the workers: each saves a
-checkpoint and the job exits 143; nothing finished is redone on the re-run.
+checkpoint and the job exits 143; nothing finished is redone on the re-run. A run's numbers are
+bitwise reproducible for a given layout, but XLA's threaded reductions round differently on one
+core than on two: the same (arm, seed) run with workers=1 and with one worker per core differs
+at rounding level, which RL's sampling then amplifies (results.json records `timing.workers`).
 """
 
 from __future__ import annotations
@@ -103,7 +106,9 @@ def worker_count(cmp, pending: int) -> int:
 
 
 def run_config(config, arm: str, seed: int, workdir: str, diagnosis: dict | None):
-    """The train config of one (arm, seed): the shared warm start and diagnosis made explicit."""
+    """The train config of one (arm, seed): the shared warm start and diagnosis made explicit.
+    With `diagnosis=None` (validation, before the diagnosis exists) the SRDD arms keep
+    `aqn.layers='located'` / `'srdd'`, which `train.validate` checks with stand-in layers."""
     c = copy.deepcopy(config)
     with c.unlocked():
         c.job = "train"
@@ -111,26 +116,29 @@ def run_config(config, arm: str, seed: int, workdir: str, diagnosis: dict | None
         c.seed = int(seed)
         c.sft.seed = sft_seed(config)  # every seed of the study shares one warm start
         c.sft.cache_dir = os.path.join(os.path.abspath(workdir), "cache")
-        if arm == "targeted":
+        if diagnosis is not None and arm == "targeted":
             c.aqn.layers = str(tuple(diagnosis["verdict"]["layers"]))
-        elif arm == "srdd_guided":
+        elif diagnosis is not None and arm == "srdd_guided":
             c.aqn.layer_sigmas = os.path.join(os.path.abspath(workdir), "srdd", "srdd.json")
     return c
+
+
+def validate(config, workdir: str) -> None:
+    """Every check that needs no compile, for every arm: bad input fails before any training."""
+    check_compare(config.compare)
+    for arm in config.compare.arms:
+        train.validate(run_config(config, arm, int(config.compare.seeds[0]), workdir, None))
 
 
 def run(config, workdir: str) -> None:
     t_start = time.perf_counter()
     cmp = config.compare
-    check_compare(cmp)
+    validate(config, workdir)
     arms, seeds = tuple(cmp.arms), tuple(int(s) for s in cmp.seeds)
-    # Validate one run config per arm now (no compile): bad input fails before any training.
-    stand_in = {"verdict": {"layers": [0]}}
-    for arm in arms:
-        train.validate(run_config(config, arm, seeds[0], workdir, stand_in))
     if cmp.compile_cache:
         _use_compile_cache(os.path.join(workdir, "xla_cache"))
 
-    base = run_config(config, "deadzone", seeds[0], workdir, stand_in)
+    base = run_config(config, "deadzone", seeds[0], workdir, None)
     t0 = time.perf_counter()
     qcfg, params, _ = warm_start(base, workdir)
     timing = {"sft_s": time.perf_counter() - t0}
