@@ -163,6 +163,20 @@ def test_every_arm_validates_before_the_diagnosis_exists(tmp_path):
     assert rc.aqn.layer_sigmas == str(tmp_path / "srdd" / "srdd.json")
 
 
+def test_train_gives_sigterm_back():
+    """train.run's preemption flag handler is removed when the loop ends: a compare worker (or the
+    job, evaluating after training) must still stop on SIGTERM."""
+    from aqn_jax.jobs.train import _Preemption
+
+    before = signal.getsignal(signal.SIGTERM)
+    stop = _Preemption()
+    assert signal.getsignal(signal.SIGTERM) == stop._handle
+    os.kill(os.getpid(), signal.SIGTERM)  # caught: only the flag is set
+    assert stop.requested
+    stop.close()
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
 def test_worker_count():
     from aqn_jax.jobs.compare import worker_count
 

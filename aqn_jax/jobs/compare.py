@@ -278,9 +278,12 @@ def _run_parallel(todo, jobs, workers: int, cache_dir: str | None) -> list[float
             else:
                 failed.append(f"{arm} seed {seed} ({run_dir}/log.txt):\n{value}")
         pool.close()
-    finally:
+        pool.join()
+    except BaseException:
         pool.terminate()
         pool.join()
+        raise
+    finally:
         with contextlib.suppress(ValueError):
             signal.signal(signal.SIGTERM, previous)
     if failed:
@@ -321,6 +324,9 @@ def _worker_task(task):
         print(text, flush=True)
         return i, "failed", text[-2000:]
     finally:
+        # A run that raised may leave train.run's SIGTERM flag handler installed: an idle worker
+        # must die on SIGTERM (Pool.terminate) instead of swallowing it.
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
         sys.stdout.flush(), sys.stderr.flush()
         os.dup2(saved[0], 1), os.dup2(saved[1], 2)
         log.close()

@@ -207,11 +207,13 @@ def run(config, workdir: str) -> None:
         if ckpt.due(step) or step == total or stop.requested:
             ckpt.save(step, trainer.state, {"step": step, "data": trainer.batcher.state()})
         if stop.requested and step < total:
+            stop.close()
             bar.close()
             ckpt.close()
             writer.close()
             print(f"SIGTERM: saved RL step {step} to {ckpt.directory}; rerun to resume")
             raise SystemExit(143)
+    stop.close()
     bar.close()
     ckpt.close()
     writer.close()
@@ -262,12 +264,20 @@ class _Preemption:
 
     def __init__(self):
         self.requested = False
+        self._previous = None
         # Not possible off the main thread (e.g. a test runner's worker): then no handler.
         with contextlib.suppress(ValueError):
-            signal.signal(signal.SIGTERM, self._handle)
+            self._previous = signal.signal(signal.SIGTERM, self._handle)
 
     def _handle(self, signum, frame):
         self.requested = True
+
+    def close(self) -> None:
+        """Give SIGTERM back to whoever had it: after the loop a SIGTERM must not be swallowed
+        (the compare job's evaluation, a worker process asked to exit)."""
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+            self._previous = None
 
 
 def _fault_layers(config, n_layers):
