@@ -29,6 +29,10 @@ from conftest import launch_cli, load_config
 def _config(**ev):
     config = load_config("evaluate")
     config.rollout.max_new_tokens = 16
+    # The sft_tiny fixture's task (ArithmeticTask() defaults: 2 digits, 2 steps) has longer
+    # prompts than the embedded default's one bucket of 72.
+    config.rollout.max_prompt_len = 128
+    config.rollout.prompt_buckets = (128,)
     for k, v in ev.items():
         config.evaluate[k] = v
     return config
@@ -75,8 +79,8 @@ def test_matrix_agrees_with_validation_and_noise_zero_is_exact(sft_tiny):
     key = step_key(0, 0, "eval")
     hw = hardware_plan(config, cfg.num_hidden_layers)
     for name, plan in (("clean", FaultPlan()), ("fault", hw)):
-        sampler = Sampler(model, greedy, plan, (96,), phase="eval")
-        ref = evaluate(sampler, params, examples, tok, 8, 96, fault_key=key)
+        sampler = Sampler(model, greedy, plan, (128,), phase="eval")
+        ref = evaluate(sampler, params, examples, tok, 8, 128, fault_key=key)
         # noise level 0 through the traced-noise program equals no perturbation exactly.
         assert conds[name]["acc"] == pytest.approx(float(np.mean(ref)), abs=0)
     assert conds["clean"]["perturbation"] == "none" and conds["fault"]["fault"]

@@ -188,8 +188,15 @@ def run(config, workdir: str) -> None:
     timing["workers"] = workers
     t0 = time.perf_counter()
     cache_dir = os.path.join(workdir, "xla_cache") if cmp.compile_cache else None
+    # Every arm is evaluated on the study's faulty device (the deadzone arm's hardware; the
+    # evaluation never injects AQN), the clean arm included: "fault on" means the same device.
     jobs = [
-        (run_config(config, arm, seed, workdir, diagnosis), run_dir) for arm, seed, run_dir in todo
+        (
+            run_config(config, arm, seed, workdir, diagnosis),
+            run_dir,
+            run_config(config, "deadzone", seed, workdir, None),
+        )
+        for arm, seed, run_dir in todo
     ]
     if workers == 1:
         walls = []
@@ -227,12 +234,13 @@ def run(config, workdir: str) -> None:
         print(f"report: {report}")
 
 
-def train_and_evaluate(rc, run_dir: str) -> float:
-    """One run of the study: train, then the robustness matrix into `evaluation.json` (written
-    last: its presence marks the run finished). Returns the wall time."""
+def train_and_evaluate(rc, run_dir: str, device=None) -> float:
+    """One run of the study: train with `rc`, then the robustness matrix on the hardware of
+    `device` (a config; default `rc`) into `evaluation.json` (written last: its presence marks
+    the run finished). Returns the wall time."""
     t0 = time.perf_counter()
     train.run(rc, run_dir)
-    result = _evaluate(rc, run_dir)
+    result = _evaluate(rc if device is None else device, run_dir)
     result["wall_time_s"] = time.perf_counter() - t0
     _write_json(os.path.join(run_dir, "evaluation.json"), result)
     return result["wall_time_s"]
@@ -267,7 +275,7 @@ def _run_parallel(todo, jobs, workers: int, cache_dir: str | None) -> list[float
         signal.signal(signal.SIGTERM, forward_sigterm)
     walls, failed, preempted = [], [], []
     try:
-        tasks = [(i, rc, run_dir) for i, (rc, run_dir) in enumerate(jobs)]
+        tasks = [(i, *job) for i, job in enumerate(jobs)]
         for i, status, value in pool.imap_unordered(_worker_task, tasks):
             arm, seed, run_dir = todo[i]
             if status == "ok":
@@ -308,7 +316,7 @@ def _init_worker(slots, stop, cache_dir) -> None:
 
 
 def _worker_task(task):
-    i, rc, run_dir = task
+    i, rc, run_dir, device = task
     if _STOP.is_set():
         return i, "preempted", None
     log = open(os.path.join(run_dir, "log.txt"), "a")  # noqa: SIM115 (closed below)
@@ -316,7 +324,7 @@ def _worker_task(task):
     sys.stdout.flush(), sys.stderr.flush()
     os.dup2(log.fileno(), 1), os.dup2(log.fileno(), 2)  # C-level output (XLA, absl) too
     try:
-        return i, "ok", train_and_evaluate(rc, run_dir)
+        return i, "ok", train_and_evaluate(rc, run_dir, device)
     except SystemExit as e:  # SIGTERM: train.run saved a checkpoint
         return i, ("preempted" if e.code == 143 else "failed"), f"exit {e.code}"
     except Exception:
