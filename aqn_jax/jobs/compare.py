@@ -254,7 +254,8 @@ def _run_parallel(todo, jobs, workers: int, cache_dir: str | None) -> list[float
     """The pending runs over `workers` processes, each pinned to its share of the cores."""
     ctx = multiprocessing.get_context("spawn")  # a fresh JAX runtime per worker (no fork)
     cores = sorted(os.sched_getaffinity(0))
-    groups = [cores[i::workers] for i in range(workers)]
+    # Each worker its share of the cores; more workers than cores share them round-robin.
+    groups = [cores[i::workers] or [cores[i % len(cores)]] for i in range(workers)]
     slots = ctx.Queue()
     for g in groups:
         slots.put(g)
