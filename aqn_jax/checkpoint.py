@@ -77,8 +77,9 @@ class Checkpointer:
 
     def restore_latest(self, abstract_state: Any, log=print) -> tuple[int, Any, dict] | None:
         """(step, state, meta) of the newest checkpoint that reads back; an unreadable one
-        (corrupted files) is reported and the previous one tried. None when there is none;
-        raises when checkpoints exist but none is readable (nothing is deleted)."""
+        (corrupted files) is reported, set aside (never deleted) and the previous one tried.
+        None when there is none: the run starts afresh, and `metrics.open_run` moves the
+        outputs of the earlier start aside."""
         steps = sorted(self.manager.all_steps(), reverse=True)
         errors = []
         for step in steps:
@@ -99,10 +100,8 @@ class Checkpointer:
                 self.manager.reload()
             return step, state, meta
         if steps:
-            raise RuntimeError(
-                f"no readable checkpoint in {self.directory} ({'; '.join(errors)}); move the"
-                " directory away to start afresh"
-            )
+            self.manager.reload()
+            log(f"no readable checkpoint in {self.directory}: none to resume from")
         return None
 
     def wait(self) -> None:

@@ -1,28 +1,72 @@
 """Run logging: one JSON row per step (`metrics.jsonl`), TensorBoard event files (tensorboardX,
-no TensorFlow), and tqdm progress bars. Only process 0 writes (multi-host runs)."""
+no TensorFlow), and tqdm progress bars. Only process 0 writes (multi-host runs).
+
+`open_run` is the one rule for a run's per-step outputs when it starts or resumes (the train
+job, and through it every compare worker):
+- resumed from checkpoint step k: `metrics.jsonl` is rewritten atomically to exactly its rows
+  0..k (rows a killed run logged after k are dropped and recomputed) and the TensorBoard events
+  are rebuilt from those rows. Rows 0..k must all be there, once each; otherwise the outputs
+  cannot be made consistent with the checkpoint and the run refuses, naming the file.
+- no checkpoint restored: the run starts at step 0 with no rows. Outputs of an earlier start in
+  the workdir (a run killed before its first checkpoint, or whose checkpoints are all
+  unreadable) are never appended to and never deleted: they are moved together into
+  `previous/<UTC time>/` inside the workdir, and the move is printed.
+"""
 
 from __future__ import annotations
 
 import json
 import math
 import os
+import shutil
+import time
 from collections.abc import Mapping
 from typing import Any
 
 import jax
 
 METRICS_FILE = "metrics.jsonl"
+TENSORBOARD_DIR = "tensorboard"
+PREVIOUS_DIR = "previous"
+# Everything a run writes per step or at its end (report.py, the train job, compare and evaluate
+# jobs): the outputs that must agree with the checkpoints.
+RUN_OUTPUTS = (
+    METRICS_FILE,
+    TENSORBOARD_DIR,
+    "summary.json",
+    "report.md",
+    "training_curves.png",
+    "evaluation.json",
+    "evaluation.md",
+    "evaluation.png",
+)
 
 
 class MetricsWriter:
-    def __init__(self, workdir: str, tensorboard: bool = True):
+    """Appends one row per step to `metrics.jsonl` (and TensorBoard); made by `open_run`, which
+    passes the rows the TensorBoard events must start from (`replay`)."""
+
+    def __init__(self, workdir: str, tensorboard: bool = True, replay=None):
         self.enabled = jax.process_index() == 0
         self.path = os.path.join(workdir, METRICS_FILE)
         self._tb = None
         if self.enabled and tensorboard:
             from tensorboardX import SummaryWriter
 
-            self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
+            tb_dir = os.path.join(workdir, TENSORBOARD_DIR)
+            if replay is not None:
+                # Events are rebuilt from the rows: the old ones are set aside first, removed
+                # once the rows are flushed (a kill in between is repaired by the next start).
+                old = tb_dir + ".old"
+                shutil.rmtree(old, ignore_errors=True)
+                if os.path.exists(tb_dir):
+                    os.rename(tb_dir, old)
+            self._tb = SummaryWriter(tb_dir)
+            if replay is not None:
+                for row in replay:
+                    _add_scalars(self._tb, row)
+                self._tb.flush()
+                shutil.rmtree(old, ignore_errors=True)
 
     def write(self, step: int, metrics: Mapping[str, Any]) -> None:
         if not self.enabled:
@@ -31,24 +75,72 @@ class MetricsWriter:
         with open(self.path, "a") as f:
             f.write(json.dumps(row) + "\n")
         if self._tb is not None:
-            for k, v in row.items():
-                if k != "step" and isinstance(v, float) and math.isfinite(v):
-                    self._tb.add_scalar(k, v, int(step))
+            _add_scalars(self._tb, row)
             self._tb.flush()
-
-    def rewrite(self, rows) -> None:
-        """Replace metrics.jsonl by `rows` (a resumed run drops what it will recompute)."""
-        if not self.enabled:
-            return
-        tmp = self.path + ".tmp"
-        with open(tmp, "w") as f:
-            for row in rows:
-                f.write(json.dumps(row) + "\n")
-        os.replace(tmp, self.path)
 
     def close(self) -> None:
         if self._tb is not None:
             self._tb.close()
+
+
+def open_run(
+    workdir: str, restored_step: int | None, tensorboard: bool = True, log=print
+) -> tuple[MetricsWriter, list[dict[str, Any]]]:
+    """(writer, rows 0..restored_step) after applying the module docstring's rule; `[]` when
+    nothing was restored. Raises ValueError when the rows of a restored run are incomplete."""
+    primary = jax.process_index() == 0
+    if restored_step is None:
+        if primary:
+            _move_aside(workdir, log)
+        return MetricsWriter(workdir, tensorboard), []
+    path = os.path.join(workdir, METRICS_FILE)
+    rows = [r for r in read_metrics(workdir) if r["step"] <= restored_step]
+    steps = [r["step"] for r in rows]
+    if steps != list(range(restored_step + 1)):
+        missing = sorted(set(range(restored_step + 1)) - set(steps))
+        twice = sorted({s for s in steps if steps.count(s) > 1})
+        raise ValueError(
+            f"{path} does not hold exactly one row for each step 0..{restored_step} of the"
+            f" restored checkpoint (missing steps {missing[:10]}, repeated steps {twice[:10]});"
+            " the run's outputs cannot be made consistent with its checkpoints: move the workdir"
+            " away to start afresh"
+        )
+    if primary:
+        _write_rows(path, rows)
+    return MetricsWriter(workdir, tensorboard, replay=rows), rows
+
+
+def _write_rows(path: str, rows) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    os.replace(tmp, path)
+
+
+def _move_aside(workdir: str, log) -> None:
+    found = [name for name in RUN_OUTPUTS if os.path.lexists(os.path.join(workdir, name))]
+    if not found:
+        return
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    aside = os.path.join(workdir, PREVIOUS_DIR, stamp)
+    k = 1
+    while os.path.exists(aside):
+        k += 1
+        aside = os.path.join(workdir, PREVIOUS_DIR, f"{stamp}-{k}")
+    os.makedirs(aside)
+    for name in found:
+        os.rename(os.path.join(workdir, name), os.path.join(aside, name))
+    log(
+        f"no checkpoint to resume from in {workdir}: the outputs of an earlier start"
+        f" ({', '.join(found)}) were moved to {aside}; starting afresh at step 0"
+    )
+
+
+def _add_scalars(tb, row: Mapping[str, Any]) -> None:
+    for k, v in row.items():
+        if k != "step" and isinstance(v, float) and math.isfinite(v):
+            tb.add_scalar(k, v, int(row["step"]))
 
 
 def _jsonable(v):
@@ -65,7 +157,9 @@ def read_metrics(workdir: str) -> list[dict[str, Any]]:
     if not os.path.exists(path):
         return []
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        lines = f.read().split("\n")
+    # The last element is "" after a complete row; anything else is a row a kill cut short.
+    return [json.loads(line) for line in lines[:-1] if line.strip()]
 
 
 def progress(total: int, desc: str, enabled: bool | None = None):

@@ -1,5 +1,7 @@
 """Resume after a kill: a run SIGKILLed after its step-3 checkpoint and restarted in the same
-workdir ends with exactly the params and metrics of an uninterrupted run."""
+workdir ends with exactly the params and metrics of an uninterrupted run. So does a run killed
+before its first checkpoint, and one whose checkpoints are all unreadable: both start afresh
+with the earlier outputs moved aside, never appended to."""
 
 import json
 import os
@@ -10,6 +12,7 @@ import time
 
 import numpy as np
 import orbax.checkpoint as ocp
+import pytest
 
 from conftest import load_config
 
@@ -37,14 +40,32 @@ def _params(workdir, step):
     return tree["params"]
 
 
-def test_kill_and_resume_equals_uninterrupted(tmp_path):
+class _Killed(BaseException):
+    """Stands for a kill at a known point (not a race)."""
+
+
+def _kill_at_first_step(self, step):
+    raise _Killed(step)
+
+
+def test_kill_and_resume_equals_uninterrupted(tmp_path, monkeypatch):
     from aqn_jax.launch import run
+    from aqn_jax.rl.trainer import Trainer
 
     cache = str(tmp_path / "cache")
     straight = tmp_path / "straight"
     run(_config(cache), str(straight))
 
+    # Killed after its step-0 validation row and before its first checkpoint (the compare
+    # worker that CI once caught): the restart must not append a second step 0.
     killed = tmp_path / "killed"
+    with monkeypatch.context() as m:
+        m.setattr(Trainer, "step", _kill_at_first_step)
+        with pytest.raises(_Killed):
+            run(_config(cache), str(killed))
+    assert [r["step"] for r in _rows(killed)] == [0]
+    assert not [p for p in (killed / "checkpoints").iterdir() if p.name.isdigit()]
+    early = _rows(killed)
     flags = [f"--config.{k}={v}" for k, v in OVERRIDES.items()]
     env = dict(os.environ, HF_HUB_OFFLINE="1", JAX_PLATFORMS="cpu")
     proc = subprocess.Popen(
@@ -71,6 +92,11 @@ def test_kill_and_resume_equals_uninterrupted(tmp_path):
     proc.wait()
     done = sorted(int(p.name) for p in (killed / "checkpoints").iterdir() if p.name.isdigit())
     assert 3 in done and STEPS not in done  # killed mid-run
+    # It started afresh: the early run's outputs moved aside, one row per step so far.
+    (aside,) = (killed / "previous").iterdir()
+    assert _rows(aside) == early
+    steps = [r["step"] for r in _rows(killed)]
+    assert steps == list(range(len(steps))) and len(steps) >= 4
 
     run(_config(cache), str(killed))  # restarted: resumes from the latest checkpoint
     assert _rows(killed) == _rows(straight)
@@ -89,6 +115,23 @@ def test_kill_and_resume_equals_uninterrupted(tmp_path):
             f.write_bytes(b"\x00garbage" * 7)
     run(_config(cache), str(killed))
     assert _rows(killed) == _rows(straight)
+    for x, y in zip(
+        jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(_params(killed, STEPS)), strict=True
+    ):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+    # Every checkpoint unreadable: each is set aside, and the run starts afresh with the old
+    # outputs moved aside (before, a second rerun appended steps 0..6 again).
+    for f in (killed / "checkpoints").rglob("*"):
+        if f.is_file() and "state" in f.parts:
+            f.write_bytes(b"\x00garbage" * 7)
+    before = _rows(killed)
+    run(_config(cache), str(killed))
+    assert _rows(killed) == _rows(straight)
+    assert len(list((killed / "previous").iterdir())) == 2
+    newest = sorted((killed / "previous").iterdir())[-1]
+    assert _rows(newest) == before and (newest / "summary.json").is_file()
+    assert [p.name for p in (killed / "checkpoints").iterdir() if ".unreadable-" in p.name]
     for x, y in zip(
         jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(_params(killed, STEPS)), strict=True
     ):

@@ -23,7 +23,7 @@ from aqn_jax.data.config import check_data, load_split
 from aqn_jax.diagnosis import srdd
 from aqn_jax.faults.config import build_plan, needs_srdd
 from aqn_jax.jobs.pretrain import check_sft, tokenizer_for, warm_start
-from aqn_jax.metrics import MetricsWriter, progress, read_metrics
+from aqn_jax.metrics import open_run, progress
 from aqn_jax.models.factory import model_config
 from aqn_jax.models.qwen2 import Qwen2ForCausalLM
 from aqn_jax.report import write_run_report
@@ -151,7 +151,6 @@ def run(config, workdir: str) -> None:
         config, qcfg, params, tokenizer, train_examples, test_examples, plan, hw_plan, mesh
     )
     total = trainer.total_steps
-    writer = MetricsWriter(workdir)
     ckpt = Checkpointer(workdir, int(config.checkpoint.every), int(config.checkpoint.keep))
     val_size = min(int(config.trainer.val_size), len(test_examples))
     val_bs = int(config.trainer.val_batch_size)
@@ -162,18 +161,16 @@ def run(config, workdir: str) -> None:
         v["timing_s/testing"] = time.perf_counter() - t0
         return v
 
-    start, history = 0, []
+    # Resume from the latest complete, readable checkpoint (Orbax never lists a half-written
+    # one). The per-step outputs then hold exactly the rows up to it, or none (metrics.open_run).
     restored = ckpt.restore_latest(trainer.state)
+    start = 0 if restored is None else int(restored[0])
+    writer, history = open_run(workdir, None if restored is None else start)
     if restored is not None:
-        # Resume: the latest complete, readable checkpoint (Orbax never lists a half-written
-        # one); rows that a killed run logged after it are dropped and recomputed.
-        latest, trainer.state, meta = restored
+        _, trainer.state, meta = restored
         trainer.batcher.load_state(meta["data"])
-        start = int(latest)
-        history = [r for r in read_metrics(workdir) if r["step"] <= start]
-        writer.rewrite(history)
         print(f"resumed from {ckpt.directory}/{start} (RL step {start} of {total})")
-    if not history:
+    else:
         val0 = validate_now(0)
         writer.write(0, val0)
         history = [{"step": 0, **val0}]
@@ -190,33 +187,31 @@ def run(config, workdir: str) -> None:
     stop = _Preemption()
     bar = progress(total, "RL")
     bar.update(start)
-    for step in range(start + 1, total + 1):
-        m = trainer.step(step)
-        if config.trainer.val_every and step % config.trainer.val_every == 0 and step < total:
-            last_val = validate_now(step)
-            m.update(last_val)
-        if step == total:
-            last_val = validate_now(step)
-            m.update(last_val)
-        writer.write(step, m)
-        history.append(m)
-        bar.update(1)
-        bar.set_postfix(
-            reward=f"{m['critic/score/mean']:.3f}", acc=f"{last_val['val-core/acc']:.3f}"
-        )
-        if ckpt.due(step) or step == total or stop.requested:
-            ckpt.save(step, trainer.state, {"step": step, "data": trainer.batcher.state()})
-        if stop.requested and step < total:
-            stop.close()
-            bar.close()
-            ckpt.close()
-            writer.close()
-            print(f"SIGTERM: saved RL step {step} to {ckpt.directory}; rerun to resume")
-            raise SystemExit(143)
-    stop.close()
-    bar.close()
-    ckpt.close()
-    writer.close()
+    try:
+        for step in range(start + 1, total + 1):
+            m = trainer.step(step)
+            if config.trainer.val_every and step % config.trainer.val_every == 0 and step < total:
+                last_val = validate_now(step)
+                m.update(last_val)
+            if step == total:
+                last_val = validate_now(step)
+                m.update(last_val)
+            writer.write(step, m)
+            history.append(m)
+            bar.update(1)
+            bar.set_postfix(
+                reward=f"{m['critic/score/mean']:.3f}", acc=f"{last_val['val-core/acc']:.3f}"
+            )
+            if ckpt.due(step) or step == total or stop.requested:
+                ckpt.save(step, trainer.state, {"step": step, "data": trainer.batcher.state()})
+            if stop.requested and step < total:
+                print(f"SIGTERM: saved RL step {step} to {ckpt.directory}; rerun to resume")
+                raise SystemExit(143)
+    finally:  # also on a crash: SIGTERM given back, async saves finished
+        stop.close()
+        bar.close()
+        ckpt.close()
+        writer.close()
 
     fault_layers = _fault_layers(config, n_layers)
     aqn_inj = [inj for inj in plan.injections if inj.name == "aqn"]

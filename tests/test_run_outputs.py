@@ -1,0 +1,88 @@
+"""`metrics.open_run`, the one rule for a run's per-step outputs at start or resume: exactly the
+rows up to the restored checkpoint (metrics.jsonl and TensorBoard), none on a fresh start with
+the earlier outputs moved aside, and a refusal when the rows cannot match the checkpoint."""
+
+import json
+import struct
+
+import pytest
+
+from aqn_jax.metrics import open_run, read_metrics
+
+
+def _write(workdir, steps, tail=""):
+    rows = [{"step": s, "critic/score/mean": 0.1 * s, "timing_s/step": 1.0} for s in steps]
+    (workdir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + tail)
+
+
+def _tensorboard_steps(workdir, key="critic/score/mean"):
+    """Steps of `key` in every event file (TFRecord: u64 length, u32 crc, data, u32 crc)."""
+    from tensorboardX.proto.event_pb2 import Event
+
+    steps = []
+    for path in sorted((workdir / "tensorboard").iterdir()):
+        data = path.read_bytes()
+        i = 0
+        while i < len(data):
+            (n,) = struct.unpack("<Q", data[i : i + 8])
+            event = Event.FromString(data[i + 12 : i + 12 + n])
+            i += 12 + n + 4
+            steps += [event.step for v in event.summary.value if v.tag == key]
+    return steps
+
+
+def test_resume_keeps_exactly_the_rows_up_to_the_checkpoint(tmp_path):
+    # A killed run: rows 0..4 (one cut short while written), TensorBoard events 0..4.
+    writer, rows = open_run(str(tmp_path), None, log=lambda m: None)
+    assert rows == []
+    for s in range(5):
+        writer.write(s, {"critic/score/mean": 0.1 * s})
+    writer.close()
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 5, "critic/sco')
+    assert sorted(_tensorboard_steps(tmp_path)) == [0, 1, 2, 3, 4]
+
+    writer, rows = open_run(str(tmp_path), 2)
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert [r["step"] for r in read_metrics(str(tmp_path))] == [0, 1, 2]
+    writer.write(3, {"critic/score/mean": 0.3})
+    writer.close()
+    assert [r["step"] for r in read_metrics(str(tmp_path))] == [0, 1, 2, 3]
+    assert sorted(_tensorboard_steps(tmp_path)) == [0, 1, 2, 3]  # 3 and 4 of the killed run gone
+    assert not (tmp_path / "previous").exists()
+
+
+def test_fresh_start_moves_earlier_outputs_aside(tmp_path):
+    _write(tmp_path, [0])  # killed after its step-0 validation row, before any checkpoint
+    (tmp_path / "summary.json").write_text("{}")
+    (tmp_path / "config.json").write_text("{}")  # not a per-step output: stays
+    said = []
+    writer, rows = open_run(str(tmp_path), None, log=said.append)
+    writer.write(0, {"critic/score/mean": 0.5})
+    writer.close()
+    assert rows == [] and [r["step"] for r in read_metrics(str(tmp_path))] == [0]
+    (aside,) = (tmp_path / "previous").iterdir()
+    assert sorted(p.name for p in aside.iterdir()) == ["metrics.jsonl", "summary.json"]
+    assert [r["step"] for r in read_metrics(str(aside))] == [0]
+    assert (tmp_path / "config.json").exists() and str(aside) in said[0]
+    # Negative control: a workdir with no outputs moves nothing.
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    open_run(str(empty), None, log=said.append)[0].close()
+    assert len(said) == 1 and not (empty / "previous").exists()
+
+
+@pytest.mark.parametrize(
+    "steps, restored, message",
+    [
+        ([0, 1], 3, r"missing steps \[2, 3\]"),  # rows deleted after the checkpoint was written
+        ([0, 0, 1, 2], 2, r"repeated steps \[0\]"),  # an older bug appended a second start
+        ([], 1, r"missing steps \[0, 1\]"),  # metrics.jsonl removed
+    ],
+)
+def test_rows_that_cannot_match_the_checkpoint_are_refused(tmp_path, steps, restored, message):
+    _write(tmp_path, steps)
+    before = (tmp_path / "metrics.jsonl").read_bytes()
+    with pytest.raises(ValueError, match=r"metrics\.jsonl does not hold exactly.*" + message):
+        open_run(str(tmp_path), restored)
+    assert (tmp_path / "metrics.jsonl").read_bytes() == before  # nothing rewritten
