@@ -105,6 +105,34 @@ def test_parse_layers_rejects(value):
             r"threshold=0.0; must be in \(0, 1\)",
         ),
         (
+            {
+                "faults__deadzone__enabled": True,
+                "faults__deadzone__severity": "quantile",
+                "faults__deadzone__quantile": 1.0,
+            },
+            r"config.faults.deadzone.quantile=1.0; must be in \(0, 1\)",
+        ),
+        (
+            {
+                "faults__deadzone__enabled": True,
+                "faults__deadzone__severity": "quantile",
+                "faults__deadzone__quantile": 0.0,
+            },
+            r"config.faults.deadzone.quantile=0.0; must be in \(0, 1\)",
+        ),
+        (
+            {"faults__deadzone__enabled": True, "faults__deadzone__severity": "percent"},
+            r"config.faults.deadzone.severity='percent'; allowed: \('amax', 'quantile'\)",
+        ),
+        (
+            {
+                "faults__deadzone__enabled": True,
+                "faults__deadzone__severity": "quantile",
+                "faults__deadzone__granularity": "block",
+            },
+            r"config.faults.deadzone.granularity='block'; severity='quantile' allows",
+        ),
+        (
             {"faults__deadzone__enabled": True, "faults__deadzone__site": "mlpp"},
             r"config.faults.deadzone.site=\('mlpp',\).*unknown module kind 'mlpp'",
         ),

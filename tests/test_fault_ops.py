@@ -127,6 +127,72 @@ class DeadzoneTest(chex.TestCase):
         self.assertEqual(len(traces), 1)
 
 
+class QuantileDeadzoneTest(chex.TestCase):
+    """severity='quantile': flush the q smallest |x| (k = floor(q * n) of each set of n)."""
+
+    # |x| ranked: 0.004 < 0.019 < 0.021 < 0.5 < 1.0 < 2.0 (tensor, n = 6).
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_tensor(self):
+        fn = self.variant(lambda x, q: ops.deadzone(x, q, severity="quantile"))
+        # q = 0.5: k = 3, thr = the 4th smallest |x| = 0.5 -> -0.004, 0.019, 0.021 flush.
+        out = fn(X_HAND, 0.5)
+        np.testing.assert_array_equal(out, np.float32([[0.5, 0.0, 2.0], [0.0, -1.0, 0.0]]))
+        # q = 0.34: k = floor(2.04) = 2 -> the two smallest (-0.004, 0.019) flush.
+        out = fn(X_HAND, 0.34)
+        np.testing.assert_array_equal(out, np.float32([[0.5, 0.0, 2.0], [0.0, -1.0, 0.021]]))
+        # q = 0.1: k = 0 -> nothing flushes (the negative control of the count).
+        np.testing.assert_array_equal(fn(X_HAND, 0.1), X_HAND)
+        thr = ops.deadzone_threshold(X_HAND, 0.5, severity="quantile")
+        np.testing.assert_array_equal(np.broadcast_to(thr, X_HAND.shape), 0.5)
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_token(self):
+        fn = self.variant(lambda x, q: ops.deadzone(x, q, granularity="token", severity="quantile"))
+        # Per row of n = 3, q = 0.67: k = floor(2.01) = 2 -> each row's two smallest |x| flush.
+        # Row 0: |.| = 0.5, 0.004, 2.0 -> 0.5 and -0.004 flush; row 1: 0.019 and 0.021 flush.
+        out = fn(X_HAND, 0.67)
+        np.testing.assert_array_equal(out, np.float32([[0.0, 0.0, 2.0], [0.0, -1.0, 0.0]]))
+        thr = ops.deadzone_threshold(X_HAND, 0.67, granularity="token", severity="quantile")
+        np.testing.assert_array_equal(thr, [[2.0], [1.0]])
+        # q = 0.5: k = 1 per row -> -0.004 and 0.019; tensor-wide (k = 3) 0.021 flushes too.
+        out = fn(X_HAND, 0.5)
+        np.testing.assert_array_equal(out, np.float32([[0.5, 0.0, 2.0], [0.0, -1.0, 0.021]]))
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_flushed_fraction_and_mask_gradient(self):
+        x = jax.random.normal(jax.random.PRNGKey(0), (4, 50, 64))
+        for q in (0.1, 0.5, 0.96):
+            flush = self.variant(lambda x, q: ops.deadzone_flush_mask(x, q, severity="quantile"))(
+                x, q
+            )
+            self.assertEqual(int(jnp.sum(flush)), int(np.floor(q * x.size)))
+        # The mask gradient is 0 exactly where a value flushed (q = 0.5 of X_HAND, above).
+        g = self.variant(
+            jax.grad(lambda x, q: jnp.sum(ops.deadzone(x, q, severity="quantile", grad="mask")))
+        )(jnp.asarray(X_HAND), 0.5)
+        np.testing.assert_array_equal(g, [[1.0, 0.0, 1.0], [0.0, 1.0, 0.0]])
+
+    def test_traced_quantile_does_not_retrace(self):
+        traces = []
+
+        @jax.jit
+        def f(x, q):
+            traces.append(1)
+            return ops.deadzone(x, q, severity="quantile")
+
+        self.assertEqual(int(jnp.sum(f(X_HAND, 0.5) == 0)), 3)
+        self.assertEqual(int(jnp.sum(f(X_HAND, 0.0) == 0)), 0)  # q * (0/1 layer factor) = 0
+        self.assertEqual(len(traces), 1)
+
+    def test_bad_arguments(self):
+        with pytest.raises(ValueError, match=r"severity='median' is not supported"):
+            ops.deadzone(X_HAND, 0.5, severity="median")
+        with pytest.raises(ValueError, match=r"threshold=1.0: a quantile deadzone needs"):
+            ops.deadzone(X_HAND, 1.0, severity="quantile")
+        with pytest.raises(ValueError, match=r"takes granularity 'tensor' or 'token'"):
+            ops.deadzone(X_HAND, 0.5, severity="quantile", granularity="block", block_size=3)
+
+
 class SparsityMaskTest(parameterized.TestCase):
     def test_positions_from_numpy_permutation(self):
         # round(0.25 * 10) = round(2.5) = 2 (half to even): the first 2 entries of the permutation.

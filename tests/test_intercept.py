@@ -204,6 +204,24 @@ def test_deadzone_at_layer_k_leaves_earlier_layers_untouched(k):
     assert np.abs(layer_out(faulty, 3) - layer_out(clean, 3)).max() > 1e-3
 
 
+@pytest.mark.parametrize("granularity", ["tensor", "token"])
+def test_quantile_deadzone_flushes_the_stated_fraction_through_the_interceptor(granularity):
+    q = 0.6
+    dz = Deadzone(q, severity="quantile", granularity=granularity)
+    _, clean = run(FaultPlan([]), capture=True)
+    _, faulty = run(FaultPlan([inj("dz", ("layer",), dz, layers=(2,))]), capture=True)
+    h = np.abs(layer_out(clean, 2))
+    # By hand: the floor(q n) smallest |h| of the tensor, or of each token's D values.
+    rows = h.reshape(1, -1) if granularity == "tensor" else h.reshape(-1, h.shape[-1])
+    k = int(np.floor(q * rows.shape[1]))
+    thr = np.sort(rows, axis=1)[:, k : k + 1]
+    expected = np.where((rows < thr).reshape(h.shape), 0.0, layer_out(clean, 2))
+    np.testing.assert_array_equal(layer_out(faulty, 2), expected)
+    flushed = summarize_stats(faulty["fault_stats"])["dz.flushed/layers_2"]
+    assert flushed == pytest.approx(k * rows.shape[0] / h.size, abs=1e-6)
+    assert "quantile=0.6" in dz.describe()
+
+
 def test_deadzone_noise_deadzone_composition_and_rescue_telemetry():
     """AQN before the deadzone can rescue: |s| < thr but |s + n| >= thr survives."""
     noise = Noise("absolute_gaussian", Scale(1.0, value="sigma"))

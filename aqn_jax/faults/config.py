@@ -52,7 +52,12 @@ def faults_config() -> ml_collections.ConfigDict:
     c.deadzone.layers = "15"  # decoder layer ids: 'all', 5, '(3,5)', '10:15'
     c.deadzone.site = "layer"  # module kind(s); 'layer' = the residual stream after the layer
     c.deadzone.point = "output"  # input | output of the module
-    c.deadzone.threshold = 0.01  # flush |h| < threshold * amax; in (0, 1)
+    # How severity is stated: amax (flush |h| < threshold * amax: the original's; a real LM's
+    # massive activations make 0.01 flush 96-100% of its stream, the tiny model's 3%) |
+    # quantile (flush the `quantile` fraction of smallest |h|: transfers between models).
+    c.deadzone.severity = "amax"
+    c.deadzone.threshold = 0.01  # severity='amax': flush |h| < threshold * amax; in (0, 1)
+    c.deadzone.quantile = 0.5  # severity='quantile': fraction of |h| flushed; in (0, 1)
     c.deadzone.granularity = "tensor"  # amax over: tensor (original) | token | block
     c.deadzone.block_size = 32  # lanes per block for granularity='block'
     c.deadzone.sparsity = 1.0  # fraction of lanes that are faulty, (0, 1]
@@ -239,10 +244,20 @@ def build_plan(
         point = _choice(dz.point, "config.faults.deadzone.point", POINTS)
         phases = _phases(dz.phases, "config.faults.deadzone.phases")
 
+        severity = _choice(
+            dz.get("severity", "amax"), "config.faults.deadzone.severity", ops.DEADZONE_SEVERITIES
+        )
+        if severity == "quantile" and not 0.0 < float(dz.quantile) < 1.0:
+            raise ValueError(
+                f"config.faults.deadzone.quantile={dz.quantile}; must be in (0, 1) (the fraction"
+                " of values flushed)"
+            )
+
         def make_deadzone(name, again):
             try:
                 transform = Deadzone(
-                    float(dz.threshold),
+                    float(dz.threshold if severity == "amax" else dz.quantile),
+                    severity=severity,
                     granularity=dz.granularity,
                     block_size=int(dz.block_size),
                     sparsity=float(dz.sparsity),

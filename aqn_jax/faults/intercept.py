@@ -136,7 +136,8 @@ def traced_value(values: Mapping[str, Any], name: str, site: Site) -> jax.Array:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Deadzone:
-    """|x| < threshold * amax -> 0 (see `ops.deadzone`). `reuse_threshold`: when an earlier
+    """|x| < threshold * amax -> 0 (see `ops.deadzone`); with severity='quantile' the
+    `threshold` smallest fraction of |x| -> 0 instead. `reuse_threshold`: when an earlier
     deadzone ran at the same site and point, reuse its absolute threshold (the original
     `DeadzoneMatMul` re-applies the pre-noise threshold after adding noise)."""
 
@@ -152,11 +153,19 @@ class Deadzone:
     # A traced value (scalar or per-layer vector, `traced_value`) multiplying `threshold`: with
     # a 0/1 layer vector one compiled program serves every placement (sweeps, SRDD tests).
     threshold_value: str | None = None
+    severity: str = "amax"  # amax | quantile (ops.DEADZONE_SEVERITIES)
     level = "value"
 
     def __post_init__(self):
+        if self.severity not in ops.DEADZONE_SEVERITIES:
+            raise ValueError(f"severity={self.severity!r}; allowed: {ops.DEADZONE_SEVERITIES}")
+        what = "of amax" if self.severity == "amax" else "of the values flushed"
         if not 0.0 < self.threshold < 1.0:
-            raise ValueError(f"threshold={self.threshold}; must be in (0, 1) (a fraction of amax)")
+            raise ValueError(f"threshold={self.threshold}; must be in (0, 1) (a fraction {what})")
+        if self.severity == "quantile" and self.granularity == "block":
+            raise ValueError(
+                f"granularity={self.granularity!r}; severity='quantile' allows: tensor, token"
+            )
         if self.granularity not in ops.GRANULARITIES:
             raise ValueError(f"granularity={self.granularity!r}; allowed: {ops.GRANULARITIES}")
         if self.grad not in ops.DEADZONE_GRADS:
@@ -172,8 +181,9 @@ class Deadzone:
     def describe(self) -> str:
         sparsity = "" if self.sparsity >= 1.0 else f", sparsity={self.sparsity:g}"
         again = ", reuse_threshold" if self.reuse_threshold else ""
+        what = "threshold" if self.severity == "amax" else "quantile"
         return (
-            f"deadzone(threshold={self.threshold:g}, {self.granularity}, grad={self.grad}"
+            f"deadzone({what}={self.threshold:g}, {self.granularity}, grad={self.grad}"
             f"{sparsity}{again})"
         )
 
@@ -473,7 +483,11 @@ class _Run:
                     if t.threshold_value is not None:
                         frac = frac * traced_value(self.values, t.threshold_value, site)
                     this_thr = ops.deadzone_threshold(
-                        x, frac, granularity=t.granularity, block_size=t.block_size
+                        x,
+                        frac,
+                        granularity=t.granularity,
+                        block_size=t.block_size,
+                        severity=t.severity,
                     )
                 lanes = t.lane_mask(x.shape[-1])
                 flushed = jnp.abs(x) < this_thr

@@ -32,6 +32,10 @@ import jax.numpy as jnp
 import numpy as np
 
 GRANULARITIES = ("tensor", "token", "block")
+# How a deadzone's severity is stated: "amax", flush |x| < threshold * amax (the original
+# system's; its strength depends on the model's outliers), or "quantile", flush the `threshold`
+# fraction of smallest |x| (a severity that transfers between models; WORKSPACE.md, issue 14).
+DEADZONE_SEVERITIES = ("amax", "quantile")
 DEADZONE_GRADS = ("mask", "ste")
 NOISE_KINDS = ("relative_gaussian", "absolute_gaussian", "systematic_bias")
 
@@ -58,8 +62,15 @@ def deadzone_threshold(
     *,
     granularity: str = "tensor",
     block_size: int = 32,
+    severity: str = "amax",
 ) -> jax.Array:
     """The flush threshold `threshold * amax`, float32, broadcastable to `x`.
+
+    With severity="quantile", `threshold` is instead a fraction q in [0, 1) and the returned
+    threshold is the k-th smallest |x| (0-based, k = floor(q * n)) of each set of n values, so
+    that `|x| < thr` flushes exactly the k smallest when the values are distinct (ties at the
+    threshold survive). Granularity "tensor" or "token" (the set is the tensor or a token's
+    last axis).
 
     granularity picks the set of values amax is taken over:
       * "tensor": the whole tensor, the original system's semantics. This makes the fault
@@ -74,6 +85,7 @@ def deadzone_threshold(
     the hardware's scale, not a path for gradients.
     """
     _check_choice("granularity", granularity, GRANULARITIES)
+    _check_choice("severity", severity, DEADZONE_SEVERITIES)
     _check_concrete_nonnegative("threshold", threshold)
     x = jnp.asarray(x)
     if granularity != "tensor" and x.ndim == 0:
@@ -81,6 +93,8 @@ def deadzone_threshold(
             f"granularity={granularity!r} needs an array with a last axis; got a scalar"
         )
     abs_x = jnp.abs(x.astype(jnp.float32))
+    if severity == "quantile":
+        return jax.lax.stop_gradient(_quantile_threshold(abs_x, threshold, granularity))
     if granularity == "tensor":
         amax = jnp.max(abs_x, keepdims=True)
     elif granularity == "token":
@@ -101,6 +115,21 @@ def deadzone_threshold(
     return jnp.asarray(threshold, jnp.float32) * amax
 
 
+def _quantile_threshold(abs_x: jax.Array, q, granularity: str) -> jax.Array:
+    if isinstance(q, numbers.Real) and not q < 1:
+        raise ValueError(f"threshold={q!r}: a quantile deadzone needs a fraction in [0, 1)")
+    if granularity == "block":
+        raise ValueError("severity='quantile' takes granularity 'tensor' or 'token', not 'block'")
+    flat = abs_x.reshape(1, -1) if granularity == "tensor" else abs_x
+    n = flat.shape[-1]
+    ranked = jnp.sort(flat, axis=-1)
+    # q may be traced (a per-layer 0/1 factor times q): k is computed, not a Python int.
+    k = jnp.clip(jnp.floor(jnp.asarray(q, jnp.float32) * n).astype(jnp.int32), 0, n - 1)
+    thr = jax.lax.dynamic_index_in_dim(ranked, k, axis=-1, keepdims=True)
+    # k = 0 flushes nothing: the smallest value is never below itself.
+    return thr.reshape((1,) * abs_x.ndim) if granularity == "tensor" else thr
+
+
 def deadzone_flush_mask(
     x: jax.Array,
     threshold,
@@ -108,6 +137,7 @@ def deadzone_flush_mask(
     granularity: str = "tensor",
     block_size: int = 32,
     sparsity_mask=None,
+    severity: str = "amax",
 ) -> jax.Array:
     """Boolean array, True where an element flushes: `|x| < thr` and, if given, sparsity_mask.
 
@@ -117,7 +147,9 @@ def deadzone_flush_mask(
     `x.shape` (a [D] mask applies the same lanes to every token).
     """
     x = jnp.asarray(x)
-    thr = deadzone_threshold(x, threshold, granularity=granularity, block_size=block_size)
+    thr = deadzone_threshold(
+        x, threshold, granularity=granularity, block_size=block_size, severity=severity
+    )
     flush = jnp.abs(x.astype(jnp.float32)) < thr
     if sparsity_mask is not None:
         sparsity_mask = jnp.asarray(sparsity_mask, jnp.bool_)
@@ -177,6 +209,7 @@ def deadzone(
     block_size: int = 32,
     sparsity_mask=None,
     grad: str = "mask",
+    severity: str = "amax",
 ) -> jax.Array:
     """Flushes to exactly 0 (in x's dtype) the elements where `deadzone_flush_mask` is True.
 
@@ -188,7 +221,12 @@ def deadzone(
     _check_choice("grad", grad, DEADZONE_GRADS)
     x = jnp.asarray(x)
     flush = deadzone_flush_mask(
-        x, threshold, granularity=granularity, block_size=block_size, sparsity_mask=sparsity_mask
+        x,
+        threshold,
+        granularity=granularity,
+        block_size=block_size,
+        sparsity_mask=sparsity_mask,
+        severity=severity,
     )
     return deadzone_apply(x, flush, grad=grad)
 
