@@ -127,6 +127,36 @@ def test_welch_degenerate():
     assert one_const["cohen_d"] == pytest.approx(-0.05 / math.sqrt(0.14 / 6))
 
 
+def test_power_and_minimum_detectable_difference():
+    # Equal SDs and n: Welch's df is n_a + n_b - 2, Student's test. Known value (G*Power,
+    # Cohen's tables): n = 5 per group, alpha 0.05 two-sided, power 0.8 -> d = 2.025.
+    assert stats.mdd(1.0, 1.0, 5, 5) == pytest.approx(2.025, abs=1e-3)
+    assert stats.power(stats.mdd(1.0, 1.0, 5, 5), 1.0, 1.0, 5, 5) == pytest.approx(0.8, abs=1e-9)
+    # Scales with the SD; large n -> (z_0.975 + z_0.8) * se = 2.8016 se.
+    assert stats.mdd(0.03, 0.03, 5, 5) == pytest.approx(0.03 * 2.0244, rel=1e-3)
+    se = math.sqrt(2 / 2000)
+    assert stats.mdd(1.0, 1.0, 2000, 2000) / se == pytest.approx(1.959964 + 0.841621, abs=2e-3)
+    # The classic planning figure: d = 0.5 needs 64 per group.
+    assert stats.seeds_needed(0.5, 1.0, 1.0) == 64
+    assert stats.power(0.5, 1.0, 1.0, 63, 63) < 0.8 <= stats.power(0.5, 1.0, 1.0, 64, 64)
+    # A simulation of Student's test at that difference rejects 80% of the time; with no
+    # difference, 5% (the negative control: the power is not a constant).
+    rng = np.random.default_rng(0)
+    b = rng.normal(0.0, 1.0, (100_000, 5))
+    for shift, rate in ((stats.mdd(1.0, 1.0, 5, 5), 0.8), (0.0, 0.05)):
+        a = rng.normal(shift, 1.0, (100_000, 5))
+        p = scipy.stats.ttest_ind(a, b, axis=1, equal_var=True).pvalue
+        assert np.mean(p < 0.05) == pytest.approx(rate, abs=0.006)
+    # Undefined: n < 2, or both SDs zero.
+    assert stats.mdd(1.0, 1.0, 1, 5) is None and stats.power(0.1, 0.0, 0.0, 5, 5) is None
+    # welch() reports the MDD of its own groups.
+    a, b = [0.50, 0.52, 0.47, 0.55, 0.49], [0.45, 0.46, 0.51, 0.44, 0.48]
+    w = stats.welch(a, b)
+    sd_a, sd_b = np.std(a, ddof=1), np.std(b, ddof=1)
+    assert w["mdd"] == pytest.approx(stats.mdd(sd_a, sd_b, 5, 5))
+    assert w["mdd"] > abs(w["diff_ci_half"]) / 2
+
+
 def test_holm_by_hand():
     # m = 4 (None is not a test). Sorted: 0.005 * 4 = 0.02; 0.01 * 3 = 0.03; 0.03 * 2 = 0.06;
     # 0.04 * 1 = 0.04 -> max(0.06, 0.04) = 0.06 (monotone).
@@ -231,6 +261,12 @@ def test_summarize_numbers(study):
     hg = tests[("healthy", "acc_fault")]
     assert hg["p"] is None and "n < 2" in hg["reason"] and hg["p_holm"] is None
     assert tg["p_holm"] == pytest.approx(tg["p"])
+    # Power: the MDD and the seeds a 0.05 accuracy difference needs, from the two arms' SDs.
+    g = _vals("global_aqn", 0)
+    sds = np.std(t, ddof=1), np.std(g, ddof=1)
+    assert tg["mdd"] == pytest.approx(stats.mdd(*sds, len(t), len(g)))
+    assert tg["seeds_for_0.05"] == stats.seeds_needed(0.05, *sds)
+    assert tests[("targeted", "heldout_loss")]["seeds_for_0.05"] is None  # accuracy only
     # Robustness, telemetry, wall time.
     rob = s["robustness"]["arms"]["targeted"]["noise_5pct"]
     assert rob["mean"] == pytest.approx(np.mean([0.52, 0.52, 0.47]))

@@ -45,7 +45,7 @@ Output: `results["summary"]`::
       "present": {arm: [seed, ...]}, "missing": {arm: [declared seeds without a run]},
       "notes": [str, ...],
       "final": {metric: {arm: describe() + {"seeds": [...], "values": [float | None, ...]}}},
-      "tests": [welch() + {"a", "b", "metric", "p_holm", "reading"}, ...],
+      "tests": [welch() + {"a", "b", "metric", "p_holm", "reading", "seeds_for_0.05"}, ...],
       "robustness": {"conditions": [...], "arms": {arm: {condition: describe()}}},
       "telemetry": {arm: {key: describe()}},
       "wall_time": {arm: describe() + {"total": float}},
@@ -75,6 +75,7 @@ FINAL_PNG = "final.png"
 ROBUSTNESS_PNG = "robustness.png"
 
 ALPHA = 0.05
+ACC_DIFF = 0.05  # the accuracy difference whose required seeds the report gives
 FINAL_METRICS = ("acc_fault", "acc_clean", "heldout_loss")
 METRIC_TITLES = {
     "acc_fault": "accuracy on the faulty device (higher is better)",
@@ -206,6 +207,10 @@ def summarize(results: Mapping[str, Any]) -> dict[str, Any]:
             va = final[metric][a]["values"] if a in final[metric] else []
             vb = final[metric][b]["values"] if b in final[metric] else []
             w = stats.welch(va, vb)
+            w["seeds_for_0.05"] = None
+            if metric.startswith("acc") and w["sd_pooled"] is not None:
+                sds = [final[metric][x]["std"] for x in (a, b)]
+                w["seeds_for_0.05"] = stats.seeds_needed(ACC_DIFF, *sds)
             absent = [x for x in (a, b) if x not in present]
             if absent:
                 w["reason"] = f"no runs of {' and '.join(absent)}"
@@ -473,17 +478,24 @@ def _markdown(results: Mapping[str, Any], s: Mapping[str, Any]) -> str:
                 stats.format_p(t["p_holm"]),
                 _f(t["cohen_d"], 2),
                 _f(t["hedges_g"], 2),
+                _f(t["mdd"], dec),
+                "n/a" if t.get("seeds_for_0.05") is None else str(t["seeds_for_0.05"]),
                 t["reason"] or "",
             ]
         )
     header = ["comparison (a vs b)", "metric", "n", f"mean diff a−b [{level}% CI]", "t", "df"]
-    header += ["p", "Holm p", "Cohen's d", "Hedges' g", "note"]
+    header += ["p", "Holm p", "Cohen's d", "Hedges' g", "MDD (80% power)", "seeds for 0.05"]
+    header += ["note"]
     lines += _table(header, rows) if rows else ["No comparisons."]
     lines += ["", "Readings:", ""] + [f"- {t['reading']}" for t in s["tests"]]
     lines += [
         "",
         "Cohen's d = (mean_a − mean_b) / sqrt((var_a + var_b) / 2) (root of the mean of the two"
         " sample variances); Hedges' g = d · (1 − 3 / (4 (n_a + n_b) − 9)).",
+        f"MDD: the minimum difference Welch's test detects with 80% power at α = {ALPHA} for these"
+        " seeds and the observed SDs (noncentral t); seeds for 0.05: seeds per arm that would"
+        " detect a difference of 0.05 (accuracy metrics) with 80% power. Planning figures: the"
+        " observed SDs are taken as the true ones.",
         "",
         "## Final metrics",
         "",

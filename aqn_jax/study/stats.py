@@ -1,6 +1,7 @@
 """Statistics over seeds: descriptive summaries, Welch's t-test, effect sizes, Holm's correction.
 
-Pure numpy; scipy is used only for the Student t distribution (`scipy.stats.t.cdf` / `.ppf`).
+Pure numpy; scipy gives the Student t and noncentral t distributions (`scipy.stats.t`, `.nct`)
+and the root finder of the minimum detectable difference (`scipy.optimize.brentq`).
 Every function takes plain sequences of floats; `None` and non-finite values (a run that did not
 measure a metric, or diverged to NaN) are dropped and counted in `n_dropped`.
 
@@ -26,6 +27,14 @@ welch(a, b)  (a: n1, m1, s1^2; b: n2, m2, s2^2)
   Degenerate: n1 < 2 or n2 < 2, or both variances zero (se = 0) -> t, df, p, CI, d, g are None
   and `reason` says why; `diff` is still reported whenever both groups have a value.
 
+power(diff, sd_a, sd_b, n_a, n_b)  (Welch's test at two-sided level alpha = 0.05)
+  se = sqrt(sd_a^2/n_a + sd_b^2/n_b), df Welch–Satterthwaite as above, tc = t_{1-alpha/2, df}
+  power = P(T' > tc) + P(T' < -tc),  T' ~ noncentral t(df, ncp = diff / se)
+mdd(sd_a, sd_b, n_a, n_b)  the minimum detectable difference: the diff > 0 whose power is 0.8
+  (root of power(diff) = 0.8; for large df it tends to (z_0.975 + z_0.8) se = 2.80 se)
+seeds_needed(diff, sd_a, sd_b)  the smallest n per arm (n_a = n_b = n) with power >= 0.8
+  The SDs are the observed ones, taken as the truth: a planning figure, not a guarantee.
+
 holm(p_1..p_m)  (Holm–Bonferroni step-down; None entries are tests not run and are left out of
   the family: m counts the non-None p-values)
   sort ascending p_(1) <= ... <= p_(m);  adj_(i) = max_{j <= i} min(1, (m - j + 1) p_(j))
@@ -42,6 +51,8 @@ import numpy as np
 from scipy import stats as _sps
 
 LEVEL = 0.95
+ALPHA = 0.05
+POWER = 0.8
 
 
 def _values(x: Sequence[Any] | np.ndarray) -> tuple[np.ndarray, int]:
@@ -112,6 +123,7 @@ def welch(
         "sd_pooled": None,
         "cohen_d": None,
         "hedges_g": None,
+        "mdd": None,
         "reason": None,
     }
     if n1 < 2 or n2 < 2:
@@ -143,8 +155,73 @@ def welch(
         sd_pooled=sd_pooled,
         cohen_d=d,
         hedges_g=j * d,
+        mdd=mdd(math.sqrt(v1), math.sqrt(v2), n1, n2),
     )
     return out
+
+
+def _welch_se_df(sd_a: float, sd_b: float, n_a: int, n_b: int) -> tuple[float, float]:
+    q1, q2 = sd_a**2 / n_a, sd_b**2 / n_b
+    se = math.sqrt(q1 + q2)
+    return se, (q1 + q2) ** 2 / (q1**2 / (n_a - 1) + q2**2 / (n_b - 1))
+
+
+def power(
+    diff: float, sd_a: float, sd_b: float, n_a: int, n_b: int, alpha: float = ALPHA
+) -> float | None:
+    """Power of the two-sided Welch test to detect a true difference `diff` (module docstring).
+    None when undefined (n < 2 in a group, or both SDs zero)."""
+    if n_a < 2 or n_b < 2 or sd_a == 0.0 and sd_b == 0.0:
+        return None
+    se, df = _welch_se_df(sd_a, sd_b, n_a, n_b)
+    tc = _tcrit(df, 1.0 - alpha)
+    ncp = abs(diff) / se
+    # The far tail against the difference is negligible; scipy's nct returns NaN for it at
+    # large ncp and small df (e.g. df 1.2, ncp 8), where it is < 1e-6.
+    against = float(_sps.nct.cdf(-tc, df, ncp))
+    return float(_sps.nct.sf(tc, df, ncp)) + (against if math.isfinite(against) else 0.0)
+
+
+def mdd(
+    sd_a: float, sd_b: float, n_a: int, n_b: int, target: float = POWER, alpha: float = ALPHA
+) -> float | None:
+    """The minimum difference the Welch test detects with probability `target` (module
+    docstring); None when the power is undefined."""
+    if power(1.0, sd_a, sd_b, n_a, n_b, alpha) is None:
+        return None
+    se, _ = _welch_se_df(sd_a, sd_b, n_a, n_b)
+    # Power grows with the difference: bracket the root by doubling from one se.
+    hi = se
+    while power(hi, sd_a, sd_b, n_a, n_b, alpha) < target:
+        hi *= 2.0
+    return float(_brentq(lambda d: power(d, sd_a, sd_b, n_a, n_b, alpha) - target, 0.0, hi))
+
+
+def seeds_needed(
+    diff: float,
+    sd_a: float,
+    sd_b: float,
+    target: float = POWER,
+    alpha: float = ALPHA,
+    max_n: int = 10_000,
+) -> int | None:
+    """The smallest n (seeds per arm) at which the Welch test detects `diff` with probability
+    `target`; None past `max_n` or when undefined."""
+    n = 2
+    while n <= max_n:
+        p = power(diff, sd_a, sd_b, n, n, alpha)
+        if p is None:
+            return None
+        if p >= target:
+            return n
+        n = n + 1 if n < 100 else int(n * 1.05) + 1
+    return None
+
+
+def _brentq(f, lo: float, hi: float) -> float:
+    from scipy.optimize import brentq
+
+    return brentq(f, lo, hi, xtol=1e-12, rtol=1e-10)
 
 
 def holm(pvalues: Sequence[float | None]) -> list[float | None]:
