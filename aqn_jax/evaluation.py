@@ -206,6 +206,60 @@ def robustness(
     return out
 
 
+def prompt_dependence(
+    config, model_config: Qwen2Config, params, tokenizer: Tokenizer, size: int = 0
+) -> dict[str, Any]:
+    """Does the policy read its prompt? On the embedded task's test split, no fault, greedy:
+    - `acc`: accuracy on the first `size` problems (0 = config.trainer.val_size);
+    - `acc_redrawn`: accuracy on the same problems with every number drawn again
+      (`ArithmeticTask.redrawn`): about `acc` for a policy that reads its numbers, far below
+      for one that answers from the wording;
+    - `shared_completion`: the share of prompts whose completion is also the completion of a
+      prompt with a different answer (a policy that guesses repeats itself across prompts).
+    """
+    from aqn_jax.data.arithmetic import ArithmeticTask
+
+    if config.data.train_path:
+        raise ValueError(
+            f"config.data.train_path={config.data.train_path!r}: the prompt-dependence control"
+            " redraws the numbers of the embedded arithmetic task; leave the data paths empty"
+        )
+    task = ArithmeticTask(
+        int(config.data.task.digits), int(config.data.task.steps), int(config.data.task.seed)
+    )
+    size = int(size or config.trainer.val_size)
+    gen = Qwen2ForCausalLM(dataclasses.replace(model_config, remat=False))
+    sp = SamplingParams(
+        max_new_tokens=int(config.rollout.max_new_tokens),
+        eos_id=tokenizer.eos_id,
+        pad_id=tokenizer.pad_id,
+        temperature=0.0,
+        vocab_size=tokenizer.vocab_size,
+    )
+    buckets = tuple(int(b) for b in config.rollout.prompt_buckets)
+    sampler = _program(
+        ("sampler", gen.config, sp, buckets, "[]", None),
+        lambda: Sampler(gen, sp, FaultPlan(), buckets, phase="eval"),
+    )
+    bs = int(config.trainer.val_batch_size)
+    limit = int(config.rollout.max_prompt_len)
+    out: dict[str, Any] = {"n": size}
+    texts: list[str] = []
+    examples = task.examples("test", size)
+    out["acc"] = float(
+        np.mean(evaluate(sampler, params, examples, tokenizer, bs, limit, texts=texts))
+    )
+    redrawn = task.redrawn("test", size)
+    out["acc_redrawn"] = float(np.mean(evaluate(sampler, params, redrawn, tokenizer, bs, limit)))
+    answers_of: dict[str, set[str]] = {}
+    for text, ex in zip(texts, examples, strict=True):
+        answers_of.setdefault(text.strip(), set()).add(ex.ground_truth)
+    out["shared_completion"] = float(
+        np.mean([len(answers_of[t.strip()]) > 1 for t in texts]) if texts else 0.0
+    )
+    return out
+
+
 def heldout_loss(
     model: Qwen2ForCausalLM,
     params,

@@ -497,3 +497,35 @@ def test_batcher_uses_the_hf_chat_template():
         "<|im_start|>assistant\n"
     )
     assert row[0] == tok.pad_id == rust.token_to_id("<|endoftext|>")
+
+
+@pytest.mark.parametrize("digits, steps", [(1, 1), (2, 2), (3, 4)])
+def test_redrawn_numbers_keep_the_words_and_the_split(digits, steps):
+    from aqn_jax.data.arithmetic import ArithmeticTask, split_of
+
+    task = ArithmeticTask(digits=digits, steps=steps)
+    original, redrawn = task.examples("test", 60), task.redrawn("test", 60)
+    assert [e.question for e in task.redrawn("test", 60)] == [e.question for e in redrawn]
+    changed = 0
+    for a, b in zip(original, redrawn, strict=True):
+        # The same words; only the numbers differ, and at least one does.
+        assert re.sub(r"\d+", "#", a.question) == re.sub(r"\d+", "#", b.question)
+        assert re.findall(r"\d+", a.question) != re.findall(r"\d+", b.question)
+        # The worked solution is a valid chain over the new numbers, in the same split.
+        lines = b.answer.split("\n")
+        value = None
+        for line in lines[:-1]:
+            x, op, y, _, z = line.split()
+            assert value is None or int(x) == value
+            assert {"+": int(x) + int(y), "-": int(x) - int(y), "*": int(x) * int(y)}.get(
+                op, int(x) // int(y)
+            ) == int(z)
+            assert op != "/" or int(x) % int(y) == 0
+            value = int(z)
+        assert lines[-1] == f"#### {value}" and b.ground_truth == str(value) and value > 0
+        assert split_of("\n".join(lines[:-1])) == "test"
+        assert b.prompt_messages[0]["content"].startswith(b.question)
+        changed += a.ground_truth != b.ground_truth
+    assert changed > 30  # most answers change (negative control: not the same problems)
+    with pytest.raises(ValueError, match="not a problem of this task"):
+        task.redraw_numbers({"question": "Tom has 3 apples.", "answer": "#### 3"}, None)

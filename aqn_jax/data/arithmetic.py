@@ -34,6 +34,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -203,6 +204,37 @@ def _check_split(split: Any) -> int:
     return SPLITS[split]
 
 
+def _redraw_chain(ops, opening: bool, lo: int, hi: int, digits: int, rng) -> list | None:
+    """New (a, b, a op b) for each operation, under `_draw`'s constraints; None if a draw
+    leaves an operation infeasible (the caller draws again)."""
+    # An opening "k containers with b each" starts from k in 2..9, else from an amount.
+    q = int(rng.integers(2, 10)) if opening else int(rng.integers(lo, hi + 1))
+    chain = []
+    for i, op in enumerate(ops):
+        if op == "+":
+            n = int(rng.integers(lo, hi + 1))
+        elif op == "-":
+            if q - 1 < lo:
+                return None
+            n = int(rng.integers(lo, min(hi, q - 1) + 1))
+        elif op == "*":
+            if i == 0 and opening:
+                n = int(rng.integers(lo, hi + 1))
+            elif q >= 10**digits:
+                return None
+            else:
+                n = int(rng.integers(2, 10))
+        else:
+            divisors = [k for k in range(2, 10) if q % k == 0]
+            if not divisors:
+                return None
+            n = divisors[int(rng.integers(len(divisors)))]
+        r = {"+": q + n, "-": q - n, "*": q * n, "/": q // n if op == "/" else 0}[op]
+        chain.append((q, n, r))
+        q = r
+    return chain
+
+
 @dataclasses.dataclass(frozen=True)
 class ArithmeticTask:
     """Deterministic GSM8K-format word problems: `example(index, split)` is a pure function.
@@ -340,6 +372,72 @@ class ArithmeticTask:
             f"no {split} problem found in {_MAX_DRAWS} draws for {self}; the split assignment "
             "leaves no problem of this difficulty in that split"
         )
+
+    # -- the prompt-dependence control ---------------------------------------------------------
+
+    def redraw_numbers(self, problem: dict[str, str], rng: np.random.Generator) -> dict[str, str]:
+        """`problem` (from `example`) with new numbers in the same words: the same names,
+        objects, templates and operations, every number drawn again under the generator's
+        constraints, the worked solution and answer recomputed. The new problem stays in the
+        same split (its identity is redrawn until it does) and differs in at least one number.
+
+        The control of a policy that reads its prompt: its accuracy on redrawn problems stays
+        about the same, while a policy that answers from the wording alone collapses.
+        The numbers of a question are, in order, the first operand of the first equation then
+        the second operand of every equation ("Tom has 3 boxes with 12 apples in each" is the
+        equation "3 * 12 = 36")."""
+        lines = problem["answer"].split("\n")[:-1]
+        eqs = [re.fullmatch(r"(\d+) ([-+*/]) (\d+) = (\d+)", line) for line in lines]
+        numbers = [int(m.group(1)) for m in eqs[:1]] + [int(m.group(3)) for m in eqs]
+        spans = [m.span() for m in re.finditer(r"\d+", problem["question"])]
+        found = [int(problem["question"][a:b]) for a, b in spans]
+        if None in eqs or found != numbers:
+            raise ValueError(f"not a problem of this task: {problem['question']!r}")
+        ops = [m.group(2) for m in eqs]
+        opening = re.search(r"has \d+ \w+ with \d+ ", problem["question"]) is not None
+        split = split_of("\n".join(lines))
+        lo, hi = self._amount_range()
+        for _ in range(_MAX_DRAWS):
+            chain = _redraw_chain(ops, opening, lo, hi, self.digits, rng)
+            if chain is None:
+                continue
+            new_eqs = [f"{a} {op} {b} = {c}" for (a, b, c), op in zip(chain, ops, strict=True)]
+            new = [chain[0][0]] + [b for _, b, _ in chain]
+            if new == numbers or split_of("\n".join(new_eqs)) != split:
+                continue
+            question = problem["question"]
+            for (a, b), value in reversed(list(zip(spans, new, strict=True))):
+                question = question[:a] + str(value) + question[b:]
+            value = chain[-1][2]
+            return {
+                "question": question,
+                "answer": "\n".join([*new_eqs, f"#### {value}"]),
+                "ground_truth": str(value),
+            }
+        raise RuntimeError(f"no redraw of {problem['question']!r} in {_MAX_DRAWS} draws")
+
+    def redrawn(self, split: str, size: int, seed: int = 1) -> list[Any]:
+        """`examples(split, size)` with every problem's numbers redrawn (`redraw_numbers`)."""
+
+        rng = np.random.default_rng([self.seed, _check_split(split), seed, 7])
+        out = []
+        for ex in self.examples(split, size):
+            new = self.redraw_numbers(
+                {"question": ex.question, "answer": ex.answer, "ground_truth": ex.ground_truth},
+                rng,
+            )
+            out.append(
+                dataclasses.replace(
+                    ex,
+                    question=new["question"],
+                    prompt_messages=[
+                        {"role": "user", "content": new["question"] + INSTRUCTION_SUFFIX}
+                    ],
+                    ground_truth=new["ground_truth"],
+                    answer=new["answer"],
+                )
+            )
+        return out
 
     # -- datasets --------------------------------------------------------------------------------
 

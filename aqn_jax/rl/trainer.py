@@ -630,10 +630,12 @@ def evaluate(
     fault_key=None,
     values=None,
     key=None,
+    texts: list[str] | None = None,
 ) -> np.ndarray:
     """verl scores (strict `####`) of `sampler`'s completions for every example, in order
     (the last batch padded with repeats of its first prompt, which are dropped); with
-    `sampler.params.n > 1` each example's score is the mean over its n samples (mean@n)."""
+    `sampler.params.n > 1` each example's score is the mean over its n samples (mean@n).
+    `texts`, when given, receives the decoded completions (n per example, in order)."""
     n = sampler.params.n
     scores = []
     for start in range(0, len(examples), batch_size):
@@ -656,12 +658,15 @@ def evaluate(
         out = sampler(
             params, arr, mask, k, fault_key=k if fault_key is None else fault_key, values=values
         )
-        texts = [
+        texts_of_batch = [
             tokenizer.decode(t[m > 0]) for t, m in zip(out.tokens, out.response_mask, strict=True)
         ]
         truths = [ex.ground_truth for ex in chunk[:real] for _ in range(n)]
-        s = score_batch(texts[: real * n], truths).reshape(real, n).mean(axis=1)
+        decoded = texts_of_batch[: real * n]
+        s = score_batch(decoded, truths).reshape(real, n).mean(axis=1)
         scores.extend(s.tolist())
+        if texts is not None:
+            texts.extend(decoded)
     return np.asarray(scores, np.float32)
 
 

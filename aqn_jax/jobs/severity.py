@@ -1,0 +1,253 @@
+"""Job `severity`: the deadzone severity curve of a policy before any RL. For each decoder layer
+x each severity (fractions of amax, the original's statement, and quantiles, the flushed
+fraction): the fraction of the layer's output flushed, the held-out loss of the worked
+solutions and the greedy accuracy on the faulty device; plus the clean baseline and, on the
+embedded task, the prompt-dependence control (`evaluation.prompt_dependence`).
+
+  python -m aqn_jax.launch --config=configs/severity.py
+  python -m aqn_jax.launch --config=configs/severity.py --config.severity.accuracy=False \
+      --config.model.hf_path=/models/SmolLM2-135M-Instruct --config.sft.enabled=False
+
+One compiled program per severity statement serves every layer and value: the deadzone sits on
+every layer with a traced per-layer factor (0 = off: a threshold of 0 flushes nothing), so the
+curve costs evaluations, not compiles. The flushed fraction is measured teacher-forced on the
+held-out batches (the module's whole padded tensor, as the fault sees it). The fault's site,
+point, granularity and gradient come from config.faults.deadzone; its layers and severity from
+config.severity. Writes `severity.json` and `severity.md` into the workdir.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from aqn_jax.data.config import check_data, load_split
+from aqn_jax.evaluation import heldout_loss, prompt_dependence
+from aqn_jax.faults.config import POINTS, parse_layers
+from aqn_jax.faults.intercept import (
+    Deadzone,
+    FaultPlan,
+    Injection,
+    step_key,
+    summarize_stats,
+)
+from aqn_jax.faults.sites import SiteSelector, expand_kinds
+from aqn_jax.jobs.pretrain import tokenizer_for, warm_start
+from aqn_jax.models.factory import model_config
+from aqn_jax.models.qwen2 import Qwen2ForCausalLM
+from aqn_jax.rl.sampler import Sampler, SamplingParams
+from aqn_jax.rl.sft import sft_sequences
+from aqn_jax.rl.trainer import evaluate
+
+FACTOR = "severity_layer_factor"  # the traced per-layer factor of the swept deadzone
+BASE = 0.5  # the Deadzone's own threshold; a point's value v is the factor v / BASE
+
+
+def severity_config() -> ml_collections.ConfigDict:
+    c = ml_collections.ConfigDict()
+    c.layers = "all"  # decoder layers to sweep: 'all', 5, '(3,5)', '10:15'
+    c.amax = (0.001, 0.01, 0.1)  # severity 'amax': flush |h| < t * amax (the original's)
+    c.quantile = (0.25, 0.5, 0.75, 0.9)  # severity 'quantile': the fraction flushed
+    c.size = 0  # test examples per point; 0 = config.trainer.val_size
+    c.accuracy = True  # greedy accuracy per point (False: loss and flushed fraction only)
+    return c
+
+
+def check_severity(sev, num_layers: int):
+    layers = parse_layers(sev.layers, "config.severity.layers", num_layers)
+    points = []
+    for mode, field in (("amax", "amax"), ("quantile", "quantile")):
+        for v in tuple(sev[field]):
+            if not 0.0 < float(v) < 1.0:
+                raise ValueError(f"config.severity.{field} has {v}; each must be in (0, 1)")
+            points.append((mode, float(v)))
+    if not points:
+        raise ValueError("config.severity.amax and config.severity.quantile are both empty")
+    if sev.size < 0:
+        raise ValueError(f"config.severity.size={sev.size}; must be >= 0 (0 = val_size)")
+    return list(range(num_layers)) if layers == "all" else list(layers), points
+
+
+def run(config, workdir: str) -> None:
+    # -- Validate (nothing compiled or written before this passes) ----------------------------
+    qcfg = model_config(config.model)
+    n_layers = qcfg.num_hidden_layers
+    layers, points = check_severity(config.severity, n_layers)
+    check_data(config.data)
+    tokenizer = tokenizer_for(config)
+    dz = config.faults.deadzone
+    kinds = expand_kinds((dz.site,) if isinstance(dz.site, str) else tuple(dz.site), "site")
+    if dz.point not in POINTS:
+        raise ValueError(f"config.faults.deadzone.point={dz.point!r}; allowed: {POINTS}")
+    transforms = {}
+    for mode in sorted({m for m, _ in points}):
+        try:
+            transforms[mode] = Deadzone(
+                BASE,
+                granularity=dz.granularity,
+                grad=dz.grad,
+                severity=mode,
+                threshold_value=FACTOR,
+            )
+        except ValueError as e:
+            raise ValueError(f"config.faults.deadzone.{e}") from e
+    size = int(config.severity.size or config.trainer.val_size)
+    test = load_split(config.data, "test")[:size]
+
+    # -- Model ---------------------------------------------------------------------------------
+    t0 = time.perf_counter()
+    qcfg, params, _ = warm_start(config, workdir)
+    model = Qwen2ForCausalLM(dataclasses.replace(qcfg, remat=False))
+    bs = int(config.trainer.val_batch_size)
+    key = step_key(int(config.seed), 0, "eval")
+    sp = SamplingParams(
+        max_new_tokens=int(config.rollout.max_new_tokens),
+        eos_id=tokenizer.eos_id,
+        pad_id=tokenizer.pad_id,
+        temperature=0.0,
+        vocab_size=tokenizer.vocab_size,
+    )
+    buckets = tuple(int(b) for b in config.rollout.prompt_buckets)
+    limit = int(config.rollout.max_prompt_len)
+
+    def accuracy(plan, values):
+        if not config.severity.accuracy:
+            return None
+        sampler = samplers.setdefault(
+            repr(plan.injections), Sampler(model, sp, plan, buckets, phase="eval")
+        )
+        return float(
+            np.mean(evaluate(sampler, params, test, tokenizer, bs, limit, key, values, key))
+        )
+
+    samplers: dict[str, Sampler] = {}
+    clean = {"loss": heldout_loss(model, params, FaultPlan(), test, tokenizer, bs, key)}
+    clean["acc"] = accuracy(FaultPlan(), {})
+    out = {"model": config.model.to_dict(), "n": len(test), "clean": clean, "points": []}
+    if not config.data.train_path:
+        out["prompt_dependence"] = prompt_dependence(config, qcfg, params, tokenizer, size)
+    print(_clean_line(out))
+
+    # -- Sweep ---------------------------------------------------------------------------------
+    data = sft_sequences(test, tokenizer)
+    for mode, transform in transforms.items():
+        plan = FaultPlan(
+            [Injection("deadzone", SiteSelector(kinds, "all", dz.point), transform, ("eval",))]
+        )
+        plan.validate(n_layers)
+        stats_fn = _stats_program(model, plan)
+        for _, value in [p for p in points if p[0] == mode]:
+            for layer in layers:
+                factor = np.zeros(n_layers, np.float32)
+                factor[layer] = value / BASE
+                values = {FACTOR: factor}
+                loss, flushed = _loss_and_flushed(stats_fn, params, data, bs, key, values, layer)
+                row = {
+                    "severity": mode,
+                    "value": value,
+                    "layer": layer,
+                    "flushed": flushed,
+                    "loss": loss,
+                    "acc": accuracy(plan, values),
+                }
+                out["points"].append(row)
+                print(_point_line(row), flush=True)
+    out["wall_time_s"] = time.perf_counter() - t0
+    if jax.process_index() == 0:
+        _write(workdir, out)
+    print(f"severity curve: {os.path.join(workdir, 'severity.md')}")
+
+
+def _stats_program(model, plan):
+    @jax.jit
+    def fn(params, ids, mask, loss_mask, key, values):
+        with plan.apply("eval", key=key, values=values):
+            logits, state = model.apply(
+                {"params": params}, ids, attention_mask=mask, mutable=["fault_stats"]
+            )
+        logp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1)
+        nll = -jnp.take_along_axis(logp, ids[:, 1:, None], axis=-1)[..., 0]
+        w = loss_mask[:, 1:].astype(jnp.float32)
+        return jnp.sum(nll * w), jnp.sum(w), state["fault_stats"]
+
+    return fn
+
+
+def _loss_and_flushed(fn, params, data, bs, key, values, layer):
+    total = count = 0.0
+    flushed, weights = [], []
+    for start in range(0, len(data.ids), bs):
+        sl = slice(start, start + bs)
+        s, c, stats = fn(
+            params,
+            data.ids[sl],
+            data.mask[sl],
+            data.loss_mask[sl],
+            jax.random.fold_in(key, start),
+            values,
+        )
+        total, count = total + float(s), count + float(c)
+        flushed.append(summarize_stats(stats)[f"deadzone.flushed/layers_{layer}"])
+        weights.append(len(data.ids[sl]))
+    return total / max(count, 1.0), float(np.average(flushed, weights=weights))
+
+
+def _fmt(v, spec):
+    return "n/a" if v is None else format(v, spec)
+
+
+def _clean_line(out):
+    c = out["clean"]
+    line = f"clean: loss {c['loss']:.3f}, acc {_fmt(c['acc'], '.3f')}"
+    pdep = out.get("prompt_dependence")
+    if pdep:
+        line += (
+            f"; numbers redrawn: acc {pdep['acc_redrawn']:.3f}; completions shared across"
+            f" answers: {pdep['shared_completion']:.3f}"
+        )
+    return line
+
+
+def _point_line(r):
+    return (
+        f"  {r['severity']}={r['value']:g} layer {r['layer']}: flushed {100 * r['flushed']:.1f}%,"
+        f" loss {r['loss']:.3f}, acc {_fmt(r['acc'], '.3f')}"
+    )
+
+
+def _write(workdir: str, out: dict) -> None:
+    tmp = os.path.join(workdir, "severity.json.tmp")
+    with open(tmp, "w") as f:
+        json.dump(out, f, indent=2)
+    os.replace(tmp, os.path.join(workdir, "severity.json"))
+    layers = sorted({p["layer"] for p in out["points"]})
+    lines = [
+        "# Deadzone severity curve (before RL)",
+        "",
+        _clean_line(out),
+        "",
+        "Each cell: greedy accuracy / held-out loss / share of the layer's output flushed.",
+        "",
+        "| severity | " + " | ".join(f"layer {layer}" for layer in layers) + " |",
+        "|---|" + "---|" * len(layers),
+    ]
+    keys = sorted({(p["severity"], p["value"]) for p in out["points"]})
+    for mode, value in keys:
+        cells = []
+        for layer in layers:
+            (p,) = [
+                q
+                for q in out["points"]
+                if (q["severity"], q["value"], q["layer"]) == (mode, value, layer)
+            ]
+            cells.append(f"{_fmt(p['acc'], '.3f')} / {p['loss']:.2f} / {100 * p['flushed']:.0f}%")
+        lines.append(f"| {mode} {value:g} | " + " | ".join(cells) + " |")
+    with open(os.path.join(workdir, "severity.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")

@@ -1,0 +1,28 @@
+"""The deadzone severity curve of the embedded warm start, before any RL.
+
+Purpose: choose the study's fault from a measured curve. "0.01 of the tensor max" flushes
+96-100% of a real LM's residual stream (massive activations) but a few % of the tiny model's,
+so severities are also stated as the flushed fraction (severity 'quantile').
+
+  python -m aqn_jax.launch --config=configs/severity.py
+  python -m aqn_jax.launch --config=configs/severity.py:smoke     # 2 layers x 2 values
+
+Expected: the clean accuracy and loss, the prompt-dependence control, then per layer x
+severity the flushed fraction, the held-out loss and the faulty-device accuracy;
+runs/severity/severity.json and severity.md. Run time and the measured table: WORKSPACE.md
+(issue 14).
+"""
+
+from aqn_jax.experiment import base_config
+from aqn_jax.jobs.severity import severity_config
+
+
+def get_config(arg=None):
+    config = base_config("smoke" if arg == "smoke" else None)
+    config.job = "severity"
+    config.severity = severity_config()
+    if arg == "smoke":
+        config.severity.layers = "(2,5)"
+        config.severity.amax = (0.1,)
+        config.severity.quantile = (0.5,)
+    return config
