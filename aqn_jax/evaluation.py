@@ -37,6 +37,7 @@ from aqn_jax.diagnosis.srdd import hardware_plan
 from aqn_jax.faults.intercept import FaultPlan, Injection, Noise, Quantize, Scale, step_key
 from aqn_jax.faults.sites import LINEAR_KINDS, SiteSelector
 from aqn_jax.models.qwen2 import Qwen2Config, Qwen2ForCausalLM
+from aqn_jax.rewards import score_batch
 from aqn_jax.rl.sampler import Sampler, SamplingParams
 from aqn_jax.rl.sft import sft_sequences
 from aqn_jax.rl.trainer import evaluate
@@ -214,19 +215,19 @@ def prompt_dependence(
     - `acc_redrawn`: accuracy on the same problems with every number drawn again
       (`ArithmeticTask.redrawn`): about `acc` for a policy that reads its numbers, far below
       for one that answers from the wording;
+    - `answered_original`: among the redrawn problems whose answer changed, the share still
+      answered with the original answer (a policy that reads its numbers: ~0);
     - `shared_completion`: the share of prompts whose completion is also the completion of a
       prompt with a different answer (a policy that guesses repeats itself across prompts).
     """
-    from aqn_jax.data.arithmetic import ArithmeticTask
+    from aqn_jax.data.config import task_of
 
     if config.data.train_path:
         raise ValueError(
             f"config.data.train_path={config.data.train_path!r}: the prompt-dependence control"
             " redraws the numbers of the embedded arithmetic task; leave the data paths empty"
         )
-    task = ArithmeticTask(
-        int(config.data.task.digits), int(config.data.task.steps), int(config.data.task.seed)
-    )
+    task = task_of(config.data)
     size = int(size or config.trainer.val_size)
     gen = Qwen2ForCausalLM(dataclasses.replace(model_config, remat=False))
     sp = SamplingParams(
@@ -250,7 +251,19 @@ def prompt_dependence(
         np.mean(evaluate(sampler, params, examples, tokenizer, bs, limit, texts=texts))
     )
     redrawn = task.redrawn("test", size)
-    out["acc_redrawn"] = float(np.mean(evaluate(sampler, params, redrawn, tokenizer, bs, limit)))
+    texts_redrawn: list[str] = []
+    out["acc_redrawn"] = float(
+        np.mean(evaluate(sampler, params, redrawn, tokenizer, bs, limit, texts=texts_redrawn))
+    )
+    changed = [
+        i
+        for i, (a, b) in enumerate(zip(examples, redrawn, strict=True))
+        if a.ground_truth != b.ground_truth
+    ]
+    stale = score_batch(
+        [texts_redrawn[i] for i in changed], [examples[i].ground_truth for i in changed]
+    )
+    out["answered_original"] = float(np.mean(stale)) if changed else 0.0
     answers_of: dict[str, set[str]] = {}
     for text, ex in zip(texts, examples, strict=True):
         answers_of.setdefault(text.strip(), set()).add(ex.ground_truth)

@@ -118,7 +118,12 @@ def _alive(pid: int) -> bool:
 
 
 def test_variants_and_bad_input():
-    assert load_config("compare", "threshold_0.5").faults.deadzone.threshold == 0.5
+    t05 = load_config("compare", "threshold_0.5").faults.deadzone
+    assert t05.threshold == 0.5 and t05.severity == "amax"  # the seed's statement of severity
+    default = load_config("compare").faults.deadzone
+    assert (default.severity, default.quantile, default.layers) == ("quantile", 0.75, "4")
+    seed = load_config("compare", "seed_regime").faults.deadzone
+    assert (seed.severity, seed.quantile) == ("quantile", 0.97)
     late = load_config("compare", "layer_late,smoke")
     assert late.faults.deadzone.layers == "6" and late.compare.seeds == (0, 1)
     assert load_config("compare", "two_layers").faults.deadzone.layers == "(2,5)"
@@ -156,7 +161,7 @@ def test_every_arm_validates_before_the_diagnosis_exists(tmp_path):
     (srdd_guided's sigma map and targeted's layers come from a diagnosis not yet made)."""
     from aqn_jax.jobs.compare import run_config, validate
 
-    for variant in (None, "threshold_0.5", "layer_early", "two_layers"):
+    for variant in (None, "threshold_0.5", "seed_regime", "layer_early", "two_layers"):
         validate(load_config("compare", variant), str(tmp_path))
     config = load_config("compare")
     assert run_config(config, "srdd_guided", 3, str(tmp_path), None).aqn.layers == "srdd"

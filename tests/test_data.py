@@ -529,3 +529,21 @@ def test_redrawn_numbers_keep_the_words_and_the_split(digits, steps):
     assert changed > 30  # most answers change (negative control: not the same problems)
     with pytest.raises(ValueError, match="not a problem of this task"):
         task.redraw_numbers({"question": "Tom has 3 apples.", "answer": "#### 3"}, None)
+
+
+def test_split_by_question_shares_facts_not_questions():
+    from aqn_jax.data.arithmetic import ArithmeticTask, split_of
+
+    task = ArithmeticTask(digits=1, steps=1, split_by="question")
+    train, test = task.dataset("train", 1000), task.dataset("test", 400)
+    assert not {e["question"] for e in train} & {e["question"] for e in test}
+    assert all(split_of(e["question"]) == "test" for e in test)
+    chain = lambda e: e["answer"].rsplit("\n", 1)[0]
+    # The facts are shared (a chain split shares none: test_train_and_test_splits_are_disjoint).
+    shared = {chain(e) for e in train} & {chain(e) for e in test}
+    assert len(shared) > 0.5 * len({chain(e) for e in test})
+    # Redrawn numbers keep the question split.
+    for ex in task.redrawn("test", 50):
+        assert split_of(ex.question) == "test"
+    with pytest.raises(ValueError, match="split_by = 'words'"):
+        ArithmeticTask(split_by="words")

@@ -18,7 +18,7 @@ def test_severity_curve_smoke(tmp_path):
     out = json.loads((tmp_path / "sev" / "severity.json").read_text())
     assert out["n"] == 8 and out["clean"]["loss"] > 0
     pdep = out["prompt_dependence"]
-    assert set(pdep) == {"n", "acc", "acc_redrawn", "shared_completion"}
+    assert set(pdep) == {"n", "acc", "acc_redrawn", "answered_original", "shared_completion"}
     assert pdep["acc"] == out["clean"]["acc"]  # the same greedy decode of the same problems
     points = {(p["severity"], p["value"], p["layer"]): p for p in out["points"]}
     assert set(points) == {(m, v, k) for m, v in (("amax", 0.1), ("quantile", 0.5)) for k in (2, 5)}

@@ -26,6 +26,13 @@ which is a function of the question text, so two problems that differ only in na
 count as the same problem. Each identity is assigned to one split by a stable hash
 (`split_of`), and `example` resamples until it draws a problem of the requested split. Hence no
 question - nor any arithmetic chain - ever appears in both splits, whatever the seed or knobs.
+
+`split_by="question"` makes the question text the identity instead: no question appears in both
+splits, but an arithmetic fact does ("7 + 5 = 12" about Tom's apples in train, about Mia's
+coins in test), as GSM8K's test problems are new stories over known arithmetic. With one
+one-digit operation there are under 200 chains: a chain split asks the model to infer facts it
+never saw (the tiny model: 0.94 train vs 0.34 test accuracy after a 600-step SFT, WORKSPACE.md
+issue 14), a question split asks it to read the story's numbers and operation and answer.
 """
 
 from __future__ import annotations
@@ -56,6 +63,7 @@ __all__ = [
 DATA_SOURCE = "aqn_jax/arithmetic"
 
 SPLITS: dict[str, int] = {"train": 0, "test": 1}
+SPLIT_BY = ("chain", "question")
 
 # Share of problem identities owned by the test split (GSM8K: 1319 / 8792 = 15%).
 TEST_FRACTION = 0.2
@@ -245,16 +253,25 @@ class ArithmeticTask:
       steps: operations per problem = lines of the worked solution before "#### N" (1..4).
       seed: selects a different (but equally distributed) stream of problems; the train/test
         assignment of a problem does not depend on it (see the module docstring).
+      split_by: a problem's identity for the split: "chain" (its equations) or "question"
+        (its text; see the module docstring).
     """
 
     digits: int = 2
     steps: int = 2
     seed: int = 0
+    split_by: str = "chain"
 
     def __post_init__(self) -> None:
         _check_int("ArithmeticTask.digits", self.digits, 1, 4)
         _check_int("ArithmeticTask.steps", self.steps, 1, 4)
         _check_int("ArithmeticTask.seed", self.seed, 0, None)
+        if self.split_by not in SPLIT_BY:
+            raise ValueError(f"ArithmeticTask.split_by = {self.split_by!r}; allowed: {SPLIT_BY}")
+
+    def split_of_problem(self, question: str, equations: list[str]) -> str:
+        """The split that owns a problem (module docstring: its identity per `split_by`)."""
+        return split_of("\n".join(equations) if self.split_by == "chain" else question)
 
     # -- one problem -----------------------------------------------------------------------------
 
@@ -362,7 +379,7 @@ class ArithmeticTask:
         rng = np.random.default_rng([self.seed, split_id, index])
         for _ in range(_MAX_DRAWS):
             question, equations, value = self._draw(rng)
-            if split_of("\n".join(equations)) == split:
+            if self.split_of_problem(question, equations) == split:
                 return {
                     "question": question,
                     "answer": "\n".join([*equations, f"#### {value}"]),
@@ -395,7 +412,7 @@ class ArithmeticTask:
             raise ValueError(f"not a problem of this task: {problem['question']!r}")
         ops = [m.group(2) for m in eqs]
         opening = re.search(r"has \d+ \w+ with \d+ ", problem["question"]) is not None
-        split = split_of("\n".join(lines))
+        split = self.split_of_problem(problem["question"], lines)
         lo, hi = self._amount_range()
         for _ in range(_MAX_DRAWS):
             chain = _redraw_chain(ops, opening, lo, hi, self.digits, rng)
@@ -403,11 +420,11 @@ class ArithmeticTask:
                 continue
             new_eqs = [f"{a} {op} {b} = {c}" for (a, b, c), op in zip(chain, ops, strict=True)]
             new = [chain[0][0]] + [b for _, b, _ in chain]
-            if new == numbers or split_of("\n".join(new_eqs)) != split:
-                continue
             question = problem["question"]
             for (a, b), value in reversed(list(zip(spans, new, strict=True))):
                 question = question[:a] + str(value) + question[b:]
+            if new == numbers or self.split_of_problem(question, new_eqs) != split:
+                continue
             value = chain[-1][2]
             return {
                 "question": question,

@@ -30,6 +30,7 @@ def data_config() -> ml_collections.ConfigDict:
     c.task.digits = 2  # embedded task difficulty (aqn_jax/data/arithmetic.py)
     c.task.steps = 2
     c.task.seed = 0
+    c.task.split_by = "chain"  # a problem's identity for the split: chain | question
     return c
 
 
@@ -51,7 +52,7 @@ def check_data(data: Any) -> None:
             if data[field] < 1:
                 raise ValueError(f"config.data.{field}={data[field]}; must be >= 1")
         try:
-            ArithmeticTask(int(data.task.digits), int(data.task.steps), int(data.task.seed))
+            task_of(data)
         except ValueError as e:
             raise ValueError(f"config.data.task: {e}") from e
 
@@ -64,5 +65,10 @@ def load_split(data: Any, split: str) -> list[Example]:
     path = data[SPLIT_FIELDS[split]]
     if path:
         return load_examples(os.path.expanduser(path))
-    task = ArithmeticTask(int(data.task.digits), int(data.task.steps), int(data.task.seed))
-    return task.examples(split, int(data[f"{split}_size"]))
+    return task_of(data).examples(split, int(data[f"{split}_size"]))
+
+
+def task_of(data: Any) -> ArithmeticTask:
+    """The embedded task of `config.data` (its `task` section)."""
+    t = data.task
+    return ArithmeticTask(int(t.digits), int(t.steps), int(t.seed), str(t.get("split_by", "chain")))

@@ -229,6 +229,10 @@ def run(config, workdir: str) -> None:
         "val_acc_clean_start": val0["val-clean/acc"],
         "val_acc_end": last_val["val-core/acc"],
         "val_acc_clean_end": last_val["val-clean/acc"],
+        # The fault's cost at the start (clean minus faulty device, same policy) and the share
+        # of it RL won back on the faulty device (None without a cost to win back).
+        "fault_gap_start": val0["val-clean/acc"] - val0["val-core/acc"],
+        "recovered": _recovered(val0, last_val),
         "val_size": val_size,
         "steps": total,
         "final_reward_mean": float(
@@ -251,6 +255,12 @@ def run(config, workdir: str) -> None:
             f" clean: {summary['val_acc_clean_end']:.3f}; SRDD located {srdd_layers},"
             f" fault at {fault_layers}"
         )
+        if summary["recovered"] is not None:
+            print(
+                f"the fault cost {summary['fault_gap_start']:.3f} accuracy at the start (clean"
+                f" {summary['val_acc_clean_start']:.3f}, faulty {summary['val_acc_start']:.3f});"
+                f" RL won back {100 * summary['recovered']:.0f}% of it"
+            )
         print(f"report: {report}")
 
 
@@ -273,6 +283,11 @@ class _Preemption:
         if self._previous is not None:
             signal.signal(signal.SIGTERM, self._previous)
             self._previous = None
+
+
+def _recovered(start, end) -> float | None:
+    gap = start["val-clean/acc"] - start["val-core/acc"]
+    return (end["val-core/acc"] - start["val-core/acc"]) / gap if gap > 0 else None
 
 
 def _fault_layers(config, n_layers):
