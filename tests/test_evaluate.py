@@ -109,6 +109,7 @@ def test_heldout_loss_equals_direct_cross_entropy(sft_tiny):
     direct = float(sft_loss(model, params, data.ids, data.mask, data.loss_mask))
     assert loss == pytest.approx(direct, rel=1e-5)
     config = _config()
+    config.faults.deadzone.severity = "amax"
     config.faults.deadzone.threshold = 0.5
     faulty = heldout_loss(model, params, hardware_plan(config, 8), examples, tok, 5, key)
     assert faulty > loss + 0.1
