@@ -104,7 +104,9 @@ def test_every_arm_runs_on_smoke(arm, sft_cache, tmp_path):
         assert summary["srdd_located_layers"] == [4]
         assert (tmp_path / "srdd.json").exists()
     if arm == "srdd_guided":
-        assert summary["aqn_layer_sigmas"]["4"] == pytest.approx(0.075)
+        # base 0.05; the default fault (75% of layer 4 flushed) trips both of seed 001's rules
+        # there: signal loss x1.5 and kurtosis x1.5.
+        assert summary["aqn_layer_sigmas"]["4"] == pytest.approx(0.05 * 1.5 * 1.5)
 
 
 def test_ppo_with_critic_runs(sft_cache, tmp_path):
@@ -229,22 +231,26 @@ def test_sharded_step_equals_single_device(tmp_path):
     assert max(init_diff) > 0
 
 
-def test_grpo_learns_on_the_embedded_task(tmp_path, sft_cache):
-    """Clean GRPO from the default SFT warm start raises greedy validation accuracy on the test
-    split (fixed seed; measured numbers in WORKSPACE.md, issue 6)."""
+def test_grpo_wins_back_part_of_the_fault_on_the_faulty_device(tmp_path, sft_cache):
+    """GRPO of the deadzone arm from the shipped warm start (fixed seed): the default fault costs
+    accuracy at the start, RL on the faulty device wins part of it back, and the policy's
+    accuracy on a clean device holds (measured numbers in WORKSPACE.md, issue 14)."""
     from aqn_jax.launch import run
 
-    config = load_config("clean")
+    config = load_config("deadzone")
     config.sft.cache_dir = sft_cache
     config.trainer.total_steps = LEARN_STEPS
-    config.actor.lr = 1e-4
     config.trainer.val_every = 0
     config.trainer.val_size = 128
     run(config, str(tmp_path))
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["val_acc_start"] > 0.05  # the warm start answers in the #### format
+    assert summary["sft"]["cache"] == "shipped"
+    assert summary["fault_gap_start"] >= 0.25  # the fault really costs accuracy
+    assert summary["val_acc_start"] >= 0.1  # and leaves a reward signal
     assert summary["val_acc_end"] >= summary["val_acc_start"] + LEARN_MARGIN, summary
+    assert summary["recovered"] > 0
+    assert summary["val_acc_clean_end"] >= summary["val_acc_clean_start"] - 0.03, summary
 
 
 LEARN_STEPS = 12
-LEARN_MARGIN = 0.05
+LEARN_MARGIN = 0.02
