@@ -7,9 +7,9 @@ gain only 'not hurting the healthy layers'?).
   python -m aqn_jax.launch --config=configs/healthy.py:smoke     # < 1 minute, a wiring check
 
 Expected: trains like global_aqn; the statistics are in the compare job.
-Run time on 2 CPU cores: about 4-5 minutes (configs/targeted.py measured 4 min 20 s, including
-the first-use SFT of 39 s and the SRDD diagnosis; WORKSPACE.md); every arm shares the SFT
-through its cache (runs/cache/). `:smoke`: about 30 s.
+Run time on 2 CPU cores: about 4 minutes (a 30-step run took 227 s on one core of two; the SFT
+warm start ships with the package, aqn_jax/assets, so no SFT runs; WORKSPACE.md issue 14).
+`:smoke`: about 30 s (it trains its own 8-step SFT).
 """
 
 from aqn_jax.experiment import arm_config

@@ -7,9 +7,9 @@ layer sigma map (aqn.layers='srdd'; layer 4 gets sigma x1.5).
   python -m aqn_jax.launch --config=configs/srdd_guided.py:smoke     # < 1 minute, a wiring check
 
 Expected: prints the SRDD verdict; srdd.json's sigma map is in summary.json (aqn_layer_sigmas).
-Run time on 2 CPU cores: about 4-5 minutes (configs/targeted.py measured 4 min 20 s, including
-the first-use SFT of 39 s and the SRDD diagnosis; WORKSPACE.md); every arm shares the SFT
-through its cache (runs/cache/). `:smoke`: about 30 s.
+Run time on 2 CPU cores: about 4 minutes (a 30-step run took 227 s on one core of two; the SFT
+warm start ships with the package, aqn_jax/assets, so no SFT runs; WORKSPACE.md issue 14).
+`:smoke`: about 30 s (it trains its own 8-step SFT).
 """
 
 from aqn_jax.experiment import arm_config

@@ -1,17 +1,18 @@
 """Arm `targeted` of the embedded study (aqn_jax/experiment.py).
 
-THE MAIN EXPERIMENT. The deadzone at layer 4; SRDD diagnoses the faulty device first and AQN is
+THE MAIN EXPERIMENT. The deadzone at layer 4 (the 75% smallest |h| of its output flushed); SRDD diagnoses the faulty device first and AQN is
 injected only on the layer(s) it locates (aqn.layers='located').
 
   python -m aqn_jax.launch --config=configs/targeted.py
   python -m aqn_jax.launch --config=configs/targeted.py:smoke     # < 1 minute, a wiring check
 
 Expected: prints 'SRDD: fault at layer(s) [4]' (the configured fault layer), the validation
-accuracy at the start and the end with the fault on, the clean accuracy, and the path of
-report.md.
-Run time on 2 CPU cores: about 4-5 minutes (configs/targeted.py measured 4 min 20 s, including
-the first-use SFT of 39 s and the SRDD diagnosis; WORKSPACE.md); every arm shares the SFT
-through its cache (runs/cache/). `:smoke`: about 30 s.
+accuracy at the start and the end with the fault on, the clean accuracy, the fault's cost at
+the start and the share RL won back ("the fault cost 0.31 accuracy ...; RL won back N% of it"),
+and the path of report.md.
+Run time on 2 CPU cores: about 4 minutes (a 30-step run took 227 s on one core of two; the SFT
+warm start ships with the package, aqn_jax/assets, so no SFT runs; WORKSPACE.md issue 14).
+`:smoke`: about 30 s (it trains its own 8-step SFT).
 """
 
 from aqn_jax.experiment import arm_config
