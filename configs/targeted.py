@@ -1,7 +1,8 @@
 """Arm `targeted` of the embedded study (aqn_jax/experiment.py).
 
-THE MAIN EXPERIMENT. The deadzone at layer 4 (the 75% smallest |h| of its output flushed); SRDD diagnoses the faulty device first and AQN is
-injected only on the layer(s) it locates (aqn.layers='located').
+THE MAIN EXPERIMENT. The deadzone at layer 4 (the 75% smallest |h| of its output flushed);
+SRDD diagnoses the faulty device first and AQN is injected only on the layer(s) it locates
+(aqn.layers='located').
 
   python -m aqn_jax.launch --config=configs/targeted.py
   python -m aqn_jax.launch --config=configs/targeted.py:smoke     # < 1 minute, a wiring check
