@@ -207,6 +207,17 @@ def robustness(
     return out
 
 
+def greedy_sampling(config, tokenizer: Tokenizer) -> SamplingParams:
+    """Greedy decoding at the run's response length (accuracy as verl's mean@1)."""
+    return SamplingParams(
+        max_new_tokens=int(config.rollout.max_new_tokens),
+        eos_id=tokenizer.eos_id,
+        pad_id=tokenizer.pad_id,
+        temperature=0.0,
+        vocab_size=tokenizer.vocab_size,
+    )
+
+
 def prompt_dependence(
     config, model_config: Qwen2Config, params, tokenizer: Tokenizer, size: int = 0
 ) -> dict[str, Any]:
@@ -230,13 +241,7 @@ def prompt_dependence(
     task = task_of(config.data)
     size = int(size or config.trainer.val_size)
     gen = Qwen2ForCausalLM(dataclasses.replace(model_config, remat=False))
-    sp = SamplingParams(
-        max_new_tokens=int(config.rollout.max_new_tokens),
-        eos_id=tokenizer.eos_id,
-        pad_id=tokenizer.pad_id,
-        temperature=0.0,
-        vocab_size=tokenizer.vocab_size,
-    )
+    sp = greedy_sampling(config, tokenizer)
     buckets = tuple(int(b) for b in config.rollout.prompt_buckets)
     sampler = _program(
         ("sampler", gen.config, sp, buckets, "[]", None),

@@ -29,7 +29,7 @@ import ml_collections
 import numpy as np
 
 from aqn_jax.data.config import check_data, load_split
-from aqn_jax.evaluation import heldout_loss, prompt_dependence
+from aqn_jax.evaluation import greedy_sampling, heldout_loss, prompt_dependence
 from aqn_jax.faults.config import POINTS, parse_layers
 from aqn_jax.faults.intercept import (
     Deadzone,
@@ -42,7 +42,7 @@ from aqn_jax.faults.sites import SiteSelector, expand_kinds
 from aqn_jax.jobs.pretrain import tokenizer_for, warm_start
 from aqn_jax.models.factory import model_config
 from aqn_jax.models.qwen2 import Qwen2ForCausalLM
-from aqn_jax.rl.sampler import Sampler, SamplingParams
+from aqn_jax.rl.sampler import Sampler
 from aqn_jax.rl.sft import sft_sequences
 from aqn_jax.rl.trainer import evaluate
 
@@ -107,22 +107,17 @@ def run(config, workdir: str) -> None:
     model = Qwen2ForCausalLM(dataclasses.replace(qcfg, remat=False))
     bs = int(config.trainer.val_batch_size)
     key = step_key(int(config.seed), 0, "eval")
-    sp = SamplingParams(
-        max_new_tokens=int(config.rollout.max_new_tokens),
-        eos_id=tokenizer.eos_id,
-        pad_id=tokenizer.pad_id,
-        temperature=0.0,
-        vocab_size=tokenizer.vocab_size,
-    )
+    sp = greedy_sampling(config, tokenizer)
     buckets = tuple(int(b) for b in config.rollout.prompt_buckets)
     limit = int(config.rollout.max_prompt_len)
 
     def accuracy(plan, values):
         if not config.severity.accuracy:
             return None
-        sampler = samplers.setdefault(
-            repr(plan.injections), Sampler(model, sp, plan, buckets, phase="eval")
-        )
+        # One Sampler (one compiled program) per plan: every layer and value is a traced input.
+        if repr(plan.injections) not in samplers:
+            samplers[repr(plan.injections)] = Sampler(model, sp, plan, buckets, phase="eval")
+        sampler = samplers[repr(plan.injections)]
         return float(
             np.mean(evaluate(sampler, params, test, tokenizer, bs, limit, key, values, key))
         )
