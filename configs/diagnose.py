@@ -23,7 +23,7 @@ from aqn_jax.faults.config import aqn_config, faults_config
 from aqn_jax.models.factory import model_section
 
 
-def get_config() -> ml_collections.ConfigDict:
+def get_config(arg=None) -> ml_collections.ConfigDict:
     config = ml_collections.ConfigDict()
     config.job = "diagnose"
     config.seed = 0  # PRNG seed of the random init (presets only)
@@ -40,4 +40,8 @@ def get_config() -> ml_collections.ConfigDict:
     config.faults.deadzone.layers = "4"
     config.faults.deadzone.threshold = 0.01
     config.aqn = aqn_config()  # only sigma_start (the sigma map's base) is read here
+    if arg == "smoke":  # fewer calibration prompts: the same scans, a wiring check
+        config.diagnosis.num_prompts = 4
+    elif arg not in (None, ""):
+        raise ValueError(f"--config=configs/diagnose.py:{arg}; allowed arguments: smoke")
     return config

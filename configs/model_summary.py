@@ -21,7 +21,7 @@ import ml_collections
 from aqn_jax.faults.config import aqn_config, faults_config
 
 
-def get_config() -> ml_collections.ConfigDict:
+def get_config(arg=None) -> ml_collections.ConfigDict:
     config = ml_collections.ConfigDict()
     config.job = "model_summary"  # which aqn_jax/jobs/<job>.py runs
     config.seed = 0  # PRNG seed of the random init (presets only)
@@ -51,4 +51,6 @@ def get_config() -> ml_collections.ConfigDict:
     config.phase = "eval"  # which phase's injections the sample forward runs: rollout|train|eval
     config.step = 20  # RL step whose AQN sigma the forward uses ...
     config.total_steps = 100  # ... out of this many steps (sigma schedule)
+    if arg not in (None, "", "smoke"):  # the summary is one forward pass: smoke is the same
+        raise ValueError(f"--config=configs/model_summary.py:{arg}; allowed arguments: smoke")
     return config

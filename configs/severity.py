@@ -18,7 +18,9 @@ from aqn_jax.jobs.severity import severity_config
 
 
 def get_config(arg=None):
-    config = base_config("smoke" if arg == "smoke" else None)
+    if arg not in (None, "", "smoke"):
+        raise ValueError(f"--config=configs/severity.py:{arg}; allowed arguments: smoke")
+    config = base_config(arg)
     config.job = "severity"
     config.severity = severity_config()
     # The tiny model has no massive activations: 0.001 of the max flushes nothing, so the

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from conftest import launch_cli
+from conftest import launch_cli, load_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Tiny preset: embed 256*128; per layer q 128*128+128, k,v 128*64+64, o 128*128,
@@ -143,3 +143,16 @@ def test_default_workdir_is_runs_config_stem(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (tmp_path / "runs" / "model_summary" / "model_summary.json").exists()
+
+
+def test_every_config_takes_smoke_and_refuses_an_unknown_argument():
+    import pathlib
+
+    names = sorted(p.stem for p in (pathlib.Path(REPO) / "configs").glob("*.py"))
+    assert len(names) >= 14
+    for name in names:
+        if name == "gsm8k_qwen2p5_1p5b":  # its argument is the arm; ':smoke' is not one
+            continue
+        assert load_config(name, "smoke").job, name
+        with pytest.raises(ValueError, match=rf"configs/{name}\.py:nonsense|nonsense"):
+            load_config(name, "nonsense")
