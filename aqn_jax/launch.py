@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 import os
 import pkgutil
+import sys
 
 import jax
 from absl import app, flags, logging
@@ -23,6 +24,9 @@ _CONFIG = config_flags.DEFINE_config_file(
 )
 _WORKDIR = flags.DEFINE_string(
     "workdir", None, "Run directory (results, checkpoints). Default: runs/<config file stem>."
+)
+_VERBOSE = flags.DEFINE_bool(
+    "verbose", False, "Show the traceback of a configuration error (ValueError) too."
 )
 
 
@@ -61,7 +65,15 @@ def main(argv=None) -> None:
                 os.path.basename(config_flags.get_config_filename(flags.FLAGS["config"]))
             )[0]
             workdir = os.path.join("runs", stem.split(":")[0])
-        run(_CONFIG.value, workdir)
+        try:
+            run(_CONFIG.value, workdir)
+        except ValueError as e:
+            # A user error (every check raises ValueError naming the field, the value and what
+            # is allowed): its message, exit 2. Other exceptions are bugs: their traceback.
+            if _VERBOSE.value:
+                raise
+            print(f"error: {e}", file=sys.stderr)
+            sys.exit(2)
 
     app.run(_main, argv=argv)
 

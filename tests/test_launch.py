@@ -120,9 +120,19 @@ def test_bad_fault_config_fails_before_work(tmp_path):
         "--config.faults.deadzone.layers=9",
         workdir=tmp_path,
     )
-    assert proc.returncode != 0
-    assert "config.faults.deadzone.layers='9' but the model has 8 layers" in proc.stderr
+    # One line, exit 2, no traceback (a user error); --verbose shows the traceback.
+    assert proc.returncode == 2
+    assert "\nerror: config.faults.deadzone.layers='9' but the model has 8 layers (ids 0..7)\n" in proc.stderr
+    assert "Traceback" not in proc.stderr
     assert not (tmp_path / "model_summary.json").exists()
+    proc = _launch(
+        "--config=configs/model_summary.py",
+        "--config.faults.deadzone.enabled=True",
+        "--config.faults.deadzone.layers=9",
+        "--verbose",
+        workdir=tmp_path,
+    )
+    assert proc.returncode == 1 and "Traceback" in proc.stderr
 
 
 def test_default_workdir_is_runs_config_stem(tmp_path):
