@@ -3,10 +3,12 @@
 `configs/<arm>.py` files are thin wrappers (`arm_config(name, arg)`), so that the `compare`
 job and the tests build exactly the configs the command line runs.
 
-Arms (seed 000's design, on a deadzone at the middle layer):
+Arms (seed 000's design, on a deadzone at the middle layer; `config.study_fault` names the
+fault the arms share: `deadzone` by default, `noise` for seed 002's study):
   clean        no fault, no AQN (the upper bound)
-  deadzone     the fault, no AQN (the lower bound)
-  global_aqn   the fault, AQN on every layer
+  deadzone     the fault, no AQN (the lower bound; in a noise study: the noise, no AQN)
+  global_aqn   the fault, AQN on every layer (the config's schedule: epoch_aware by default)
+  global_qerl  the fault, AQN on every layer with QeRL's global decay (schedule 'qerl')
   targeted     the fault, AQN only on the layers SRDD locates (aqn.layers='located')
   healthy      the fault, AQN on every layer but the faulty one (the control of seed 001)
   srdd_guided  the fault, AQN on every layer at SRDD's per-layer sigma map (aqn.layers='srdd')
@@ -30,6 +32,9 @@ def base_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config = ml_collections.ConfigDict()
     config.job = "train"
     config.arm = "clean"  # the study arm (apply_arm); informational in the run's outputs
+    # The fault every arm but clean runs on: deadzone (config.faults.deadzone) | noise
+    # (config.faults.noise: seed 002's hardware error model).
+    config.study_fault = "deadzone"
     config.seed = 0
 
     config.model = model_section()  # preset tiny, or a local HF snapshot in hf_path
@@ -157,17 +162,30 @@ def shrink(config: ml_collections.ConfigDict) -> None:
     config.diagnosis.num_prompts = 4
 
 
-ARMS = ("clean", "deadzone", "global_aqn", "targeted", "healthy", "srdd_guided")
+STUDY_ARMS = ("clean", "deadzone", "global_aqn", "targeted", "healthy", "srdd_guided")
+ARMS = (*STUDY_ARMS, "global_qerl")  # global_qerl: seed 002's baseline (configs/compare.py)
+STUDY_FAULTS = ("deadzone", "noise")
 
 
 def apply_arm(config: ml_collections.ConfigDict, arm: str) -> ml_collections.ConfigDict:
     if arm not in ARMS:
         raise ValueError(f"arm={arm!r}; allowed: {ARMS}")
+    fault = config.get("study_fault", "deadzone")
+    if fault not in STUDY_FAULTS:
+        raise ValueError(f"config.study_fault={fault!r}; allowed: {STUDY_FAULTS}")
+    if arm in ("healthy", "targeted", "srdd_guided") and fault != "deadzone":
+        raise ValueError(
+            f"arm {arm!r} places AQN by the deadzone's layers (or SRDD's verdict on it), and"
+            f" config.study_fault={fault!r}; use arms clean, deadzone, global_aqn, global_qerl"
+        )
     config.arm = arm
-    config.faults.deadzone.enabled = arm != "clean"
-    config.aqn.enabled = arm in ("global_aqn", "targeted", "healthy", "srdd_guided")
+    config.faults[fault].enabled = arm != "clean"
+    config.aqn.enabled = arm in ("global_aqn", "targeted", "healthy", "srdd_guided", "global_qerl")
+    if arm == "global_qerl":
+        config.aqn.schedule = "qerl"
     config.aqn.layers = {
         "global_aqn": "all",
+        "global_qerl": "all",
         "targeted": "located",
         "healthy": "healthy",
         "srdd_guided": "srdd",

@@ -49,6 +49,7 @@ def run(config, workdir: str) -> None:
                 jax.local_device_count(),
             )
     logging.info("JAX %s, %d devices: %s", jax.__version__, jax.device_count(), jax.devices())
+    jobs.check_required(config)  # every job: a config's empty local paths, before any work
     os.makedirs(workdir, exist_ok=True)
     importlib.import_module(f"aqn_jax.jobs.{job}").run(config, workdir)
 

@@ -36,6 +36,16 @@ VARIANTS = {
     "layer_middle": {"layers": "4"},
     "layer_late": {"layers": "6"},
     "two_layers": {"layers": "(2,5)"},
+    # AQN's form (issue 14 item 4), targeted vs global for each, at the default fault:
+    # the seed's code (relative noise between two deadzone applications: it can never rescue
+    # a flushed value), the seed's prose (noise relative to the pre-fault signal, then the
+    # deadzone), QeRL's RMSNorm-weight noise.
+    "aqn_between": {"aqn_order": "between"},
+    "aqn_before_fault": {"aqn_order": "before_fault"},
+    "aqn_norm_weight": {"aqn_form": "norm_weight", "aqn_order": "after_fault"},
+    # Seed 002: 5% relative noise on every linear output; no AQN vs QeRL's global decay vs
+    # epoch-aware; each policy evaluated with 0 / 5 / 10% noise on a clean device.
+    "noise_study": {"study_fault": "noise"},
 }
 
 
@@ -61,14 +71,35 @@ def get_config(arg=None):
         config.faults.deadzone.quantile = float(spec["quantile"])
     if "layers" in spec:
         config.faults.deadzone.layers = spec["layers"]
+    if "aqn_order" in spec or "aqn_form" in spec:
+        config.aqn.order = spec.get("aqn_order", config.aqn.order)
+        config.aqn.form = spec.get("aqn_form", config.aqn.form)
+        config.compare.arms = ("targeted", "global_aqn")
+        config.compare.comparisons = (("targeted", "global_aqn"),)
+    if spec.get("study_fault") == "noise":
+        config.study_fault = "noise"
+        config.faults.noise.kind = "relative_gaussian"
+        config.faults.noise.scale = 0.05
+        config.faults.noise.sites = ("linear",)
+        config.faults.noise.layers = "all"
+        config.compare.arms = ("deadzone", "global_qerl", "global_aqn")
+        config.compare.reference_arm = "deadzone"
+        config.compare.comparisons = (
+            ("global_aqn", "deadzone"),
+            ("global_qerl", "deadzone"),
+            ("global_aqn", "global_qerl"),
+        )
+        config.evaluate.noise_levels = (0.0, 0.05, 0.10)
+        config.evaluate.mxfp4 = False
     config.sft.seed = 0  # one warm start for every seed
     config.checkpoint.every = 10  # an interrupted run resumes (the job reuses finished ones)
     config.trainer.val_every = 0  # validation at the start and the end; evaluate does the rest
     config.evaluate.size = 128
     if smoke:
-        config.compare.arms = ("global_aqn", "targeted")
+        if "study_fault" not in spec:
+            config.compare.arms = ("global_aqn", "targeted")
+            config.compare.comparisons = (("targeted", "global_aqn"),)
         config.compare.seeds = (0, 1)
-        config.compare.comparisons = (("targeted", "global_aqn"),)
         config.checkpoint.every = 1
         config.evaluate.size = 8
         config.evaluate.noise_levels = (0.0, 0.1)

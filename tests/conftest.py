@@ -45,10 +45,17 @@ def randomize_hf_weights(model, seed: int) -> None:
                 p.copy_(torch.randn(p.shape, generator=gen) / np.sqrt(p.shape[-1]))
 
 
-def make_hf_model(path, seed: int = 0, **overrides):
-    """A random transformers Qwen2ForCausalLM saved with save_pretrained into `path`."""
+def make_hf_model(path, seed: int = 0, family: str = "qwen2", **overrides):
+    """A random transformers Qwen2ForCausalLM (or LlamaForCausalLM / MistralForCausalLM: the
+    same decoder without q/k/v biases) saved with save_pretrained into `path`."""
     import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    import transformers
+
+    Config, Model = {
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+    }[family]
 
     kw = dict(
         vocab_size=97,
@@ -62,9 +69,11 @@ def make_hf_model(path, seed: int = 0, **overrides):
         max_position_embeddings=2048,
         attn_implementation="eager",
     )
+    if family == "mistral":
+        kw["sliding_window"] = None
     kw.update(overrides)
     torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(Qwen2Config(**kw)).eval()
+    model = Model(Config(**kw)).eval()
     randomize_hf_weights(model, seed)
     model.save_pretrained(str(path))
     return model

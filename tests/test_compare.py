@@ -172,6 +172,73 @@ def test_every_arm_validates_before_the_diagnosis_exists(tmp_path):
     assert rc.aqn.layer_sigmas == str(tmp_path / "srdd" / "srdd.json")
 
 
+def test_aqn_form_and_noise_study_variants(tmp_path):
+    """Each new variant's runs get the fault and AQN the variant names (validated, planned, no
+    compile); their smoke runs are recorded in WORKSPACE.md (issue 14)."""
+    from aqn_jax.aqn import sigma_at
+    from aqn_jax.faults.config import build_plan
+    from aqn_jax.faults.intercept import Noise, NormWeightNoise
+    from aqn_jax.jobs.compare import run_config, validate
+    from aqn_jax.study.report import summarize
+
+    diagnosis = {"verdict": {"layers": [4]}}
+    expect = {
+        "aqn_between": ["deadzone", "aqn", "deadzone_after_aqn"],
+        "aqn_before_fault": ["aqn", "deadzone"],
+        "aqn_norm_weight": ["deadzone", "aqn"],
+    }
+    for variant, names in expect.items():
+        config = load_config("compare", variant)
+        assert config.compare.arms == ("targeted", "global_aqn")
+        validate(config, str(tmp_path))
+        for arm, layers in (("targeted", (4,)), ("global_aqn", "all")):
+            plan = build_plan(run_config(config, arm, 0, str(tmp_path), diagnosis), 8)
+            assert [i.name for i in plan.injections] == names, (variant, arm)
+            aqn = next(i for i in plan.injections if i.name == "aqn")
+            assert aqn.sites.layers == layers
+            form = NormWeightNoise if variant == "aqn_norm_weight" else Noise
+            assert isinstance(aqn.transform, form)
+        # The report says when a form cannot rescue a flushed value, and only then.
+        results = {
+            "arms": ["targeted"],
+            "runs": {"targeted": {"0": {"final": {"acc_fault": 0.5}}}},
+            "aqn": {k: config.aqn[k] for k in ("form", "order", "schedule")},
+        }
+        rescue = [n for n in summarize(results)["notes"] if "never rescue" in n]
+        assert len(rescue) == (variant == "aqn_between"), variant
+
+    config = load_config("compare", "noise_study")
+    assert config.compare.arms == ("deadzone", "global_qerl", "global_aqn")
+    assert tuple(config.evaluate.noise_levels) == (0.0, 0.05, 0.10)
+    validate(config, str(tmp_path))
+    plans = {
+        arm: build_plan(run_config(config, arm, 0, str(tmp_path), None), 8)
+        for arm in config.compare.arms
+    }
+    for arm, plan in plans.items():
+        (noise,) = [i for i in plan.injections if i.name == "noise"]
+        assert not [i for i in plan.injections if "deadzone" in i.name], arm
+        assert noise.transform.scale.base == 0.05 and noise.sites.layers == "all"
+        assert noise.phases == ("rollout", "train", "eval")
+    assert [i.name for i in plans["deadzone"].injections] == ["noise"]  # the fault, no AQN
+    qerl = run_config(config, "global_qerl", 0, str(tmp_path), None).aqn
+    epoch = run_config(config, "global_aqn", 0, str(tmp_path), None).aqn
+    assert (qerl.schedule, epoch.schedule) == ("qerl", "epoch_aware")
+
+    def sigmas(a):
+        return [
+            sigma_at(a.schedule, t, 30, a.sigma_start, a.sigma_end, a.num_stages, a.num_epochs)
+            for t in range(30)
+        ]
+
+    # The two AQN arms differ in their schedule over the default 30 steps (not only in name).
+    assert max(abs(x - y) for x, y in zip(sigmas(qerl), sigmas(epoch), strict=True)) > 0.01
+    bad = load_config("compare", "noise_study")
+    bad.compare.arms = ("deadzone", "targeted")
+    with pytest.raises(ValueError, match="config.study_fault='noise'"):
+        validate(bad, str(tmp_path))
+
+
 def test_train_gives_sigterm_back():
     """train.run's preemption flag handler is removed when the loop ends: a compare worker (or the
     job, evaluating after training) must still stop on SIGTERM."""

@@ -3,14 +3,21 @@
 import json
 import os
 import shutil
+from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 import torch
 from safetensors.numpy import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from aqn_jax.models.hf import config_from_hf, load_hf_checkpoint, save_hf_checkpoint
+from aqn_jax.models.hf import (
+    abstract_params,
+    config_from_hf,
+    load_hf_checkpoint,
+    save_hf_checkpoint,
+)
 from aqn_jax.models.qwen2 import Qwen2Config, Qwen2ForCausalLM
 
 # config.json of Qwen2.5-1.5B-Instruct as published (transformers 4.x layout).
@@ -209,7 +216,9 @@ def test_tied_checkpoint_with_identical_head_and_derived_buffers_loads(checkpoin
         ({"rope_parameters": {"rope_type": "linear", "factor": 2.0}}, "rope_parameters="),
         ({"layer_types": ["sliding_attention", "full_attention"]}, "layer_types="),
         ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
-        ({"model_type": "llama"}, "model_type='llama'; only 'qwen2'"),
+        ({"model_type": "gemma"}, "model_type='gemma'; allowed: \\['llama', 'mistral', 'qwen2'\\]"),
+        ({"model_type": "llama"}, "architectures=.*expected 'LlamaForCausalLM'"),
+        ({"attention_bias": False}, "attention_bias=False .* qwen2; allowed: true"),
         ({"quantization_config": {"bits": 4}}, "unknown field quantization_config="),
         ({"attention_dropout": 0.1}, "attention_dropout=0.1"),
     ],
@@ -236,3 +245,106 @@ def test_sharded_index_naming_missing_file(hf_factory, tmp_path):
     with pytest.raises(FileNotFoundError, match=f"names {victim}, which is missing"):
         load_hf_checkpoint(path)
     shutil.rmtree(path)
+
+
+# config.json of SmolLM2-135M-Instruct (llama family) as published.
+SMOLLM2_135M_CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "head_dim": 64,
+    "hidden_act": "silu",
+    "hidden_size": 576,
+    "initializer_range": 0.041666666666666664,
+    "intermediate_size": 1536,
+    "max_position_embeddings": 8192,
+    "mlp_bias": False,
+    "model_type": "llama",
+    "num_attention_heads": 9,
+    "num_hidden_layers": 30,
+    "num_key_value_heads": 3,
+    "pad_token_id": 2,
+    "pretraining_tp": 1,
+    "rms_norm_eps": 1e-05,
+    "rope_scaling": None,
+    "rope_theta": 100000,
+    "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.42.3",
+    "use_cache": True,
+    "vocab_size": 49152,
+}
+
+
+def test_published_llama_config():
+    config, _ = config_from_hf(SMOLLM2_135M_CONFIG)
+    assert (config.model_type, config.attention_bias) == ("llama", False)
+    assert (config.num_hidden_layers, config.hidden_size, config.resolved_head_dim) == (30, 576, 64)
+    assert (config.num_attention_heads, config.num_key_value_heads) == (9, 3)
+    assert config.rope_theta == 1e5 and config.rms_norm_eps == 1e-5 and config.tie_word_embeddings
+    # 135M parameters: the count the model card gives.
+    n = sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(abstract_params(config)))
+    assert n == 134_515_008
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral"])
+@pytest.mark.parametrize("tied", [True, False])
+def test_llama_family_round_trip_and_parity(hf_factory, tmp_path, family, tied):
+    path, hf_model = hf_factory(seed=6, family=family, tie_word_embeddings=tied)
+    config, params = load_hf_checkpoint(path)
+    assert (config.model_type, config.attention_bias) == (family, False)
+    # No q/k/v bias: a Qwen2 decoder without them, not a bias of zeros.
+    assert "bias" not in params["layers_0"]["self_attn"]["q_proj"]
+    ids = _ids(config)
+    ours = Qwen2ForCausalLM(config).apply({"params": params}, ids)
+    ref = _hf_logits(hf_model, ids)
+    assert np.abs(ref).max() > 1.0  # logits O(1) or more: the bound below is not vacuous
+    np.testing.assert_allclose(np.asarray(ours), ref, atol=1e-4)
+    out = str(tmp_path / "exported")
+    save_hf_checkpoint(out, config, params)
+    written = json.loads(Path(out, "config.json").read_text())
+    assert written["model_type"] == family and written["attention_bias"] is False
+    reloaded = AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
+    assert type(reloaded) is type(hf_model)
+    ref_sd, new_sd = hf_model.state_dict(), reloaded.state_dict()
+    assert set(ref_sd) == set(new_sd)
+    for key in ref_sd:
+        torch.testing.assert_close(new_sd[key], ref_sd[key], rtol=0, atol=0)
+
+
+def test_qwen2_weights_read_as_llama_are_refused(hf_factory):
+    """A llama config over a checkpoint with q/k/v biases: the biases are unexpected keys."""
+    path, _ = hf_factory(seed=7)
+    cfg = json.loads(Path(path, "config.json").read_text())
+    cfg.update(model_type="llama", architectures=["LlamaForCausalLM"], attention_bias=False)
+    cfg.pop("use_sliding_window", None)
+    Path(path, "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"unexpected \['model.layers.0.self_attn.k_proj.bias'"):
+        load_hf_checkpoint(path)
+
+
+@pytest.mark.parametrize(
+    "changes,message",
+    [
+        ({"attention_bias": True}, "attention_bias=True is not supported .* llama; allowed: false"),
+        ({"mlp_bias": True}, "mlp_bias=True .*allowed: false"),
+        ({"pretraining_tp": 2}, "pretraining_tp=2 .*allowed: 1"),
+        ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_scaling=.*default RoPE"),
+        ({"architectures": ["Qwen2ForCausalLM"]}, "expected 'LlamaForCausalLM' for llama"),
+    ],
+)
+def test_unsupported_llama_fields(changes, message):
+    with pytest.raises(ValueError, match=message):
+        config_from_hf({**SMOLLM2_135M_CONFIG, **changes})
+
+
+def test_mistral_sliding_window_refused():
+    cfg = {**SMOLLM2_135M_CONFIG, "model_type": "mistral", "architectures": ["MistralForCausalLM"]}
+    for k in ("mlp_bias", "pretraining_tp"):
+        cfg.pop(k)
+    config, _ = config_from_hf({**cfg, "sliding_window": None})
+    assert config.model_type == "mistral"
+    with pytest.raises(ValueError, match="sliding_window=4096 .* mistral; allowed: null"):
+        config_from_hf({**cfg, "sliding_window": 4096})

@@ -10,7 +10,7 @@ import textwrap
 import numpy as np
 import pytest
 
-from aqn_jax.experiment import ARMS
+from aqn_jax.experiment import STUDY_ARMS
 
 from conftest import launch_cli, load_config
 
@@ -34,7 +34,7 @@ def smoke(name, sft_cache, **over):
     return config
 
 
-@pytest.mark.parametrize("arm", ARMS)
+@pytest.mark.parametrize("arm", STUDY_ARMS)  # global_qerl: test_compare
 def test_every_arm_runs_on_smoke(arm, sft_cache, tmp_path):
     from aqn_jax.launch import run
 

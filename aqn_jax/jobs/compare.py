@@ -52,7 +52,7 @@ from aqn_jax.checkpoint import Checkpointer
 from aqn_jax.data.config import load_split
 from aqn_jax.diagnosis import srdd
 from aqn_jax.evaluation import conditions, robustness
-from aqn_jax.experiment import ARMS, apply_arm
+from aqn_jax.experiment import ARMS, STUDY_ARMS, apply_arm
 from aqn_jax.jobs import train
 from aqn_jax.jobs.pretrain import sft_seed, tokenizer_for, warm_start
 from aqn_jax.metrics import read_metrics
@@ -65,7 +65,7 @@ CURVE_KEYS = ("val-core/acc", "val-clean/acc", "critic/score/mean")
 
 def compare_config() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
-    c.arms = ARMS
+    c.arms = STUDY_ARMS
     c.seeds = (0, 1, 2, 3, 4)
     c.variant = "default"  # a name for the report (configs/compare.py sets it per sweep)
     c.reference_arm = "global_aqn"
@@ -223,7 +223,11 @@ def run(config, workdir: str) -> None:
         "reference_arm": cmp.reference_arm,
         "comparisons": [list(p) for p in cmp.comparisons if set(p) <= set(arms)],
         "conditions": [c.name for c in conditions(ev)],
-        "fault": config.faults.deadzone.to_dict(),
+        "study_fault": config.study_fault,
+        "fault": config.faults[config.study_fault].to_dict(),
+        "aqn": {
+            k: config.aqn[k] for k in ("form", "order", "schedule", "sigma_start", "sigma_end")
+        },
         "srdd": None if diagnosis is None else diagnosis["verdict"],
         "runs": runs,
         "timing": timing,

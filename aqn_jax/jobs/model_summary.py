@@ -1,5 +1,6 @@
 """Job `model_summary`: build (or load) the model, print its parameter table and the fault plan,
-run one forward on the clean and on the faulty device.
+run one forward on the clean and on the faulty device, and profile the clean residual stream
+(per layer: max, median, 99th percentile of |h|, where the max sits).
 
 The placeholder main job until the RL job exists: it exercises the preset or the HF loader,
 the tokenizer's chat template, the fault plan of `config.faults`/`config.aqn` (its manifest
@@ -20,6 +21,7 @@ from absl import logging
 from flax import traverse_util
 
 from aqn_jax.data.tokenizers import load_tokenizer
+from aqn_jax.diagnosis.profile import format_profile, residual_profile
 from aqn_jax.faults.config import AQN_SIGMA, aqn_sigma, build_plan
 from aqn_jax.faults.intercept import FaultPlan, step_key, summarize_stats
 from aqn_jax.models.factory import load_model, logical_axes, model_config
@@ -55,7 +57,7 @@ def run(config, workdir: str) -> None:
     flat_axes = traverse_util.flatten_dict(logical_axes(qcfg), sep="/")
     total = sum(int(np.prod(v.shape)) for v in flat_params.values())
     rows = []
-    print(f"Qwen2ForCausalLM from {source}")
+    print(f"Qwen2ForCausalLM ({qcfg.model_type}) from {source}")
     print(f"{'param':48s} {'shape':>16s} {'dtype':>9s}  logical axes")
     for path in sorted(flat_params, key=_layer_order):
         value = flat_params[path]
@@ -112,6 +114,8 @@ def run(config, workdir: str) -> None:
     # Ids past the tokenizer's vocabulary (the model's vocab is padded) are never produced.
     top = np.argsort(-logits[0, -1, : tokenizer.vocab_size])[:5]
     top = [(int(t), tokenizer.decode([t], skip_special_tokens=False)) for t in top]
+    profile = residual_profile(model, params, ids)
+    print(format_profile(profile))
     diff = float(np.abs(logits - clean).max())
     print(
         f"prompt: {ids.shape[1]} tokens; compile {compile_s:.2f}s, forward {forward_s * 1e3:.1f}ms"
@@ -138,6 +142,7 @@ def run(config, workdir: str) -> None:
         aqn_sigma=float(sigma),
         max_logit_diff_vs_clean=diff,
         fault_stats=stats,
+        residual_profile=profile,
         devices=[str(d) for d in jax.devices()],
     )
     out = os.path.join(workdir, "model_summary.json")

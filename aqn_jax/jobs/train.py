@@ -22,25 +22,13 @@ from aqn_jax.checkpoint import Checkpointer
 from aqn_jax.data.config import check_data, load_split
 from aqn_jax.diagnosis import srdd
 from aqn_jax.faults.config import build_plan, needs_srdd
+from aqn_jax.jobs import check_required
 from aqn_jax.jobs.pretrain import check_sft, tokenizer_for, warm_start
 from aqn_jax.metrics import open_run, progress
 from aqn_jax.models.factory import model_config
 from aqn_jax.models.qwen2 import Qwen2ForCausalLM
 from aqn_jax.report import write_run_report
 from aqn_jax.rl.trainer import Trainer, hyper_from
-
-
-def check_required(config) -> None:
-    """`config.required`: fields a config leaves empty for the user to fill (local paths)."""
-    for field in config.get("required", ()):
-        node = config
-        for part in field.split("."):
-            node = node[part]
-        if node in ("", None):
-            raise ValueError(
-                f"config.{field} is required by this config and is empty; pass"
-                f" --config.{field}=<local path> (nothing can be downloaded at run time)"
-            )
 
 
 def check_prompt_lengths(config, tokenizer, test_examples) -> None:

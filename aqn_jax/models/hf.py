@@ -1,4 +1,9 @@
-"""Hugging Face Qwen2 checkpoints <-> (Qwen2Config, Flax params), strictly.
+"""Hugging Face Qwen2 and Llama-family checkpoints <-> (Qwen2Config, Flax params), strictly.
+
+A Llama (or Mistral without sliding window) decoder is the Qwen2 decoder without q/k/v biases:
+`Qwen2Config(model_type='llama', attention_bias=False)`. Every field the port cannot honour is
+named (rope_scaling, mlp_bias, attention_bias true on llama, pretraining_tp != 1, a mistral
+sliding_window), and the saver writes back the family it read.
 
 `load_hf_checkpoint` reads a local snapshot directory: `config.json` (every field is either
 used, listed as harmless and ignored, or rejected with a ValueError naming it) and single or
@@ -60,6 +65,8 @@ _HARMLESS_FIELDS = frozenset(
         "torch_dtype",
         "dtype",
         "_name_or_path",
+        "_model_name_or_path",  # what a GGUF load writes
+        "unk_token_id",  # tokenizer bookkeeping
         "return_dict",
         "output_hidden_states",
         "output_attentions",
@@ -81,7 +88,8 @@ _CHECKED_FIELDS: dict[str, tuple[Any, str]] = {
     "use_sliding_window": (lambda v: not v, "false (sliding-window attention is not ported)"),
     "rope_scaling": (lambda v: False, "null (only the default RoPE is ported)"),
     "attention_dropout": (lambda v: float(v) == 0.0, "0.0"),
-    "attention_bias": (lambda v: bool(v), "true (Qwen2 q/k/v projections carry a bias)"),
+    "mlp_bias": (lambda v: not v, "false (the MLP projections carry no bias)"),
+    "pretraining_tp": (lambda v: int(v) == 1, "1 (tensor-parallel slicing of pretraining)"),
     "use_mrope": (lambda v: not v, "false (multimodal RoPE is not ported)"),
     "layer_types": (
         lambda v: all(t == "full_attention" for t in v),
@@ -102,19 +110,47 @@ _STORAGE_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
 _NP_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 
 
+# model_type -> (the HF architecture, whether q/k/v carry a bias).
+FAMILIES = {
+    "qwen2": ("Qwen2ForCausalLM", True),
+    "llama": ("LlamaForCausalLM", False),
+    "mistral": ("MistralForCausalLM", False),
+}
+
+
+def _family_checks(model_type: str) -> dict[str, tuple[Any, str]]:
+    """_CHECKED_FIELDS plus the fields whose allowed state depends on the family."""
+    checks = dict(_CHECKED_FIELDS)
+    if model_type == "qwen2":
+        checks["attention_bias"] = (bool, "true (Qwen2 q/k/v projections carry a bias)")
+    else:
+        checks["attention_bias"] = (
+            lambda v: not v,
+            f"false (a {model_type} decoder is ported as Qwen2's without q/k/v biases; an"
+            " o_proj bias is not ported)",
+        )
+    if model_type == "mistral":
+        checks["sliding_window"] = (lambda v: False, "null (sliding-window attention)")
+    return checks
+
+
 def config_from_hf(hf: Mapping[str, Any], source: str = "config.json") -> tuple[Qwen2Config, list]:
     """Qwen2Config from an HF config dict; returns (config, names of ignored fields)."""
-    if hf.get("model_type") != "qwen2":
+    model_type = hf.get("model_type")
+    if model_type not in FAMILIES:
         raise ValueError(
-            f"{source}: model_type={hf.get('model_type')!r}; only 'qwen2' is supported"
+            f"{source}: model_type={model_type!r}; allowed: {sorted(FAMILIES)} (llama and"
+            " mistral as the Qwen2 decoder without q/k/v biases)"
         )
-    archs = hf.get("architectures") or ["Qwen2ForCausalLM"]
-    if "Qwen2ForCausalLM" not in archs:
-        raise ValueError(f"{source}: architectures={archs}; expected 'Qwen2ForCausalLM'")
+    arch, bias = FAMILIES[model_type]
+    archs = hf.get("architectures") or [arch]
+    if arch not in archs:
+        raise ValueError(f"{source}: architectures={archs}; expected {arch!r} for {model_type}")
+    checks = _family_checks(model_type)
     ignored = []
     for name, value in hf.items():
-        if name in _CHECKED_FIELDS:
-            ok, allowed = _CHECKED_FIELDS[name]
+        if name in checks:
+            ok, allowed = checks[name]
             if value is None:  # null: the field's default, which is the supported state
                 continue
             try:
@@ -123,15 +159,15 @@ def config_from_hf(hf: Mapping[str, Any], source: str = "config.json") -> tuple[
                 passed = False
             if not passed:
                 raise ValueError(
-                    f"{source}: {name}={value!r} is not supported by the aqn_jax Qwen2 port;"
-                    f" allowed: {allowed}"
+                    f"{source}: {name}={value!r} is not supported by the aqn_jax port of"
+                    f" {model_type}; allowed: {allowed}"
                 )
         elif name in _HARMLESS_FIELDS:
             ignored.append(name)
         elif name not in _USED_FIELDS:
             raise ValueError(
-                f"{source}: unknown field {name}={value!r}; the aqn_jax Qwen2 port understands"
-                f" {sorted(_USED_FIELDS + tuple(_CHECKED_FIELDS))} and ignores"
+                f"{source}: unknown field {name}={value!r}; the aqn_jax {model_type} port"
+                f" understands {sorted(_USED_FIELDS + tuple(checks))} and ignores"
                 f" {sorted(_HARMLESS_FIELDS)}"
             )
     missing = [f for f in _USED_FIELDS[:6] if f not in hf]
@@ -146,7 +182,14 @@ def config_from_hf(hf: Mapping[str, Any], source: str = "config.json") -> tuple[
     kw["eos_token_id"] = _first(kw.get("eos_token_id"))
     kw["bos_token_id"] = _first(kw.get("bos_token_id"))
     kw["pad_token_id"] = _first(kw.get("pad_token_id"))
-    config = Qwen2Config(**kw, rope_theta=float(theta), param_dtype=storage, dtype=storage)
+    config = Qwen2Config(
+        **kw,
+        rope_theta=float(theta),
+        param_dtype=storage,
+        dtype=storage,
+        model_type=model_type,
+        attention_bias=bias,
+    )
     return config, ignored
 
 
@@ -160,16 +203,23 @@ def _first(token_id):
 def config_to_hf(config: Qwen2Config) -> dict[str, Any]:
     """config.json content that transformers 4.4x and 5.x both load as this architecture."""
     hf = {
-        "architectures": ["Qwen2ForCausalLM"],
-        "model_type": "qwen2",
+        "architectures": [FAMILIES[config.model_type][0]],
+        "model_type": config.model_type,
         "hidden_act": "silu",
         "attention_dropout": 0.0,
-        "use_sliding_window": False,
         "rope_theta": config.rope_theta,
         "rope_scaling": None,
         "torch_dtype": config.param_dtype,
         "use_cache": True,
     }
+    if config.model_type == "qwen2":
+        hf["use_sliding_window"] = False
+    else:
+        hf.update(attention_bias=False, mlp_bias=False)
+    if config.model_type == "llama":
+        hf["pretraining_tp"] = 1
+    if config.model_type == "mistral":
+        hf["sliding_window"] = None
     hf.update({f: getattr(config, f) for f in _USED_FIELDS if f != "head_dim"})
     if config.head_dim is not None:
         hf["head_dim"] = config.head_dim
@@ -212,7 +262,7 @@ def _set(tree: dict, path: tuple[str, ...], value) -> None:
 
 
 def load_hf_checkpoint(path: str, dtype: str | None = None) -> tuple[Qwen2Config, dict]:
-    """Read a local HF Qwen2 snapshot into (Qwen2Config, params) with params as numpy arrays.
+    """Read a local HF Qwen2 / Llama snapshot into (Qwen2Config, params), params as numpy arrays.
 
     dtype: None keeps the checkpoint's storage dtype (config.json `torch_dtype`/`dtype`) as
     both param and compute dtype; 'float32' / 'bfloat16' / 'float16' casts on load.

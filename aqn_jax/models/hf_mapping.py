@@ -1,4 +1,5 @@
-"""The table between HF Qwen2 checkpoint keys and our Flax param paths.
+"""The table between HF Qwen2 checkpoint keys and our Flax param paths (Llama: the same table
+without the q/k/v bias rows).
 
 One row per tensor kind: `(hf_key, flax_path, transpose)`, with `{i}` standing for the layer
 index. `transpose` is True for linear weights, which HF stores as `[out, in]` (torch
@@ -45,7 +46,8 @@ def checkpoint_keys(config: Qwen2Config) -> dict[str, tuple[tuple[str, ...], boo
     if not config.tie_word_embeddings:
         rows += UNTIED_ROWS
     table = {hf: (tuple(path.split("/")), t) for hf, path, t in rows}
+    layer_rows = [r for r in LAYER_ROWS if config.attention_bias or not r[0].endswith(".bias")]
     for i in range(config.num_hidden_layers):
-        for hf, path, t in LAYER_ROWS:
+        for hf, path, t in layer_rows:
             table[hf.format(i=i)] = (tuple(path.format(i=i).split("/")), t)
     return table

@@ -34,6 +34,9 @@ def _dtype(name: str) -> Any:
     return _DTYPES[name]
 
 
+MODEL_TYPES = ("qwen2", "llama", "mistral")
+
+
 @dataclasses.dataclass(frozen=True)
 class Qwen2Config:
     """Architecture plus numerics of a Qwen2 model (field names follow HF's `Qwen2Config`).
@@ -56,6 +59,10 @@ class Qwen2Config:
     bos_token_id: int | None = None
     eos_token_id: int | None = None
     pad_token_id: int | None = None
+    # The family: qwen2 (q/k/v projections with bias) | llama / mistral (the same decoder
+    # without them). `model_type` is what the HF saver writes back.
+    model_type: str = "qwen2"
+    attention_bias: bool = True
     # Numerics: storage dtype of params and dtype of activations/matmuls. Softmax, RMSNorm
     # statistics, RoPE angles and logits are always computed in float32.
     param_dtype: str = "float32"
@@ -64,6 +71,13 @@ class Qwen2Config:
     remat: bool = False
 
     def __post_init__(self):
+        if self.model_type not in MODEL_TYPES:
+            raise ValueError(f"Qwen2Config.model_type={self.model_type!r}; allowed: {MODEL_TYPES}")
+        if self.attention_bias != (self.model_type == "qwen2"):
+            raise ValueError(
+                f"Qwen2Config.attention_bias={self.attention_bias} with"
+                f" model_type={self.model_type!r}; qwen2 has q/k/v biases, llama and mistral none"
+            )
         for name in ("param_dtype", "dtype"):
             value = getattr(self, name)
             if value not in _DTYPES:
@@ -358,9 +372,13 @@ class Qwen2Attention(nn.Module):
         dt, pdt = _dtype(cfg.dtype), _dtype(cfg.param_dtype)
         lin = dict(dtype=dt, param_dtype=pdt)
         B, T, _ = x_BTD.shape
-        q_BTNH = Linear(N * H, True, ("embed", "heads"), name="q_proj", **lin)(x_BTD)
-        k_BTKH = Linear(K * H, True, ("embed", "kv_heads"), name="k_proj", **lin)(x_BTD)
-        v_BTKH = Linear(K * H, True, ("embed", "kv_heads"), name="v_proj", **lin)(x_BTD)
+        q_BTNH = Linear(N * H, cfg.attention_bias, ("embed", "heads"), name="q_proj", **lin)(x_BTD)
+        k_BTKH = Linear(K * H, cfg.attention_bias, ("embed", "kv_heads"), name="k_proj", **lin)(
+            x_BTD
+        )
+        v_BTKH = Linear(K * H, cfg.attention_bias, ("embed", "kv_heads"), name="v_proj", **lin)(
+            x_BTD
+        )
         q_BTNH = q_BTNH.reshape(B, T, N, H)
         k_BTKH = k_BTKH.reshape(B, T, K, H)
         v_BTKH = v_BTKH.reshape(B, T, K, H)

