@@ -18,6 +18,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from aqn_jax import jobs
+from aqn_jax.lock import WorkdirLock
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Experiment config file.", lock_config=True
@@ -51,7 +52,12 @@ def run(config, workdir: str) -> None:
     logging.info("JAX %s, %d devices: %s", jax.__version__, jax.device_count(), jax.devices())
     jobs.check_required(config)  # every job: a config's empty local paths, before any work
     os.makedirs(workdir, exist_ok=True)
-    importlib.import_module(f"aqn_jax.jobs.{job}").run(config, workdir)
+    module = importlib.import_module(f"aqn_jax.jobs.{job}")
+    if jax.process_index() != 0:  # several hosts: process 0 holds the workdir for all
+        module.run(config, workdir)
+        return
+    with WorkdirLock(workdir):  # a second run on a busy workdir refuses here, naming the holder
+        module.run(config, workdir)
 
 
 def main(argv=None) -> None:
