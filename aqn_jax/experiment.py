@@ -36,6 +36,10 @@ def base_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # (config.faults.noise: seed 002's hardware error model).
     config.study_fault = "deadzone"
     config.seed = 0
+    # Resuming a workdir whose checkpoints were made under another config is refused, naming
+    # the changed fields; True continues with the new values (recorded in
+    # config_overrides.jsonl).
+    config.resume_override = False
 
     config.model = model_section()  # preset tiny, or a local HF snapshot in hf_path
     config.tokenizer_path = ""  # '' = the embedded character tokenizer (or hf_path's)

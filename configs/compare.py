@@ -43,9 +43,13 @@ VARIANTS = {
     "aqn_between": {"aqn_order": "between"},
     "aqn_before_fault": {"aqn_order": "before_fault"},
     "aqn_norm_weight": {"aqn_form": "norm_weight", "aqn_order": "after_fault"},
-    # Seed 002: 5% relative noise on every linear output; no AQN vs QeRL's global decay vs
-    # epoch-aware; each policy evaluated with 0 / 5 / 10% noise on a clean device.
-    "noise_study": {"study_fault": "noise"},
+    # Seed 002: relative noise on every linear output; no AQN vs QeRL's global decay vs
+    # epoch-aware; each policy evaluated with 0 / 5 / 10 / 20% noise on a clean device. On the
+    # shipped warm start 5% costs 0.016 accuracy (0.832 -> 0.816, inside the noise of 256
+    # problems) and 10% costs 0.078, seed 002's 8.7 points on Qwen2.5-1.5B at 5%: the study runs
+    # at 10%; noise_study_5pct keeps the seed's number.
+    "noise_study": {"study_fault": "noise", "noise_scale": "0.10"},
+    "noise_study_5pct": {"study_fault": "noise", "noise_scale": "0.05"},
 }
 
 
@@ -79,7 +83,7 @@ def get_config(arg=None):
     if spec.get("study_fault") == "noise":
         config.study_fault = "noise"
         config.faults.noise.kind = "relative_gaussian"
-        config.faults.noise.scale = 0.05
+        config.faults.noise.scale = float(spec["noise_scale"])
         config.faults.noise.sites = ("linear",)
         config.faults.noise.layers = "all"
         config.compare.arms = ("deadzone", "global_qerl", "global_aqn")
@@ -89,7 +93,7 @@ def get_config(arg=None):
             ("global_qerl", "deadzone"),
             ("global_aqn", "global_qerl"),
         )
-        config.evaluate.noise_levels = (0.0, 0.05, 0.10)
+        config.evaluate.noise_levels = (0.0, 0.05, 0.10, 0.20)
         config.evaluate.mxfp4 = False
     config.sft.seed = 0  # one warm start for every seed
     config.checkpoint.every = 10  # an interrupted run resumes (the job reuses finished ones)

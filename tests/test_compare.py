@@ -209,7 +209,8 @@ def test_aqn_form_and_noise_study_variants(tmp_path):
 
     config = load_config("compare", "noise_study")
     assert config.compare.arms == ("deadzone", "global_qerl", "global_aqn")
-    assert tuple(config.evaluate.noise_levels) == (0.0, 0.05, 0.10)
+    assert tuple(config.evaluate.noise_levels) == (0.0, 0.05, 0.10, 0.20)
+    assert load_config("compare", "noise_study_5pct").faults.noise.scale == 0.05
     validate(config, str(tmp_path))
     plans = {
         arm: build_plan(run_config(config, arm, 0, str(tmp_path), None), 8)
@@ -218,7 +219,7 @@ def test_aqn_form_and_noise_study_variants(tmp_path):
     for arm, plan in plans.items():
         (noise,) = [i for i in plan.injections if i.name == "noise"]
         assert not [i for i in plan.injections if "deadzone" in i.name], arm
-        assert noise.transform.scale.base == 0.05 and noise.sites.layers == "all"
+        assert noise.transform.scale.base == 0.10 and noise.sites.layers == "all"
         assert noise.phases == ("rollout", "train", "eval")
     assert [i.name for i in plans["deadzone"].injections] == ["noise"]  # the fault, no AQN
     qerl = run_config(config, "global_qerl", 0, str(tmp_path), None).aqn

@@ -86,3 +86,30 @@ def test_rows_that_cannot_match_the_checkpoint_are_refused(tmp_path, steps, rest
     with pytest.raises(ValueError, match=r"metrics\.jsonl does not hold exactly.*" + message):
         open_run(str(tmp_path), restored)
     assert (tmp_path / "metrics.jsonl").read_bytes() == before  # nothing rewritten
+
+
+def test_resume_with_another_config_is_refused_unless_overridden(tmp_path):
+    """Checkpoints made under one config are never resumed under another without saying so."""
+    from aqn_jax.experiment import arm_config
+    from aqn_jax.jobs.train import _record_override, check_resume_config
+
+    config = arm_config("deadzone", "smoke")
+    (tmp_path / "config.json").write_text(config.to_json_best_effort(indent=2))
+    before = (tmp_path / "config.json").read_bytes()
+    assert check_resume_config(config, str(tmp_path)) == {}  # no checkpoint: nothing to check
+    (tmp_path / "checkpoints" / "2").mkdir(parents=True)
+    assert check_resume_config(config, str(tmp_path)) == {}  # the same config resumes
+
+    changed = arm_config("deadzone", "smoke")
+    changed.actor.lr = 1e6
+    changed.checkpoint.keep = 5  # where and how often things are saved may change
+    with pytest.raises(ValueError, match=r"config\.actor\.lr: 3e-05 -> 1000000\.0; resume"):
+        check_resume_config(changed, str(tmp_path))
+    assert (tmp_path / "config.json").read_bytes() == before
+
+    changed.resume_override = True
+    diff = check_resume_config(changed, str(tmp_path))
+    assert diff == {"actor.lr": (3e-05, 1e6)}
+    _record_override(str(tmp_path), diff)
+    (row,) = [json.loads(x) for x in (tmp_path / "config_overrides.jsonl").read_text().splitlines()]
+    assert row["changed"] == {"actor.lr": {"from": 3e-05, "to": 1e6}}

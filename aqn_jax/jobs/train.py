@@ -20,20 +20,28 @@ import numpy as np
 from aqn_jax import parallel, planner
 from aqn_jax.checkpoint import Checkpointer
 from aqn_jax.data.config import check_data, load_split
+from aqn_jax.data.gsm8k import tokenize_prompts
 from aqn_jax.diagnosis import srdd
 from aqn_jax.faults.config import build_plan, needs_srdd
 from aqn_jax.jobs import check_required
-from aqn_jax.jobs.pretrain import check_sft, tokenizer_for, warm_start
+from aqn_jax.jobs.pretrain import check_sft, check_sft_cache, tokenizer_for, warm_start
 from aqn_jax.metrics import open_run, progress
 from aqn_jax.models.factory import model_config
 from aqn_jax.models.qwen2 import Qwen2ForCausalLM
 from aqn_jax.report import write_run_report
+from aqn_jax.rl.optim import check_optimizer
+from aqn_jax.rl.sampler import check_rollout
 from aqn_jax.rl.trainer import Trainer, hyper_from
 
 
 def check_prompt_lengths(config, tokenizer, test_examples) -> None:
     """Validation prompts must fit the largest prompt bucket (training drops longer ones)."""
     size = min(int(config.trainer.val_size), len(test_examples))
+    if size < 1:
+        raise ValueError(
+            f"config.trainer.val_size={config.trainer.val_size} with {len(test_examples)} test"
+            " examples: no validation prompt; val_size must be >= 1 and the test split non-empty"
+        )
     longest = max(len(tokenizer.encode_chat(ex.prompt_messages)) for ex in test_examples[:size])
     limit = min(max(config.rollout.prompt_buckets), int(config.rollout.max_prompt_len))
     if longest > limit:
@@ -44,9 +52,96 @@ def check_prompt_lengths(config, tokenizer, test_examples) -> None:
         )
 
 
-def validate(config):
-    """Every check that needs no compile; raises ValueError naming the field."""
+def check_train_prompts(config, tokenizer, train_examples) -> int:
+    """The train prompts the batcher drops (longer than config.rollout.max_prompt_len), counted
+    and printed; refused when config.data.drop_long_prompts is False, when too few are left for
+    one batch, or when one it keeps would not fit the sampler's largest prompt bucket. Returns
+    the number dropped."""
+    ro = config.rollout
+    limit = int(ro.max_prompt_len)
+    lengths = np.array([len(t) for t in tokenize_prompts(train_examples, tokenizer)], np.int64)
+    total, long = len(lengths), lengths > limit
+    dropped = int(long.sum())
+    where = f"config.rollout.max_prompt_len={limit}"
+    buckets = f"config.rollout.prompt_buckets={tuple(ro.prompt_buckets)}"
+    if dropped:
+        what = (
+            f"{dropped} of {total} train prompts are longer than {where} tokens"
+            f" (up to {int(lengths.max())})"
+        )
+        if not config.data.get("drop_long_prompts", True):
+            raise ValueError(
+                f"config.data.drop_long_prompts=False and {what}; raise {where} and {buckets},"
+                " or set config.data.drop_long_prompts=True to train without them"
+            )
+        kept = total - dropped
+        prompts = int(config.data_batch.prompts)
+        if kept < prompts:
+            raise ValueError(
+                f"{where}: {what}, and the {kept} left are fewer than one batch of"
+                f" config.data_batch.prompts={prompts}; raise {where} and {buckets} to at least"
+                f" {int(np.sort(lengths)[prompts - 1])}"
+            )
+        print(f"{what}: dropped (config.data.drop_long_prompts=True); {kept} train prompts left")
+    top = max(int(b) for b in ro.prompt_buckets)
+    unfit = int(((lengths > top) & ~long).sum())
+    if unfit:
+        raise ValueError(
+            f"{buckets}: {unfit} train prompts are longer than its largest bucket {top} and within"
+            f" {where}, so the sampler could not pad them; add a bucket >= {limit}"
+        )
+    return dropped
+
+
+def check_trainer(config) -> None:
+    """config.trainer and config.checkpoint: the loop's counts and sizes."""
+    tr = config.trainer
+    if tr.get("total_epochs", 0) < 0:
+        raise ValueError(f"config.trainer.total_epochs={tr.total_epochs}; must be >= 0 (0 = steps)")
+    if not tr.get("total_epochs", 0) and tr.total_steps < 1:
+        raise ValueError(
+            f"config.trainer.total_steps={tr.total_steps}; must be >= 1 (or set"
+            " config.trainer.total_epochs > 0)"
+        )
+    if tr.val_every < 0:
+        raise ValueError(f"config.trainer.val_every={tr.val_every}; must be >= 0 (0 = start/end)")
+    if tr.val_size < 1:
+        raise ValueError(f"config.trainer.val_size={tr.val_size}; must be >= 1 (test examples)")
+    if tr.val_batch_size < 1:
+        raise ValueError(f"config.trainer.val_batch_size={tr.val_batch_size}; must be >= 1")
+    # The Checkpointer refuses these too, but only once the trainer is built (after the SFT).
+    ck = config.checkpoint
+    if ck.every < 0:
+        raise ValueError(f"config.checkpoint.every={ck.every}; must be >= 0 (0 = only at the end)")
+    if ck.keep < 1:
+        raise ValueError(f"config.checkpoint.keep={ck.keep}; must be >= 1")
+
+
+class Validated(tuple):
+    """`validate`'s result: unpacks as (model config, tokenizer, hardware plan, memory plan);
+    `train_prompts` / `train_prompts_dropped` count the train split and the prompts the batcher
+    will drop as longer than config.rollout.max_prompt_len."""
+
+    train_prompts: int
+    train_prompts_dropped: int
+
+    def __new__(cls, qcfg, tokenizer, hw, memory, *, train_prompts: int, dropped: int):
+        self = super().__new__(cls, (qcfg, tokenizer, hw, memory))
+        self.train_prompts, self.train_prompts_dropped = train_prompts, dropped
+        return self
+
+
+def validate(config, workdir: str | None = None) -> Validated:
+    """Every check that needs no compile; raises ValueError naming the field. Nothing is
+    written. `workdir` locates the default SFT cache (<workdir>/../cache) for its check."""
     check_required(config)
+    # The config's own values first (no file read): a typo fails in well under a second.
+    check_rollout(config.rollout)
+    hyper_from(config)  # data_batch / rollout.n / actor batch sizes, algo
+    check_optimizer(config.actor, "warmup_steps", "config.actor")
+    if config.algo.estimator == "gae":
+        check_optimizer(config.critic, "lr_warmup_steps", "config.critic")
+    check_trainer(config)
     qcfg = model_config(config.model)
     n = qcfg.num_hidden_layers
     tokenizer = tokenizer_for(config)
@@ -58,14 +153,6 @@ def validate(config):
     # The AQN arm parses now; 'located' / 'srdd' get their layers from the diagnosis later.
     build_plan(config, n, srdd_sigmas=dict.fromkeys(range(n), 0.05), srdd_layers=[0])
     mesh_shape = parallel.mesh_shape(config.mesh, jax.device_count())
-    hyper_from(config)
-    tr = config.trainer
-    if tr.get("total_epochs", 0) < 0:
-        raise ValueError(f"config.trainer.total_epochs={tr.total_epochs}; must be >= 0 (0 = steps)")
-    if not tr.get("total_epochs", 0) and tr.total_steps < 1:
-        raise ValueError(f"config.trainer.total_steps={tr.total_steps}; must be >= 1")
-    if tr.val_every < 0:
-        raise ValueError(f"config.trainer.val_every={tr.val_every}; must be >= 0 (0 = start/end)")
     divisor = mesh_shape[0] * mesh_shape[1]
     rows = int(config.data_batch.prompts) * int(config.rollout.n)
     if rows % divisor:
@@ -85,7 +172,14 @@ def validate(config):
         )
     # Per-device memory from shapes alone; refuses (suggesting a mesh) when it cannot fit.
     memory = planner.check(config, qcfg, jax.device_count())
-    return qcfg, tokenizer, hw, memory
+    # The data as the run will batch it: every train prompt tokenized, the validation prompts.
+    train_examples = load_split(config.data, "train")
+    dropped = check_train_prompts(config, tokenizer, train_examples)
+    check_prompt_lengths(config, tokenizer, load_split(config.data, "test"))
+    check_sft_cache(config, workdir)  # last: the SFT would train, then fail to be cached
+    return Validated(
+        qcfg, tokenizer, hw, memory, train_prompts=len(train_examples), dropped=dropped
+    )
 
 
 def run(config, workdir: str) -> None:
@@ -97,7 +191,10 @@ def run(config, workdir: str) -> None:
     test_examples = load_split(config.data, "test")
     check_prompt_lengths(config, tokenizer, test_examples)
     primary = jax.process_index() == 0
+    changes = check_resume_config(config, workdir)
     if primary:
+        if changes:
+            _record_override(workdir, changes)
         with open(os.path.join(workdir, "config.json"), "w") as f:
             f.write(config.to_json_best_effort(indent=2))
 
