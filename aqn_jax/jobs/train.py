@@ -182,6 +182,66 @@ def validate(config, workdir: str | None = None) -> Validated:
     )
 
 
+# Fields a resumed run may change: where things go and how often they are saved or reported,
+# never what is trained. Anything else changed against the workdir's config.json is refused.
+RESUME_FREE = ("checkpoint.every", "checkpoint.keep", "sft.cache_dir", "resume_override")
+RESUME_FREE_SECTIONS = ("distributed.", "planner.", "compare.", "evaluate.")
+
+
+def _flat(tree, prefix=""):
+    out = {}
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def check_resume_config(config, workdir: str) -> dict:
+    """A workdir with checkpoints is resumed only under the config it was started with.
+    Returns the changed fields {path: (old, new)} when `config.resume_override` allows them;
+    raises ValueError naming them otherwise. No checkpoint: nothing to check."""
+    ckpt_dir = os.path.join(workdir, "checkpoints")
+    path = os.path.join(workdir, "config.json")
+    has_ckpt = os.path.isdir(ckpt_dir) and any(n.isdigit() for n in os.listdir(ckpt_dir))
+    if not has_ckpt or not os.path.isfile(path):
+        return {}
+    with open(path) as f:
+        try:
+            old = _flat(json.load(f))
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: unreadable ({e}); the run cannot be resumed safely") from e
+    new = _flat(json.loads(config.to_json_best_effort()))
+    changed = {
+        k: (old.get(k), new.get(k))
+        for k in sorted(set(old) | set(new))
+        if old.get(k) != new.get(k)
+        and k not in RESUME_FREE
+        and not k.startswith(RESUME_FREE_SECTIONS)
+    }
+    if changed and not config.get("resume_override", False):
+        shown = ", ".join(f"config.{k}: {a!r} -> {b!r}" for k, (a, b) in list(changed.items())[:6])
+        more = f" (+{len(changed) - 6} more)" if len(changed) > 6 else ""
+        raise ValueError(
+            f"{workdir} holds checkpoints of a run with another config: {shown}{more}; resume"
+            " with the same config, use another --workdir, or pass"
+            " --config.resume_override=True to continue with the new values (recorded in"
+            " config_overrides.jsonl)"
+        )
+    return changed
+
+
+def _record_override(workdir: str, changes: dict) -> None:
+    row = {
+        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "changed": {k: {"from": a, "to": b} for k, (a, b) in changes.items()},
+    }
+    with open(os.path.join(workdir, "config_overrides.jsonl"), "a") as f:
+        f.write(json.dumps(row, default=str) + "\n")
+    print(f"resume with a changed config (override, recorded): {sorted(changes)}")
+
+
 def run(config, workdir: str) -> None:
     t_start = time.perf_counter()
     qcfg, tokenizer, hw_plan, memory = validate(config)
