@@ -8,12 +8,15 @@ Parses the ml_collections config, logs the devices, and hands over to
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import os
 import pkgutil
+import re
 import sys
 
 import jax
+import ml_collections
 from absl import app, flags, logging
 from ml_collections import config_flags
 
@@ -60,12 +63,84 @@ def run(config, workdir: str) -> None:
         module.run(config, workdir)
 
 
+def _user_error(message: str) -> None:
+    """A user error: `error: <message>` on stderr, exit 2."""
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def _unknown_field(argv) -> str | None:
+    """The first `--config.<path>` override that names no field of the config, as a message
+    with the nearest field (ml_collections raises a KeyError / AttributeError for it while absl
+    parses the flags), or None when every override names a field."""
+    spec = next((a.split("=", 1)[1] for a in argv if re.match(r"^--?config=", a)), None)
+    if spec is None:
+        return None
+    try:
+        config = flags.FLAGS["config"].parser.parse(spec)  # the file loaded again, no override
+    except Exception:  # the config file itself fails: absl reports that
+        return None
+    for arg in argv:
+        m = re.match(r"^(--?(?:no)?config\.)([^=]+)", arg)
+        if not m:
+            continue
+        flag, parts, node = m.group(0), m.group(2).split("."), config
+        for i, part in enumerate(parts):
+            where = ".".join(["config", *parts[:i]])
+            if not isinstance(node, ml_collections.ConfigDict):
+                kind = type(node).__name__
+                return f"{flag}: no such field; {where} is a value ({kind}), not a section"
+            if part in node:
+                node = node[part]
+                continue
+            near = difflib.get_close_matches(part, list(node.keys()), n=1, cutoff=0.6)
+            if near:
+                guess = ".".join([where, near[0], *parts[i + 1 :]])
+                return f"{flag}: no such field; did you mean {guess}?"
+            return f"{flag}: no such field; {where} has: {', '.join(sorted(node.keys()))}"
+    return None
+
+
+def _verbose(argv) -> bool:
+    """--verbose on the command line (the flag itself is not parsed when parsing fails)."""
+    return any(re.fullmatch(r"--?verbose(=(1|t|true|True))?", a) for a in argv)
+
+
+def _parse_flags(argv):
+    """absl's flag parsing, a bad flag reported as a user error (one line, exit 2): an unknown
+    flag or a value of the wrong type (absl's message), an override of a field the config does
+    not have (ml_collections raises it as a KeyError / AttributeError with a traceback)."""
+    try:
+        return flags.FLAGS(argv)
+    except flags.Error as e:
+        if _verbose(argv):
+            raise
+        message = str(e)
+        if "Traceback (most recent call last)" in message:  # the config file's get_config raised
+            lines = [line for line in message.splitlines() if line.strip()]
+            message = f"{message.split(': Error whilst', 1)[0]}: {lines[-1].strip()}"
+        _user_error(" ".join(message.split()))
+    except (KeyError, AttributeError):
+        message = _unknown_field(argv)
+        if message is None or _verbose(argv):
+            raise
+        _user_error(message)
+
+
 def main(argv=None) -> None:
     def _main(argv):
         if len(argv) > 1:
-            raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+            raise app.UsageError(f"unexpected arguments: {argv[1:]}", exitcode=2)
         if _CONFIG.value is None:
-            raise app.UsageError("--config=configs/<name>.py is required")
+            raise app.UsageError("--config=configs/<name>.py is required", exitcode=2)
+        try:  # a config file that failed to load raises on first use (ml_collections)
+            _CONFIG.value.get("job")
+        except OSError as e:
+            if _VERBOSE.value:
+                raise
+            cause = str(e.__cause__ or e).strip().splitlines()[-1].strip()
+            name = config_flags.get_config_filename(flags.FLAGS["config"])
+            _user_error(f"--config={name}: cannot load it: {cause}")
         workdir = _WORKDIR.value
         if not workdir:
             stem = os.path.splitext(
@@ -79,10 +154,9 @@ def main(argv=None) -> None:
             # is allowed): its message, exit 2. Other exceptions are bugs: their traceback.
             if _VERBOSE.value:
                 raise
-            print(f"error: {e}", file=sys.stderr)
-            sys.exit(2)
+            _user_error(str(e))
 
-    app.run(_main, argv=argv)
+    app.run(_main, argv=argv, flags_parser=_parse_flags)
 
 
 if __name__ == "__main__":

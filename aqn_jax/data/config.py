@@ -26,6 +26,9 @@ def data_config() -> ml_collections.ConfigDict:
     c.test_path = ""
     c.train_size = 4096  # embedded task: problems generated for the train split
     c.test_size = 256  # embedded task: problems in the test split (validation)
+    # Train prompts longer than config.rollout.max_prompt_len: True = drop them (the train job
+    # prints how many at the start); False = refuse to start, naming the count.
+    c.drop_long_prompts = True
     c.task = ml_collections.ConfigDict()
     c.task.digits = 2  # embedded task difficulty (aqn_jax/data/arithmetic.py)
     c.task.steps = 2

@@ -34,6 +34,7 @@ __all__ = [
     "load_examples",
     "load_gsm8k_jsonl",
     "load_verl_parquet",
+    "tokenize_prompts",
     "verl_schema",
 ]
 
@@ -335,6 +336,14 @@ def load_examples(path: str | os.PathLike[str]) -> list[Example]:
 # Batching
 # ----------------------------------------------------------------------------------------------
 
+
+def tokenize_prompts(examples: Sequence[Example], tokenizer: Tokenizer) -> list[list[int]]:
+    """Every example's prompt as the policy sees it: its chat template with the generation
+    prompt appended, tokenized (what `PromptBatcher` pads and what its length limit counts)."""
+    texts = [tokenizer.apply_chat_template(ex.prompt_messages) for ex in examples]
+    return tokenizer.encode_batch(texts)  # == encode_chat per example, batched for HF
+
+
 _STATE_VERSION = 1
 
 
@@ -405,8 +414,7 @@ class PromptBatcher:
         )
         self.pad_id = int(tokenizer.pad_id)
 
-        texts = [tokenizer.apply_chat_template(ex.prompt_messages) for ex in examples]
-        all_ids = tokenizer.encode_batch(texts)  # == encode_chat per example, batched for HF
+        all_ids = tokenize_prompts(examples, tokenizer)
         kept: list[Example] = []
         ids: list[np.ndarray] = []
         self.dropped_indices: list[int] = []
@@ -425,10 +433,11 @@ class PromptBatcher:
             kept.append(ex)
             ids.append(np.asarray(tok, dtype=np.int32))
         if len(kept) < self.batch_size:
+            fix = "raise max_prompt_len, " if self.dropped_indices else ""
             raise ValueError(
                 f"only {len(kept)} usable examples ({len(self.dropped_indices)} dropped as longer "
                 f"than max_prompt_len = {self.max_prompt_len}) for batch_size = "
-                f"{self.batch_size}; lower batch_size or use more examples"
+                f"{self.batch_size}; {fix}lower batch_size or use more examples"
             )
         self.examples: list[Example] = kept
         self._ids = ids

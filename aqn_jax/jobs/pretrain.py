@@ -16,6 +16,7 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 import time
 from typing import Any
 
@@ -69,6 +70,44 @@ def check_sft(sft: Any) -> None:
         raise ValueError(f"config.sft.lr={sft.lr}; must be > 0")
 
 
+def cached_sft(config, workdir: str) -> str | None:
+    """The directory of this config's finished warm start (the cache's, else the shipped one),
+    or None when the SFT would have to train."""
+    path = cache_dir(config, workdir)
+    for where in (path, os.path.join(SHIPPED_DIR, os.path.basename(path))):
+        if os.path.isfile(os.path.join(where, SFT_META)):
+            return where
+    return None
+
+
+def check_sft_cache(config, workdir: str | None) -> None:
+    """When the SFT will train (enabled, not cached or shipped): its cache must be writable, or
+    the finished SFT could not be kept. The cache directory, or the nearest part of its path
+    that exists, must be a directory this process can write. Without a workdir the default
+    `<workdir>/../cache` is unknown: only an explicit config.sft.cache_dir is checked."""
+    if not config.sft.enabled or (workdir is None and not config.sft.cache_dir):
+        return
+    if cached_sft(config, workdir or ".") is not None:
+        return
+    root = os.path.dirname(os.path.abspath(cache_dir(config, workdir or ".")))
+    field = f"config.sft.cache_dir={config.sft.cache_dir!r}"
+    if not config.sft.cache_dir:
+        field += f" (the default: {root})"
+    existing = root
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise ValueError(
+            f"{field}; must be a writable directory, and {existing} is a file: the SFT warm"
+            " start would train and then fail to be cached"
+        )
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(
+            f"{field}; must be a writable directory, and {existing} is not writable: the SFT"
+            " warm start would train and then fail to be cached"
+        )
+
+
 def tokenizer_for(config) -> Tokenizer:
     path = config.tokenizer_path or config.model.hf_path
     tokenizer = load_tokenizer(path or None)
@@ -111,17 +150,18 @@ def warm_start(config, workdir: str, verbose: bool = True) -> tuple[Qwen2Config,
         return qcfg, params, {"sft": "off"}
     check_sft(config.sft)
     path = cache_dir(config, workdir)
-    shipped = os.path.join(SHIPPED_DIR, os.path.basename(path))
-    for where, found in ((path, "hit"), (shipped, "shipped")):
-        if os.path.isfile(os.path.join(where, SFT_META)):
-            qcfg = model_config(config.model)
-            _, params = load_hf_checkpoint(where, qcfg.param_dtype)
-            with open(os.path.join(where, SFT_META)) as f:
-                info = json.load(f)
-            info["cache"] = found
-            if verbose:
-                print(f"SFT warm start: {'cached' if found == 'hit' else 'shipped'} {where}")
-            return qcfg, params, info
+    where = cached_sft(config, workdir)
+    if where is not None:
+        found = "hit" if where == path else "shipped"
+        qcfg = model_config(config.model)
+        _, params = load_hf_checkpoint(where, qcfg.param_dtype)
+        with open(os.path.join(where, SFT_META)) as f:
+            info = json.load(f)
+        info["cache"] = found
+        if verbose:
+            print(f"SFT warm start: {'cached' if found == 'hit' else 'shipped'} {where}")
+        return qcfg, params, info
+    check_sft_cache(config, workdir)  # before training: a cache that cannot be written
 
     tokenizer = tokenizer_for(config)
     examples = load_split(config.data, "train")[: int(config.sft.examples)]
@@ -158,21 +198,33 @@ def warm_start(config, workdir: str, verbose: bool = True) -> tuple[Qwen2Config,
         "loss_last": float(np.mean(hist["loss"][-10:])),
         "wall_time_s": time.perf_counter() - t0,
     }
+    saved = True
     if jax.process_index() == 0:
         tmp = path + f".tmp{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        save_hf_checkpoint(tmp, qcfg, jax.device_get(params))
-        with open(os.path.join(tmp, SFT_META), "w") as f:
-            json.dump(info, f, indent=2)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        if os.path.exists(path):  # a concurrent run finished first: keep theirs
+        try:
             shutil.rmtree(tmp, ignore_errors=True)
-        else:
-            os.replace(tmp, path)
+            save_hf_checkpoint(tmp, qcfg, jax.device_get(params))
+            with open(os.path.join(tmp, SFT_META), "w") as f:
+                json.dump(info, f, indent=2)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            if os.path.exists(path):  # a concurrent run finished first: keep theirs
+                shutil.rmtree(tmp, ignore_errors=True)
+            else:
+                os.replace(tmp, path)
+        except OSError as e:  # a full disk, a cache made read-only meanwhile: keep the SFT
+            shutil.rmtree(tmp, ignore_errors=True)
+            saved = False
+            info["cache"] = "unsaved"
+            print(
+                f"warning: the SFT warm start could not be cached in {path} ({e}); this run"
+                " goes on with it, the next one trains it again",
+                file=sys.stderr,
+            )
     if verbose:
         print(
             f"SFT warm start: {info['steps']} steps, loss {info['loss_first']:.3f} ->"
-            f" {info['loss_last']:.3f} in {info['wall_time_s']:.0f}s; cached {path}"
+            f" {info['loss_last']:.3f} in {info['wall_time_s']:.0f}s;"
+            + (f" cached {path}" if saved else " not cached")
         )
     return qcfg, params, info
 

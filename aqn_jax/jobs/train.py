@@ -37,12 +37,17 @@ from aqn_jax.rl.trainer import Trainer, hyper_from
 def check_prompt_lengths(config, tokenizer, test_examples) -> None:
     """Validation prompts must fit the largest prompt bucket (training drops longer ones)."""
     size = min(int(config.trainer.val_size), len(test_examples))
-    if size < 1:
+    lengths = [len(tokenizer.encode_chat(ex.prompt_messages)) for ex in test_examples[:size]]
+    _check_val_lengths(config, lengths, len(test_examples))
+
+
+def _check_val_lengths(config, lengths, test_size: int) -> None:
+    if not len(lengths):
         raise ValueError(
-            f"config.trainer.val_size={config.trainer.val_size} with {len(test_examples)} test"
+            f"config.trainer.val_size={config.trainer.val_size} with {test_size} test"
             " examples: no validation prompt; val_size must be >= 1 and the test split non-empty"
         )
-    longest = max(len(tokenizer.encode_chat(ex.prompt_messages)) for ex in test_examples[:size])
+    longest = max(lengths)
     limit = min(max(config.rollout.prompt_buckets), int(config.rollout.max_prompt_len))
     if longest > limit:
         raise ValueError(
@@ -52,36 +57,59 @@ def check_prompt_lengths(config, tokenizer, test_examples) -> None:
         )
 
 
-def check_train_prompts(config, tokenizer, train_examples) -> int:
+_LENGTHS: dict = {}  # (split, data, tokenizer) -> prompt lengths: the compare job validates 7 arms
+
+
+def prompt_lengths(config, tokenizer, split: str) -> np.ndarray:
+    """The token count of every prompt of `split` ('train' | 'test') as the batcher counts it
+    (chat template, generation prompt), remembered per data section, file and tokenizer."""
+    data = config.data
+    path = os.path.expanduser(data[f"{split}_path"]) if data[f"{split}_path"] else ""
+    stamp = (os.stat(path).st_mtime_ns, os.path.getsize(path)) if path else None
+    tok = config.tokenizer_path or config.model.hf_path
+    key = (split, json.dumps(data.to_dict(), sort_keys=True, default=str), stamp, tok)
+    if key not in _LENGTHS:
+        if len(_LENGTHS) >= 4:  # a few configs' splits at a time: bounded memory
+            _LENGTHS.clear()
+        ids = tokenize_prompts(load_split(data, split), tokenizer)
+        _LENGTHS[key] = np.array([len(t) for t in ids], np.int64)
+    return _LENGTHS[key]
+
+
+def check_train_prompts(config, lengths) -> int:
     """The train prompts the batcher drops (longer than config.rollout.max_prompt_len), counted
     and printed; refused when config.data.drop_long_prompts is False, when too few are left for
-    one batch, or when one it keeps would not fit the sampler's largest prompt bucket. Returns
-    the number dropped."""
+    one batch, or when one it keeps would not fit the sampler's largest prompt bucket. `lengths`:
+    every train prompt's token count (`prompt_lengths`). Returns the number dropped."""
     ro = config.rollout
     limit = int(ro.max_prompt_len)
-    lengths = np.array([len(t) for t in tokenize_prompts(train_examples, tokenizer)], np.int64)
+    lengths = np.asarray(lengths, np.int64)
     total, long = len(lengths), lengths > limit
     dropped = int(long.sum())
     where = f"config.rollout.max_prompt_len={limit}"
     buckets = f"config.rollout.prompt_buckets={tuple(ro.prompt_buckets)}"
-    if dropped:
-        what = (
-            f"{dropped} of {total} train prompts are longer than {where} tokens"
-            f" (up to {int(lengths.max())})"
+    what = (
+        f"{dropped} of {total} train prompts are longer than {where} tokens"
+        f" (up to {int(lengths.max(initial=0))})"
+    )
+    if dropped and not config.data.get("drop_long_prompts", True):
+        raise ValueError(
+            f"config.data.drop_long_prompts=False and {what}; raise config.rollout.max_prompt_len"
+            f" and {buckets}, or set config.data.drop_long_prompts=True to train without them"
         )
-        if not config.data.get("drop_long_prompts", True):
-            raise ValueError(
-                f"config.data.drop_long_prompts=False and {what}; raise {where} and {buckets},"
-                " or set config.data.drop_long_prompts=True to train without them"
-            )
-        kept = total - dropped
-        prompts = int(config.data_batch.prompts)
-        if kept < prompts:
-            raise ValueError(
-                f"{where}: {what}, and the {kept} left are fewer than one batch of"
-                f" config.data_batch.prompts={prompts}; raise {where} and {buckets} to at least"
-                f" {int(np.sort(lengths)[prompts - 1])}"
-            )
+    kept, prompts = total - dropped, int(config.data_batch.prompts)
+    if total < prompts:
+        raise ValueError(
+            f"config.data_batch.prompts={prompts}; must be <= the {total} prompts of the train"
+            " split (config.data.train_path, or config.data.train_size for the embedded task)"
+        )
+    if kept < prompts:
+        raise ValueError(
+            f"{what}, and the {kept} left are fewer than config.data_batch.prompts={prompts} (one"
+            f" batch); raise config.rollout.max_prompt_len and {buckets} to at least"
+            f" {int(np.sort(lengths)[prompts - 1])}"
+        )
+    if dropped:
         print(f"{what}: dropped (config.data.drop_long_prompts=True); {kept} train prompts left")
     top = max(int(b) for b in ro.prompt_buckets)
     unfit = int(((lengths > top) & ~long).sum())
@@ -173,13 +201,12 @@ def validate(config, workdir: str | None = None) -> Validated:
     # Per-device memory from shapes alone; refuses (suggesting a mesh) when it cannot fit.
     memory = planner.check(config, qcfg, jax.device_count())
     # The data as the run will batch it: every train prompt tokenized, the validation prompts.
-    train_examples = load_split(config.data, "train")
-    dropped = check_train_prompts(config, tokenizer, train_examples)
-    check_prompt_lengths(config, tokenizer, load_split(config.data, "test"))
+    train = prompt_lengths(config, tokenizer, "train")
+    dropped = check_train_prompts(config, train)
+    test = prompt_lengths(config, tokenizer, "test")
+    _check_val_lengths(config, test[: int(config.trainer.val_size)], len(test))
     check_sft_cache(config, workdir)  # last: the SFT would train, then fail to be cached
-    return Validated(
-        qcfg, tokenizer, hw, memory, train_prompts=len(train_examples), dropped=dropped
-    )
+    return Validated(qcfg, tokenizer, hw, memory, train_prompts=len(train), dropped=dropped)
 
 
 # Fields a resumed run may change: where things go and how often they are saved or reported,
@@ -244,12 +271,12 @@ def _record_override(workdir: str, changes: dict) -> None:
 
 def run(config, workdir: str) -> None:
     t_start = time.perf_counter()
-    qcfg, tokenizer, hw_plan, memory = validate(config)
+    checked = validate(config, workdir)
+    qcfg, tokenizer, hw_plan, memory = checked
     print(memory.table())
     n_layers = qcfg.num_hidden_layers
     train_examples = load_split(config.data, "train")
     test_examples = load_split(config.data, "test")
-    check_prompt_lengths(config, tokenizer, test_examples)
     primary = jax.process_index() == 0
     changes = check_resume_config(config, workdir)
     if primary:
@@ -367,6 +394,7 @@ def run(config, workdir: str) -> None:
     summary = {
         "name": os.path.basename(os.path.abspath(workdir)),
         "fault_layers": fault_layers,
+        "train_prompts_dropped": checked.train_prompts_dropped,  # longer than the bucket
         "srdd_located_layers": srdd_layers,
         "aqn_layers": aqn_layers,
         "aqn_layer_sigmas": srdd_sigmas if config.aqn.layers == "srdd" else None,

@@ -90,3 +90,12 @@ def optimizer_of(section, warmup_field: str, total_updates: int, per_step: int, 
         field=field,
     )
     return schedule, opt
+
+
+def check_optimizer(section, warmup_field: str, field: str) -> None:
+    """A config section's optimizer (config.actor / config.critic) before anything compiles:
+    `optimizer_of`'s checks, and a learning rate > 0 (at 0 every update leaves the weights as
+    they are: a run would go to its end and learn nothing)."""
+    if not float(section.lr) > 0:
+        raise ValueError(f"{field}.lr={section.lr}; must be > 0 (at 0 nothing is learned)")
+    optimizer_of(section, warmup_field, 1, 1, field)

@@ -70,6 +70,29 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
+def check_rollout(ro: Any) -> None:
+    """`config.rollout`, before anything compiles: SamplingParams' rules under the field names,
+    and the prompt length and buckets the batcher and the sampler pad to."""
+    if ro.max_new_tokens < 1:
+        raise ValueError(f"config.rollout.max_new_tokens={ro.max_new_tokens}; must be >= 1")
+    if not ro.temperature >= 0:
+        raise ValueError(f"config.rollout.temperature={ro.temperature}; must be >= 0 (0 = greedy)")
+    if ro.top_k < 0:
+        raise ValueError(f"config.rollout.top_k={ro.top_k}; must be >= 0 (0 = off)")
+    if not 0.0 < ro.top_p <= 1.0:
+        raise ValueError(f"config.rollout.top_p={ro.top_p}; must be in (0, 1] (1 = off)")
+    if ro.n < 1:
+        raise ValueError(f"config.rollout.n={ro.n}; must be >= 1 (samples per prompt)")
+    if ro.max_prompt_len < 1:
+        raise ValueError(f"config.rollout.max_prompt_len={ro.max_prompt_len}; must be >= 1")
+    buckets = tuple(ro.prompt_buckets)
+    bad = [b for b in buckets if isinstance(b, bool) or not isinstance(b, (int, np.integer))]
+    if not buckets or bad or min(buckets) < 1:
+        raise ValueError(
+            f"config.rollout.prompt_buckets={buckets}; must be a non-empty tuple of positive ints"
+        )
+
+
 def filter_logits(logits_BV: jax.Array, params: SamplingParams) -> jax.Array:
     """Temperature-scaled logits with the vocab limit, top-k and top-p applied (NEG_INF out)."""
     logits_BV = logits_BV.astype(jnp.float32)

@@ -88,6 +88,23 @@ class Hyper:
 
 def hyper_from(config) -> Hyper:
     algo, actor = config.algo, config.actor
+    for field, value in (
+        ("data_batch.prompts", config.data_batch.prompts),
+        ("rollout.n", config.rollout.n),
+        ("actor.ppo_epochs", actor.ppo_epochs),
+        ("actor.mini_batch_prompts", actor.mini_batch_prompts),
+        ("actor.micro_batch_rows", actor.micro_batch_rows),
+    ):
+        if value < 1:
+            raise ValueError(f"config.{field}={value}; must be a positive int")
+    if algo.estimator not in adv_lib.ESTIMATORS:
+        raise ValueError(f"config.algo.estimator={algo.estimator!r}; allowed: {adv_lib.ESTIMATORS}")
+    if algo.estimator in ("grpo", "drgrpo") and int(config.rollout.n) < 2:
+        raise ValueError(
+            f"config.rollout.n={config.rollout.n}; must be >= 2 with"
+            f" config.algo.estimator={algo.estimator!r} (its advantage compares the n samples of"
+            " a prompt; n=1 needs estimator 'gae')"
+        )
     prompts = int(config.data_batch.prompts)
     if prompts % int(actor.mini_batch_prompts):
         raise ValueError(
@@ -100,18 +117,12 @@ def hyper_from(config) -> Hyper:
             f"config.actor.micro_batch_rows={actor.micro_batch_rows} must divide the mini-batch"
             f" rows mini_batch_prompts*n = {rows}"
         )
-    if algo.estimator not in adv_lib.ESTIMATORS:
-        raise ValueError(f"config.algo.estimator={algo.estimator!r}; allowed: {adv_lib.ESTIMATORS}")
     if algo.loss_agg_mode not in losses.AGG_MODES:
         raise ValueError(
             f"config.algo.loss_agg_mode={algo.loss_agg_mode!r}; allowed: {losses.AGG_MODES}"
         )
     if algo.kl_type not in losses.KL_TYPES:
         raise ValueError(f"config.algo.kl_type={algo.kl_type!r}; allowed: {losses.KL_TYPES}")
-    if algo.estimator in ("grpo", "drgrpo") and int(config.rollout.n) < 2:
-        raise ValueError(
-            f"config.rollout.n={config.rollout.n}: GRPO compares samples of one prompt; use n >= 2"
-        )
     return Hyper(
         estimator=algo.estimator,
         n=int(config.rollout.n),

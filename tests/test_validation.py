@@ -1,0 +1,206 @@
+"""Bad input to the main job (`train`): one line `error: ...` naming the config field, exit 2,
+before any warm start, diagnosis or compile, and nothing already in the workdir changed.
+
+The launches run in this process (`aqn_jax.launch.main`): validation fails before anything
+compiles, so a row takes a fraction of a second where a subprocess would spend seconds on
+imports. The warm start is replaced by a tripwire: reaching it fails the test.
+"""
+
+import json
+import os
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIG = f"--config={os.path.join(REPO, 'configs', 'targeted.py')}:smoke"
+PREVIOUS = {"notes.txt": b"a previous run's notes\n", "config.json": b'{"job": "train"}\n'}
+
+
+def write_jsonl(path, questions) -> str:
+    """A raw GSM8K jsonl of `questions` (answers 'a + b = c #### c')."""
+    rows = [
+        {"question": q, "answer": f"{i} + 1 = {i + 1}\n#### {i + 1}"}
+        for i, q in enumerate(questions)
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+SHORT = [f"What is {i} + 1?" for i in range(16)]
+LONG = [f"Sam counts {'many long apples and pears ' * 6}and {i} more. How many?" for i in range(16)]
+
+
+def data_flags(tmp_path, train_questions):
+    return (
+        f"--config.data.train_path={write_jsonl(tmp_path / 'train.jsonl', train_questions)}",
+        f"--config.data.test_path={write_jsonl(tmp_path / 'test.jsonl', SHORT)}",
+    )
+
+
+@pytest.fixture
+def launch(monkeypatch, capsys):
+    """launch(*flags, workdir) -> (exit code, stdout, stderr) of `python -m aqn_jax.launch
+    CONFIG FLAGS --workdir=WORKDIR`, in this process."""
+    from absl import flags
+    from absl import logging as absl_logging
+
+    from aqn_jax import launch as launcher
+    from aqn_jax.jobs import train
+
+    def tripwire(*args, **kwargs):
+        raise AssertionError("the warm start was reached: the bad input was not refused first")
+
+    monkeypatch.setattr(train, "warm_start", tripwire)
+
+    def call(*args, workdir):
+        # argv[0] as is: absl names the process after it on its first run
+        argv = [sys.argv[0], CONFIG, *args, f"--workdir={workdir}"]
+        monkeypatch.setattr(sys, "argv", argv)  # ml_collections reads overrides from sys.argv
+        # absl's log handler keeps the stderr it first saw (an earlier capture): this test's.
+        monkeypatch.setattr(absl_logging.get_absl_handler().python_handler, "stream", sys.stderr)
+        try:
+            launcher.main(argv)
+            code = 0
+        except SystemExit as e:
+            code = e.code
+        finally:  # the next launch defines its own override flags
+            for name in [n for n in list(flags.FLAGS) if n.startswith("config.")]:
+                delattr(flags.FLAGS, name)
+        out = capsys.readouterr()
+        return code, out.out, out.err
+
+    return call
+
+
+def read_only_cache(tmp_path, monkeypatch):
+    ro = tmp_path / "ro_cache"
+    ro.mkdir()
+    ro.chmod(0o555)
+    if os.geteuid() == 0:  # root writes anyway: report the directory as any other user sees it
+        access = os.access
+        monkeypatch.setattr(
+            os,
+            "access",
+            lambda p, mode, *a, **k: (
+                False if os.path.abspath(p) == str(ro) and mode & os.W_OK else access(p, mode)
+            ),
+        )
+    return (f"--config.sft.cache_dir={ro}",)
+
+
+def cache_under_a_file(tmp_path, monkeypatch):
+    (tmp_path / "a_file").write_text("not a directory")
+    return (f"--config.sft.cache_dir={tmp_path / 'a_file' / 'cache'}",)
+
+
+CASES = [
+    # (id, flags or a function (tmp_path, monkeypatch) -> flags, what the message must contain)
+    ("prompts", ("--config.data_batch.prompts=0",), "config.data_batch.prompts=0; must be"),
+    ("max_new", ("--config.rollout.max_new_tokens=0",), "config.rollout.max_new_tokens=0; must"),
+    ("top_p", ("--config.rollout.top_p=2",), "config.rollout.top_p=2.0; must be in (0, 1]"),
+    ("temperature", ("--config.rollout.temperature=-1",), "config.rollout.temperature=-1.0; must"),
+    ("top_k", ("--config.rollout.top_k=-1",), "config.rollout.top_k=-1; must be >= 0"),
+    ("n_zero", ("--config.rollout.n=0",), "config.rollout.n=0; must be >= 1"),
+    ("n_grpo", ("--config.rollout.n=1",), "config.rollout.n=1; must be >= 2 with config.algo"),
+    ("keep", ("--config.checkpoint.keep=0",), "config.checkpoint.keep=0; must be >= 1"),
+    ("every", ("--config.checkpoint.every=-1",), "config.checkpoint.every=-1; must be >= 0"),
+    ("val_size", ("--config.trainer.val_size=0",), "config.trainer.val_size=0; must be >= 1"),
+    ("total_steps", ("--config.trainer.total_steps=0",), "config.trainer.total_steps=0; must"),
+    ("val_bs", ("--config.trainer.val_batch_size=0",), "config.trainer.val_batch_size=0; must"),
+    ("lr", ("--config.actor.lr=0",), "config.actor.lr=0.0; must be > 0"),
+    (
+        "mini_batch",
+        ("--config.actor.mini_batch_prompts=3",),
+        "config.actor.mini_batch_prompts=3 must divide config.data_batch.prompts=4",
+    ),
+    (
+        "typo",
+        ("--config.trainer.totl_steps=3",),
+        "--config.trainer.totl_steps: no such field; did you mean config.trainer.total_steps?",
+    ),
+    ("cache_read_only", read_only_cache, "config.sft.cache_dir="),
+    ("cache_under_file", cache_under_a_file, "config.sft.cache_dir="),
+    (
+        "all_prompts_long",
+        lambda tmp_path, _: data_flags(tmp_path, LONG),
+        "16 of 16 train prompts are longer than config.rollout.max_prompt_len=72",
+    ),
+]
+
+
+@pytest.mark.parametrize("make_flags,message", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_bad_input_fails_first_naming_the_field(launch, tmp_path, monkeypatch, make_flags, message):
+    from aqn_jax.lock import LOCK_FILE
+
+    work, cache = tmp_path / "run", tmp_path / "cache"
+    work.mkdir()
+    for name, content in PREVIOUS.items():
+        (work / name).write_bytes(content)
+    args = make_flags(tmp_path, monkeypatch) if callable(make_flags) else make_flags
+    code, _, err = launch(f"--config.sft.cache_dir={cache}", *args, workdir=work)
+    assert code == 2, err
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and message in errors[0], err
+    assert "config." in errors[0] and "Traceback" not in err
+    # Nothing trained, cached or compiled; the workdir as it was (the workdir lock aside).
+    ro = tmp_path / "ro_cache"
+    assert not cache.exists() and (not ro.exists() or not any(ro.iterdir()))
+    assert {p.name for p in work.iterdir()} - {LOCK_FILE} == set(PREVIOUS)
+    for name, content in PREVIOUS.items():
+        assert (work / name).read_bytes() == content
+
+
+def test_long_train_prompts_are_counted_and_dropped_or_refused(launch, tmp_path, capsys):
+    from aqn_jax.jobs.train import validate
+
+    from conftest import load_config
+
+    mixed = LONG[:5] + SHORT
+    config = load_config("targeted", "smoke")
+    config.data.train_path, config.data.test_path = (
+        f.split("=", 1)[1] for f in data_flags(tmp_path, mixed)
+    )
+    config.sft.cache_dir = str(tmp_path / "cache")
+    result = validate(config)
+    assert (result.train_prompts, result.train_prompts_dropped) == (21, 5)
+    qcfg, tokenizer, hw, memory = result  # unpacks as before
+    out = capsys.readouterr().out
+    assert "5 of 21 train prompts are longer than config.rollout.max_prompt_len=72" in out
+    assert "dropped (config.data.drop_long_prompts=True); 16 train prompts left" in out
+
+    # drop_long_prompts=False: refused, naming the flag, the count and the length limit.
+    work = tmp_path / "run"
+    code, _, err = launch(
+        *data_flags(tmp_path, mixed), "--config.data.drop_long_prompts=False", workdir=work
+    )
+    assert code == 2, err
+    assert (
+        "error: config.data.drop_long_prompts=False and 5 of 21 train prompts are longer than"
+        " config.rollout.max_prompt_len=72" in err
+    )
+    assert not (tmp_path / "cache").exists() and not (work / "checkpoints").exists()
+
+
+def test_a_failed_sft_cache_write_keeps_the_trained_warm_start(tmp_path, monkeypatch, capsys):
+    """The cache checked writable, then the write fails anyway (a full disk): the run goes on
+    with the SFT it trained, warning once, and leaves no half-written entry behind."""
+    from aqn_jax.jobs import pretrain
+
+    from conftest import load_config
+
+    config = load_config("targeted", "smoke")
+    config.sft.cache_dir = str(tmp_path / "cache")
+    trained = object()
+    monkeypatch.setattr(pretrain, "load_model", lambda *a: (None, "init"))
+    monkeypatch.setattr(pretrain, "sft_train", lambda *a, **k: (trained, {"loss": [2.0, 0.5]}))
+
+    def full_disk(path, *args):
+        os.makedirs(path)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(pretrain, "save_hf_checkpoint", full_disk)
+    _, params, info = pretrain.warm_start(config, str(tmp_path / "run"))
+    assert params is trained and info["cache"] == "unsaved"
+    assert "warning: the SFT warm start could not be cached" in capsys.readouterr().err
+    assert os.listdir(tmp_path / "cache") == []  # the temporary directory removed
