@@ -118,6 +118,11 @@ def base_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.trainer.val_every = 10  # 0 = only at the start and the end
     config.trainer.val_size = 256  # test examples per validation
     config.trainer.val_batch_size = 64
+    # Checked before every save (no checkpoint of a diverged run): params and optimizer state
+    # finite, the pre-clip gradient norm <= max_grad_norm (the embedded runs stay under 10),
+    # every |param| <= max_param_abs. 0 turns a bound off.
+    config.trainer.max_grad_norm = 1e4
+    config.trainer.max_param_abs = 1e4
 
     config.checkpoint = ml_collections.ConfigDict()
     config.checkpoint.every = 0  # 0 = only at the end

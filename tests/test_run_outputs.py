@@ -113,3 +113,29 @@ def test_resume_with_another_config_is_refused_unless_overridden(tmp_path):
     _record_override(str(tmp_path), diff)
     (row,) = [json.loads(x) for x in (tmp_path / "config_overrides.jsonl").read_text().splitlines()]
     assert row["changed"] == {"actor.lr": {"from": 3e-05, "to": 1e6}}
+
+
+def test_a_diverged_state_is_never_saved():
+    """check_sane stops the run before the save, naming the step and what diverged."""
+    import flax.struct
+    import jax.numpy as jnp
+    import ml_collections
+
+    from aqn_jax.jobs.train import check_sane
+
+    @flax.struct.dataclass
+    class State:
+        params: dict
+        opt_state: dict
+
+    bounds = ml_collections.ConfigDict({"max_grad_norm": 1e4, "max_param_abs": 1e4})
+    ok = State({"w": jnp.ones(3)}, {"mu": jnp.zeros(3), "count": jnp.array(2, jnp.int32)})
+    check_sane(3, ok, {"actor/grad_norm": 8.0}, bounds)  # a healthy step saves
+    with pytest.raises(FloatingPointError, match="RL step 4: not saved: non-finite"):
+        check_sane(4, State(ok.params, {"mu": jnp.array([0.0, jnp.nan, 0.0])}), {}, bounds)
+    with pytest.raises(FloatingPointError, match=r"max \|param\| = 1e\+08 > config\.trainer"):
+        check_sane(5, State({"w": jnp.array([1e8, 0.0])}, ok.opt_state), {}, bounds)
+    with pytest.raises(FloatingPointError, match=r"actor/grad_norm=3e\+06 > config\.trainer"):
+        check_sane(6, ok, {"actor/grad_norm": 3e6}, bounds)
+    bounds.max_grad_norm = 0  # 0 = no bound
+    check_sane(7, ok, {"actor/grad_norm": 3e6}, bounds)

@@ -15,6 +15,7 @@ import signal
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from aqn_jax import parallel, planner
@@ -137,6 +138,9 @@ def check_trainer(config) -> None:
         raise ValueError(f"config.trainer.val_size={tr.val_size}; must be >= 1 (test examples)")
     if tr.val_batch_size < 1:
         raise ValueError(f"config.trainer.val_batch_size={tr.val_batch_size}; must be >= 1")
+    for name in ("max_grad_norm", "max_param_abs"):
+        if not float(tr.get(name, 0)) >= 0:
+            raise ValueError(f"config.trainer.{name}={tr.get(name)}; must be >= 0 (0 = no bound)")
     # The Checkpointer refuses these too, but only once the trainer is built (after the SFT).
     ck = config.checkpoint
     if ck.every < 0:
@@ -240,10 +244,13 @@ def check_resume_config(config, workdir: str) -> dict:
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}: unreadable ({e}); the run cannot be resumed safely") from e
     new = _flat(json.loads(config.to_json_best_effort()))
+    # A field the workdir's config.json lacks is new in this version (its default applies):
+    # not a change the user made. Both sides come from to_json_best_effort (tuples as lists).
     changed = {
-        k: (old.get(k), new.get(k))
-        for k in sorted(set(old) | set(new))
-        if old.get(k) != new.get(k)
+        k: (old[k], new.get(k))
+        for k in sorted(old)
+        if k in new
+        and old[k] != new[k]
         and k not in RESUME_FREE
         and not k.startswith(RESUME_FREE_SECTIONS)
     }
@@ -375,6 +382,7 @@ def run(config, workdir: str) -> None:
                 reward=f"{m['critic/score/mean']:.3f}", acc=f"{last_val['val-core/acc']:.3f}"
             )
             if ckpt.due(step) or step == total or stop.requested:
+                check_sane(step, trainer.state, m, config.trainer)  # else nothing is saved
                 ckpt.save(step, trainer.state, {"step": step, "data": trainer.batcher.state()})
             if stop.requested and step < total:
                 print(f"SIGTERM: saved RL step {step} to {ckpt.directory}; rerun to resume")
@@ -456,6 +464,37 @@ class _Preemption:
         if self._previous is not None:
             signal.signal(signal.SIGTERM, self._previous)
             self._previous = None
+
+
+@jax.jit
+def _state_health(state):
+    leaves = [x for x in jax.tree_util.tree_leaves(state) if jnp.issubdtype(x.dtype, jnp.floating)]
+    finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
+    return finite, jnp.max(jnp.stack([jnp.max(jnp.abs(x)) for x in leaves]))
+
+
+def check_sane(step: int, state, metrics, trainer_cfg) -> None:
+    """Before a checkpoint is written: a diverged state stops the run, naming the step, and
+    nothing is saved (the previous checkpoint stays the latest)."""
+    finite, _ = _state_health(state)
+    _, params_max = _state_health(state.params)
+    problems = []
+    if not bool(finite):
+        problems.append("non-finite params or optimizer state")
+    grad = float(metrics.get("actor/grad_norm", 0.0))
+    bound = float(trainer_cfg.get("max_grad_norm", 0) or 0)
+    if bound and not grad <= bound:
+        problems.append(f"actor/grad_norm={grad:.4g} > config.trainer.max_grad_norm={bound:g}")
+    bound = float(trainer_cfg.get("max_param_abs", 0) or 0)
+    if bound and not float(params_max) <= bound:
+        problems.append(
+            f"max |param| = {float(params_max):.4g} > config.trainer.max_param_abs={bound:g}"
+        )
+    if problems:
+        raise FloatingPointError(
+            f"RL step {step}: not saved: {'; '.join(problems)} (the run diverged: lower"
+            " config.actor.lr, or raise the bound if this is expected)"
+        )
 
 
 def _recovered(start, end) -> float | None:
