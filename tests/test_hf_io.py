@@ -348,3 +348,14 @@ def test_mistral_sliding_window_refused():
     assert config.model_type == "mistral"
     with pytest.raises(ValueError, match="sliding_window=4096 .* mistral; allowed: null"):
         config_from_hf({**cfg, "sliding_window": 4096})
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage"])
+def test_damaged_safetensors_name_the_file(checkpoint, damage):
+    path = Path(checkpoint, "model.safetensors")
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2] if damage == "truncated" else b"\x07" * 4096)
+    with pytest.raises(
+        ValueError, match=r"model\.safetensors: (not a readable safetensors|tensor)"
+    ):
+        load_hf_checkpoint(checkpoint)

@@ -39,3 +39,33 @@ def test_a_changed_sft_setting_does_not_load_the_shipped_warm_start():
     config.sft.steps += 1
     assert cache_dir(config, "x").rsplit("/", 1)[1] != shipped
     assert os.path.isdir(os.path.join(SHIPPED_DIR, shipped))
+
+
+def test_a_damaged_sft_cache_entry_is_set_aside_and_recomputed(tmp_path, monkeypatch, capsys):
+    """A truncated cache entry used to block every later run with a bare SafetensorError."""
+    from aqn_jax.jobs import pretrain
+
+    calls = []
+
+    def fake_sft(model, params, data, **kw):  # the SFT itself is tested elsewhere
+        calls.append(kw["steps"])
+        return params, {"loss": [1.0]}
+
+    monkeypatch.setattr(pretrain, "sft_train", fake_sft)
+    config = load_config("deadzone", "smoke")
+    config.sft.cache_dir = str(tmp_path / "cache")
+    pretrain.warm_start(config, str(tmp_path))
+    entry = pretrain.cache_dir(config, str(tmp_path))
+    weights = os.path.join(entry, "model.safetensors")
+    with open(weights, "r+b") as f:
+        f.truncate(os.path.getsize(weights) // 2)
+    _, _, info = pretrain.warm_start(config, str(tmp_path))
+    assert info["cache"] == "miss" and len(calls) == 2  # recomputed, not a crash
+    out = capsys.readouterr().out
+    assert f"SFT cache {entry} is damaged" in out and "model.safetensors" in out
+    (aside,) = [p for p in os.listdir(tmp_path / "cache") if ".damaged-" in p]
+    assert os.path.getsize(tmp_path / "cache" / aside / "model.safetensors") < os.path.getsize(
+        weights
+    )  # the damaged entry kept for inspection, a whole one in its place
+    _, _, info = pretrain.warm_start(config, str(tmp_path))
+    assert info["cache"] == "hit" and len(calls) == 2

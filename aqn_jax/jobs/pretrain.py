@@ -142,6 +142,17 @@ def cache_dir(config, workdir: str) -> str:
     return os.path.join(root, f"sft-{cache_key(config)}")
 
 
+def _set_aside_damaged(where: str, found: str, error: Exception) -> None:
+    """A cache entry that does not load is moved aside (kept for inspection) and recomputed,
+    as unreadable checkpoints are; a damaged shipped asset is named and left in place."""
+    if found == "hit" and jax.process_index() == 0:
+        aside = f"{where}.damaged-{int(time.time())}"
+        os.rename(where, aside)
+        print(f"SFT cache {where} is damaged ({error}); moved to {aside}; recomputing")
+    else:
+        print(f"SFT warm start {where} is damaged ({error}); recomputing (reinstall to repair)")
+
+
 def warm_start(config, workdir: str, verbose: bool = True) -> tuple[Qwen2Config, Any, dict]:
     """(model config, params, info): the SFT'd policy (from the cache when present), or the
     configured model itself when `config.sft.enabled` is False."""
@@ -154,13 +165,17 @@ def warm_start(config, workdir: str, verbose: bool = True) -> tuple[Qwen2Config,
     if where is not None:
         found = "hit" if where == path else "shipped"
         qcfg = model_config(config.model)
-        _, params = load_hf_checkpoint(where, qcfg.param_dtype)
-        with open(os.path.join(where, SFT_META)) as f:
-            info = json.load(f)
-        info["cache"] = found
-        if verbose:
-            print(f"SFT warm start: {'cached' if found == 'hit' else 'shipped'} {where}")
-        return qcfg, params, info
+        try:
+            _, params = load_hf_checkpoint(where, qcfg.param_dtype)
+            with open(os.path.join(where, SFT_META)) as f:
+                info = json.load(f)
+        except (ValueError, OSError) as e:  # a damaged entry (truncated, garbage, half-copied)
+            _set_aside_damaged(where, found, e)
+        else:
+            info["cache"] = found
+            if verbose:
+                print(f"SFT warm start: {'cached' if found == 'hit' else 'shipped'} {where}")
+            return qcfg, params, info
     check_sft_cache(config, workdir)  # before training: a cache that cannot be written
 
     tokenizer = tokenizer_for(config)

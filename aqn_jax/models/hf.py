@@ -26,7 +26,7 @@ import jax
 import ml_dtypes
 import numpy as np
 from absl import logging
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from .hf_mapping import DERIVED_KEY_SUFFIXES, checkpoint_keys
@@ -239,7 +239,7 @@ def _weight_files(path: str) -> dict[str, str]:
     single = os.path.join(path, SINGLE_FILE)
     index = os.path.join(path, INDEX_FILE)
     if os.path.isfile(single):
-        with safe_open(single, "numpy") as f:
+        with _open_safetensors(single) as f:
             return dict.fromkeys(f.keys(), single)
     if os.path.isfile(index):
         with open(index) as f:
@@ -253,6 +253,39 @@ def _weight_files(path: str) -> dict[str, str]:
                 raise FileNotFoundError(f"{index} names {os.path.basename(file)}, which is missing")
         return files
     raise FileNotFoundError(f"{path}: neither {SINGLE_FILE} nor {INDEX_FILE} found")
+
+
+class _NamedSafetensors:
+    """safe_open whose errors (a truncated or garbage file) name the file."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __enter__(self):
+        try:
+            self._cm = safe_open(self.path, "numpy")
+            self._f = self._cm.__enter__()
+        except (SafetensorError, OSError) as e:
+            raise ValueError(f"{self.path}: not a readable safetensors file ({e})") from e
+        return self
+
+    def __exit__(self, *exc):
+        return self._cm.__exit__(*exc)
+
+    def keys(self):
+        return self._f.keys()
+
+    def get_slice(self, key):
+        return self._f.get_slice(key)
+
+    def get_tensor(self, key):
+        try:
+            return self._f.get_tensor(key)
+        except (SafetensorError, OSError) as e:
+            raise ValueError(f"{self.path}: tensor {key} is unreadable ({e})") from e
+
+
+_open_safetensors = _NamedSafetensors
 
 
 def _set(tree: dict, path: tuple[str, ...], value) -> None:
@@ -312,7 +345,7 @@ def load_hf_checkpoint(path: str, dtype: str | None = None) -> tuple[Qwen2Config
         by_file.setdefault(files["lm_head.weight"], []).append("lm_head.weight")
     tied_copy = None
     for file, keys in by_file.items():
-        with safe_open(file, "numpy") as f:
+        with _open_safetensors(file) as f:
             for key in keys:
                 storage = f.get_slice(key).get_dtype()
                 if storage not in _STORAGE_DTYPES:
