@@ -153,3 +153,16 @@ def test_evaluate_job(tmp_path):
         workdir=tmp_path / "bad",
     )
     assert bad.returncode != 0 and "config.evaluate.run=" in bad.stderr
+
+
+def test_an_unfinished_run_is_evaluated_as_such(tmp_path):
+    """The step evaluated, and whether it is the run's end, from the run's own files."""
+    import json
+
+    from aqn_jax.jobs.evaluate import run_status
+
+    (tmp_path / "config.json").write_text(json.dumps({"trainer": {"total_steps": 30}}))
+    assert run_status(str(tmp_path), 10) == {"step": 10, "finished": False, "total_steps": 30}
+    (tmp_path / "summary.json").write_text(json.dumps({"steps": 30}))
+    assert run_status(str(tmp_path), 10)["finished"] is False  # an older checkpoint
+    assert run_status(str(tmp_path), 30) == {"step": 30, "finished": True, "total_steps": 30}

@@ -14,6 +14,7 @@ and fault sections must describe the run's (use the run's own config file).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 
@@ -53,13 +54,31 @@ def validate(config):
     return qcfg, tokenizer
 
 
+def run_status(run_dir: str, step: int) -> dict:
+    """Whether `step` of the train run in `run_dir` is its end: the run wrote summary.json
+    for that many steps. An unfinished (killed, running) run is evaluated at its latest
+    checkpoint, and says so."""
+    status = {"step": int(step), "finished": False, "total_steps": None}
+    path = os.path.join(run_dir, "config.json")
+    if os.path.isfile(path):
+        with open(path) as f, contextlib.suppress(ValueError):
+            status["total_steps"] = json.load(f).get("trainer", {}).get("total_steps")
+    path = os.path.join(run_dir, "summary.json")
+    if os.path.isfile(path):
+        with open(path) as f, contextlib.suppress(ValueError):
+            summary = json.load(f)
+            status["total_steps"] = summary.get("steps", status["total_steps"])
+            status["finished"] = summary.get("steps") == int(step)
+    return status
+
+
 def load_policy(config, workdir: str):
-    """(model config, host params, description) of what config.evaluate names."""
+    """(model config, host params, description, run status) of what config.evaluate names."""
     ev = config.evaluate
     if not ev.run:
         qcfg, params, info = warm_start(config, workdir)
         source = "config.model" if info.get("sft") == "off" else f"SFT, cache {info['cache']}"
-        return qcfg, jax.device_get(params), f"warm start ({source})"
+        return qcfg, jax.device_get(params), f"warm start ({source})", None
     qcfg = model_config(config.model)
     ckpt = Checkpointer(os.path.expanduser(ev.run), 0, 1)
     step = ckpt.latest_step() if ev.step < 0 else int(ev.step)
@@ -78,7 +97,11 @@ def load_policy(config, workdir: str):
             f"config.evaluate.run={ev.run!r}: its checkpoint's params do not match config.model;"
             " evaluate with the run's own config file"
         )
-    return qcfg, params, f"{ev.run} step {step}"
+    status = run_status(os.path.expanduser(ev.run), step)
+    what = f"{ev.run} step {step}"
+    if not status["finished"]:
+        what += f" of {status['total_steps'] or '?'} (UNFINISHED run: not its final policy)"
+    return qcfg, params, what, status
 
 
 def run(config, workdir: str) -> None:
@@ -88,13 +111,15 @@ def run(config, workdir: str) -> None:
     with config.unlocked():
         config.trainer.val_size = len(test)
     check_prompt_lengths(config, tokenizer, test)
-    qcfg, params, what = load_policy(config, workdir)
+    qcfg, params, what, status = load_policy(config, workdir)
     mesh = parallel.make_mesh(config.mesh)
     params = parallel.put_global(params, parallel.param_shardings(logical_axes(qcfg), mesh))
     names = [c.name for c in conditions(config.evaluate)]
     print(f"evaluating {what} on {len(test)} test examples; conditions: {names}")
     result = robustness(config, qcfg, params, tokenizer, test, mesh=mesh)
-    result.update(policy=what, test_size=len(test), fault_config=config.faults.to_dict())
+    result.update(
+        policy=what, run=status, test_size=len(test), fault_config=config.faults.to_dict()
+    )
     if jax.process_index() == 0:
         with open(os.path.join(workdir, "evaluation.json"), "w") as f:
             json.dump(result, f, indent=2, default=str)
