@@ -8,6 +8,9 @@ global; report.md with plots and results.json.
       threshold_0.01 | threshold_0.1 | threshold_0.2 | threshold_0.5 (the seed's statement:
       flush |h| < t * max|h|) | seed_regime (97% flushed, the seed's regime on a real LM)
       layer_early | layer_middle | layer_late (fault at layer 1 / 4 / 6) | two_layers (2 and 5)
+      aqn_between | aqn_before_fault | aqn_norm_weight (AQN's form, targeted vs global_aqn)
+      noise_study | noise_study_5pct (seed 002: relative noise on every linear; arms deadzone
+      = the noise without AQN, global_qerl, global_aqn = epoch-aware)
   python -m aqn_jax.launch --config=configs/compare.py:smoke           # 2 arms x 2 seeds, tiny
   python -m aqn_jax.launch --config=configs/compare.py:layer_late,smoke
 
@@ -20,6 +23,13 @@ default (75% flushed) 0.508; threshold_0.01 0.832 (5% flushed: no cost); thresho
 (46%); seed_regime 0.004 (no reward left for RL); layer_early 0.387, layer_late 0.711 (75% at
 layers 1 and 6). The RL study of each variant is recorded in WORKSPACE.md where it was run;
 the old default (threshold 0.01, issue 8: ~53 min for 6 arms x 5 seeds) moved nothing.
+
+Measured (2 cores shared with other work, so upper bounds; WORKSPACE.md issue 14), 3 seeds,
+evaluation on 128 problems with the fault:
+- aqn_before_fault: 33 min for 2 arms x 3 seeds; targeted 0.521 ± 0.016, global_aqn
+  0.531 ± 0.028 (difference −0.010, p = 0.62, MDD 0.077; 5 seeds per arm would detect 0.05);
+  no AQN (the deadzone arm of the 5-seed recovery study) 0.527 ± 0.020: no effect of AQN.
+- aqn_between, aqn_norm_weight, noise_study: see WORKSPACE.md (run there when measured).
 """
 
 from aqn_jax.experiment import base_config
