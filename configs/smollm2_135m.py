@@ -22,7 +22,12 @@ srdd_guided | global_qerl: job train, a short SFT on the task's chat format, the
 residual stream's per-layer profile (max 24,900 in channel 507 at the first token from layer
 11 on); `configs/diagnose.py` runs SRDD on it.
 
-Measured on 2 CPU cores (WORKSPACE.md, issue 15): the import ~110 s; the severity table below.
+Measured on 2 shared CPU cores (WORKSPACE.md, issue 15; upper bounds): the import ~110 s;
+`:severity` 82 min (15 points x 64 problems): the seed's 0.01 flushes 95% / 35% / 100% at
+layers 5 / 10 / 15 and takes the answer loss 1.55 -> 5.13 / 1.49 / 14.58 (the PyTorch-hook
+measurement: 96.5% / 33% / 100%, 1.30 -> 4.57 / 1.27 / 14.5); `:targeted,smoke` 24 min (SRDD
+locates layer 15 at confidence 1.000; the first RL step's compile is most of it). Greedy
+accuracy is 0 without a real SFT: the instruct model does not write '#### N' on its own.
 """
 
 from aqn_jax.experiment import ARMS, apply_arm, base_config
