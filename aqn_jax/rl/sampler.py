@@ -54,35 +54,31 @@ class SamplingParams:
     vocab_size: int | None = None
 
     def __post_init__(self):
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens={self.max_new_tokens}; must be >= 1")
-        if self.temperature < 0:
-            raise ValueError(f"temperature={self.temperature}; must be >= 0 (0 = greedy)")
-        if self.top_k < 0:
-            raise ValueError(f"top_k={self.top_k}; must be >= 0 (0 = off)")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p={self.top_p}; must be in (0, 1]")
-        if self.n < 1:
-            raise ValueError(f"n={self.n}; must be >= 1 (samples per prompt)")
+        _check_sampling(self, "")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
 
+def _check_sampling(p: Any, prefix: str) -> None:
+    """The sampling fields' rules (SamplingParams, or config.rollout with its field path)."""
+    if p.max_new_tokens < 1:
+        raise ValueError(f"{prefix}max_new_tokens={p.max_new_tokens}; must be >= 1")
+    if not p.temperature >= 0:
+        raise ValueError(f"{prefix}temperature={p.temperature}; must be >= 0 (0 = greedy)")
+    if p.top_k < 0:
+        raise ValueError(f"{prefix}top_k={p.top_k}; must be >= 0 (0 = off)")
+    if not 0.0 < p.top_p <= 1.0:
+        raise ValueError(f"{prefix}top_p={p.top_p}; must be in (0, 1] (1 = off)")
+    if p.n < 1:
+        raise ValueError(f"{prefix}n={p.n}; must be >= 1 (samples per prompt)")
+
+
 def check_rollout(ro: Any) -> None:
     """`config.rollout`, before anything compiles: SamplingParams' rules under the field names,
     and the prompt length and buckets the batcher and the sampler pad to."""
-    if ro.max_new_tokens < 1:
-        raise ValueError(f"config.rollout.max_new_tokens={ro.max_new_tokens}; must be >= 1")
-    if not ro.temperature >= 0:
-        raise ValueError(f"config.rollout.temperature={ro.temperature}; must be >= 0 (0 = greedy)")
-    if ro.top_k < 0:
-        raise ValueError(f"config.rollout.top_k={ro.top_k}; must be >= 0 (0 = off)")
-    if not 0.0 < ro.top_p <= 1.0:
-        raise ValueError(f"config.rollout.top_p={ro.top_p}; must be in (0, 1] (1 = off)")
-    if ro.n < 1:
-        raise ValueError(f"config.rollout.n={ro.n}; must be >= 1 (samples per prompt)")
+    _check_sampling(ro, "config.rollout.")
     if ro.max_prompt_len < 1:
         raise ValueError(f"config.rollout.max_prompt_len={ro.max_prompt_len}; must be >= 1")
     buckets = tuple(ro.prompt_buckets)
