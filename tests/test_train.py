@@ -267,3 +267,15 @@ def test_grpo_wins_back_part_of_the_fault_on_the_faulty_device(tmp_path, sft_cac
 
 LEARN_STEPS = 12
 LEARN_MARGIN = 0.02
+
+
+def test_a_diverging_run_stops_before_saving_its_weights(tmp_path, sft_cache):
+    """lr 1e6: the first update blows the weights up; the check before the save stops the run
+    naming the step, and no checkpoint holds the diverged weights (issue 18)."""
+    from aqn_jax.launch import run
+
+    config = smoke("deadzone", sft_cache, **{"actor.lr": 1e6, "checkpoint.every": 1})
+    with pytest.raises(FloatingPointError, match=r"RL step 1: not saved: .*max \|param\|"):
+        run(config, str(tmp_path))
+    ckpts = tmp_path / "checkpoints"
+    assert not ckpts.exists() or not [p for p in ckpts.iterdir() if p.name.isdigit()]
