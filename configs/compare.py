@@ -29,7 +29,11 @@ evaluation on 128 problems with the fault:
 - aqn_before_fault: 33 min for 2 arms x 3 seeds; targeted 0.521 ± 0.016, global_aqn
   0.531 ± 0.028 (difference −0.010, p = 0.62, MDD 0.077; 5 seeds per arm would detect 0.05);
   no AQN (the deadzone arm of the 5-seed recovery study) 0.527 ± 0.020: no effect of AQN.
-- aqn_between, aqn_norm_weight, noise_study: see WORKSPACE.md (run there when measured).
+- aqn_between: 18 min; targeted 0.516 ± 0.014, global_aqn 0.526 ± 0.024 (p = 0.56, MDD 0.066).
+- noise_study (10%): 48 min for 3 arms x 3 seeds; no AQN 0.706 ± 0.039, global_qerl
+  0.698 ± 0.037, global_aqn (epoch-aware) 0.685 ± 0.046 on the noisy device (p >= 0.58, MDD
+  0.12-0.13; 11-13 seeds per arm would detect 0.05); the same on a clean device with 0-20% noise.
+- aqn_norm_weight, noise_study_5pct: smoke-run only.
 """
 
 from aqn_jax.experiment import base_config
