@@ -247,7 +247,7 @@ def check_resume_config(config, workdir: str) -> dict:
     # A field the workdir's config.json lacks is new in this version (its default applies):
     # not a change the user made. Both sides come from to_json_best_effort (tuples as lists).
     changed = {
-        k: (old[k], new.get(k))
+        k: (old[k], new[k])
         for k in sorted(old)
         if k in new
         and old[k] != new[k]
@@ -468,16 +468,19 @@ class _Preemption:
 
 @jax.jit
 def _state_health(state):
-    leaves = [x for x in jax.tree_util.tree_leaves(state) if jnp.issubdtype(x.dtype, jnp.floating)]
-    finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
-    return finite, jnp.max(jnp.stack([jnp.max(jnp.abs(x)) for x in leaves]))
+    """(every float of params and optimizer state finite, max |param|), in one program."""
+
+    def floats(tree):
+        return [x for x in jax.tree_util.tree_leaves(tree) if jnp.issubdtype(x.dtype, jnp.floating)]
+
+    finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in floats(state)]))
+    return finite, jnp.max(jnp.stack([jnp.max(jnp.abs(x)) for x in floats(state.params)]))
 
 
 def check_sane(step: int, state, metrics, trainer_cfg) -> None:
     """Before a checkpoint is written: a diverged state stops the run, naming the step, and
     nothing is saved (the previous checkpoint stays the latest)."""
-    finite, _ = _state_health(state)
-    _, params_max = _state_health(state.params)
+    finite, params_max = _state_health(state)
     problems = []
     if not bool(finite):
         problems.append("non-finite params or optimizer state")

@@ -239,7 +239,7 @@ def _weight_files(path: str) -> dict[str, str]:
     single = os.path.join(path, SINGLE_FILE)
     index = os.path.join(path, INDEX_FILE)
     if os.path.isfile(single):
-        with _open_safetensors(single) as f:
+        with _NamedSafetensors(single) as f:
             return dict.fromkeys(f.keys(), single)
     if os.path.isfile(index):
         with open(index) as f:
@@ -283,9 +283,6 @@ class _NamedSafetensors:
             return self._f.get_tensor(key)
         except (SafetensorError, OSError) as e:
             raise ValueError(f"{self.path}: tensor {key} is unreadable ({e})") from e
-
-
-_open_safetensors = _NamedSafetensors
 
 
 def _set(tree: dict, path: tuple[str, ...], value) -> None:
@@ -345,7 +342,7 @@ def load_hf_checkpoint(path: str, dtype: str | None = None) -> tuple[Qwen2Config
         by_file.setdefault(files["lm_head.weight"], []).append("lm_head.weight")
     tied_copy = None
     for file, keys in by_file.items():
-        with _open_safetensors(file) as f:
+        with _NamedSafetensors(file) as f:
             for key in keys:
                 storage = f.get_slice(key).get_dtype()
                 if storage not in _STORAGE_DTYPES:
