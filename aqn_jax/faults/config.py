@@ -63,6 +63,12 @@ def faults_config() -> ml_collections.ConfigDict:
     c.deadzone.sparsity = 1.0  # fraction of lanes that are faulty, (0, 1]
     c.deadzone.sparsity_seed = 0  # seed of the fixed faulty-lane mask
     c.deadzone.grad = "mask"  # mask: zero grad where flushed (original) | ste
+    # The tokens amax (or the quantile) is taken over with granularity='tensor' (issue 19):
+    # call (the module call's tensor: the original's; the whole sequence when teacher-forced,
+    # one token per row when decoding, so rollout and training see different faults) | causal
+    # (per row, its tokens so far; decoding carries the running amax: amax severity only) |
+    # token (each token alone). Default: call, pending the measurement (WORKSPACE.md, issue 19).
+    c.deadzone.scope = "call"
     c.deadzone.phases = PHASES  # the device is faulty in every phase
 
     c.noise = ml_collections.ConfigDict()
@@ -87,6 +93,7 @@ def faults_config() -> ml_collections.ConfigDict:
     c.quant.scale_rule = "floor"  # floor (OCP MX) | ceil (NVIDIA TE, torchao RCEIL)
     c.quant.rounding = "away"  # away (microxcaling default) | even
     c.quant.block_size = 32
+    c.quant.scope = "call"  # nvfp4's global scale over: call | token (MX: call; per block)
     c.quant.phases = PHASES
     return c
 
@@ -264,6 +271,7 @@ def build_plan(
                     sparsity_seed=int(dz.sparsity_seed),
                     grad=dz.grad,
                     reuse_threshold=again,
+                    scope=dz.get("scope", "call"),
                 )
             except ValueError as e:
                 raise ValueError(f"config.faults.deadzone.{e}") from e
@@ -327,6 +335,7 @@ def build_plan(
                 scale_rule=qt.scale_rule,
                 rounding=qt.rounding,
                 block_size=int(qt.block_size),
+                scope=qt.get("scope", "call"),
             )
         except ValueError as e:
             raise ValueError(f"config.faults.quant.{e}") from e

@@ -15,6 +15,18 @@ Per call of a selected module (`__call__` only, never during init):
   3. output-point transforms act on the output (the tensor part of `(out, kv)`), in plan order.
 So several injections at one site compose in the declared order: deadzone -> AQN noise ->
 deadzone (`Deadzone(reuse_threshold=True)`) is the original system's `DeadzoneMatMul`.
+A transform is a function: `transform(x, ctx) -> x` at a point, or `transform(module, args,
+ctx) -> out` for an op-level one; `Ctx` gives it the site, its key, the traced values, `sow`
+and the state shared along the chain. The interceptor knows no transform types.
+
+Scope of a tensor-wide statistic (a deadzone's amax, NVFP4's global scale; `ops.SCOPES`):
+`call` takes it over whatever the module sees at this call, so teacher forcing (the whole
+sequence, later tokens included) and cached decoding (one token per row) apply different
+faults; `token` takes it per token; `causal` per row over the tokens so far, padding excluded.
+For `causal` the model call's attention mask is read at the root `Qwen2ForCausalLM` call, and
+a cached decode carries each site's running statistic in the `fault_state` collection: pass it
+in with the params and make it mutable (`rl/sampler.py` keeps it next to the KV cache), and
+cached decoding equals teacher forcing.
 
 At trace time the plan records which module paths each injection hit (`plan.manifest`); an
 active injection that hit nothing raises ValueError when the context exits, before anything
@@ -30,6 +42,7 @@ get different noise. Per-step knobs (AQN sigma) are traced `values`: a new value
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import json
 import zlib
@@ -51,7 +64,9 @@ _PHASE_IDS = {p: i for i, p in enumerate(PHASES)}
 STATS_COLLECTION = "fault_stats"
 
 
-_TRIALS: list[Any] = []  # the stack of `fault_trial` contexts (trace-time state)
+# The innermost `fault_trial` (trace-time state, scoped to the current context rather than
+# kept in a module-global stack).
+_TRIAL: contextvars.ContextVar[Any] = contextvars.ContextVar("fault_trial", default=None)
 
 
 @contextlib.contextmanager
@@ -63,11 +78,11 @@ def fault_trial(trial) -> Iterator[None]:
     instability scan) while a deterministic fault (deadzone, quantisation) gives identical
     outputs. Outside any trial context keys are unchanged.
     """
-    _TRIALS.append(trial)
+    token = _TRIAL.set(trial)
     try:
         yield
     finally:
-        _TRIALS.pop()
+        _TRIAL.reset(token)
 
 
 def step_key(seed: int, step, phase: str) -> jax.Array:
@@ -78,7 +93,75 @@ def step_key(seed: int, step, phase: str) -> jax.Array:
     return jax.random.fold_in(key, _PHASE_IDS[phase])
 
 
+# --- what a transform sees ----------------------------------------------------------------------
+STATE_COLLECTION = "fault_state"
+
+
+class Ctx:
+    """What a transform sees at one site and point of one model call.
+
+    `site` and `module` are where it acts, `name` the injection's name (the telemetry prefix).
+    `chain` is shared by the transforms at this site and point, in plan order: a deadzone leaves
+    its threshold there (`reuse_threshold`), the first noise its input (the "rescued" count).
+    """
+
+    def __init__(self, run: _Run, site: Site, module: nn.Module, index: int, name: str, chain):
+        self.site, self.module, self.name, self.chain = site, module, name, chain
+        self._run, self._index = run, index
+
+    @property
+    def key(self) -> jax.Array:
+        """The key of this (site, injection), folded with the innermost `fault_trial`."""
+        return self._run.site_key(self.site, self._index)
+
+    @property
+    def values(self) -> Mapping[str, Any]:
+        return self._run.values
+
+    def value(self, name: str) -> jax.Array:
+        return traced_value(self._run.values, name, self.site)
+
+    def sow(self, stat: str, value) -> None:
+        self.module.sow(STATS_COLLECTION, f"{self.name}.{stat}", value)
+
+    def token_mask(self, x: jax.Array) -> jax.Array:
+        """The model call's `[B, T]` token mask (1 real, 0 padding), checked against x."""
+        mask = self._run.token_mask
+        if mask is None:  # no model call seen (a bare module): every token is real
+            mask = jnp.ones(x.shape[:2], jnp.int32)
+        if x.ndim < 2 or tuple(mask.shape) != tuple(x.shape[:2]):
+            raise ValueError(
+                f"{self.name}: scope='causal' at {self.site} sees a tensor of shape {x.shape}"
+                f" but the model call has [B, T] = {tuple(mask.shape)} tokens; a causal scope"
+                " needs one row per token (lm_head under last_only has only the last)"
+            )
+        return mask
+
+    def carried(self, stat: str) -> jax.Array | None:
+        """This site's running statistic from the previous call of a cached decode (the
+        `fault_state` collection passed in next to the KV cache), or None."""
+        name = f"{self.name}.{stat}"
+        if self.module.has_variable(STATE_COLLECTION, name):
+            return self.module.get_variable(STATE_COLLECTION, name)
+        return None
+
+    def carry(self, stat: str, value: jax.Array) -> None:
+        """Hands the running statistic to the next call (when the caller carries the state)."""
+        if self.module.is_mutable_collection(STATE_COLLECTION):
+            self.module.put_variable(STATE_COLLECTION, f"{self.name}.{stat}", value)
+
+
+def _check_scope(scope: str, allowed: tuple[str, ...], why: str) -> None:
+    if scope not in ops.SCOPES:
+        raise ValueError(f"scope={scope!r}; allowed: {ops.SCOPES}")
+    if scope not in allowed:
+        raise ValueError(f"scope={scope!r}; {why} allows: {allowed}")
+
+
 # --- transforms ---------------------------------------------------------------------------------
+# A value-level transform is `transform(x, ctx) -> x`, applied to a module's input or output; an
+# op-level one is `transform(module, args, ctx) -> out` and replaces the module's computation.
+# Each says which with `level`; the interceptor knows nothing else about them.
 @dataclasses.dataclass(frozen=True, eq=False)
 class Scale:
     """A transform's scale at a site: `base * layer_scales[layer] * values[value]`.
@@ -154,6 +237,7 @@ class Deadzone:
     # a 0/1 layer vector one compiled program serves every placement (sweeps, SRDD tests).
     threshold_value: str | None = None
     severity: str = "amax"  # amax | quantile (ops.DEADZONE_SEVERITIES)
+    scope: str = "call"  # the tokens amax or the quantile is taken over (ops.SCOPES)
     level = "value"
 
     def __post_init__(self):
@@ -172,6 +256,45 @@ class Deadzone:
             raise ValueError(f"grad={self.grad!r}; allowed: {ops.DEADZONE_GRADS}")
         if not 0.0 < self.sparsity <= 1.0:
             raise ValueError(f"sparsity={self.sparsity}; must be in (0, 1] (fraction of lanes)")
+        if self.granularity != "tensor":
+            _check_scope(self.scope, ("call",), f"granularity={self.granularity!r} (per token)")
+        elif self.severity == "quantile":
+            # A causal quantile would keep every earlier |x| of the row per site: not built.
+            _check_scope(self.scope, ("call", "token"), "severity='quantile'")
+        else:
+            _check_scope(self.scope, ops.SCOPES, "")
+
+    def __call__(self, x, ctx: Ctx):
+        thr = ctx.chain.get("threshold") if self.reuse_threshold else None
+        if thr is None:
+            thr = self.threshold_at(x, ctx)
+        lanes = self.lane_mask(x.shape[-1])
+        flushed = ops.flush_below(x, thr, sparsity_mask=lanes)
+        ctx.sow("flushed", jnp.mean(flushed, dtype=jnp.float32))
+        pre_noise = ctx.chain.get("pre_noise")
+        if pre_noise is not None:
+            # |s| < thr but |s + n| >= thr: the noise carried the signal through.
+            rescued = ops.flush_below(pre_noise, thr, sparsity_mask=lanes) & ~flushed
+            ctx.sow("rescued", jnp.mean(rescued, dtype=jnp.float32))
+        ctx.chain["threshold"] = thr
+        return ops.deadzone_apply(x, flushed, grad=self.grad)
+
+    def threshold_at(self, x, ctx: Ctx) -> jax.Array:
+        """The absolute threshold at this call, broadcastable to x, for the scope."""
+        frac = self.threshold
+        if self.threshold_value is not None:
+            frac = frac * ctx.value(self.threshold_value)
+        if self.scope == "causal":
+            amax, running = ops.causal_amax(x, ctx.token_mask(x), ctx.carried("amax"))
+            ctx.carry("amax", running)
+            return jnp.asarray(frac, jnp.float32) * amax
+        return ops.deadzone_threshold(
+            x,
+            frac,
+            granularity="token" if self.scope == "token" else self.granularity,
+            block_size=self.block_size,
+            severity=self.severity,
+        )
 
     def lane_mask(self, lanes: int) -> np.ndarray | None:
         if self.sparsity >= 1.0:
@@ -184,7 +307,7 @@ class Deadzone:
         what = "threshold" if self.severity == "amax" else "quantile"
         return (
             f"deadzone({what}={self.threshold:g}, {self.granularity}, grad={self.grad}"
-            f"{sparsity}{again})"
+            f"{sparsity}{again}, scope={self.scope})"
         )
 
 
@@ -200,6 +323,12 @@ class Noise:
         if self.kind not in ops.NOISE_KINDS:
             raise ValueError(f"kind={self.kind!r}; allowed: {ops.NOISE_KINDS}")
 
+    def __call__(self, x, ctx: Ctx):
+        e = ops.noise_error(self.kind, x, self.scale.at(ctx.site, ctx.values), ctx.key)
+        ctx.chain.setdefault("pre_noise", x)
+        ctx.sow("noise_rms_rel", _rms(e) / (_rms(x) + 1e-30))
+        return x + e
+
     def describe(self) -> str:
         return f"{self.kind}(scale={self.scale.describe()})"
 
@@ -214,6 +343,9 @@ class Quantize:
     rounding: str = "away"
     block_size: int = 32
     grad: str = "ste"
+    # NVFP4's global scale is tensor-wide: over the call (TE's) or each token. MX formats have
+    # one scale per block only.
+    scope: str = "call"
     level = "value"
 
     def __post_init__(self):
@@ -224,9 +356,25 @@ class Quantize:
             raise ValueError(f"scale_rule={self.scale_rule!r}; allowed: ('floor', 'ceil')")
         if self.rounding not in ("even", "away"):
             raise ValueError(f"rounding={self.rounding!r}; allowed: ('even', 'away')")
-
-    def __call__(self, x):
         if self.format == "nvfp4":
+            # A causal global scale would need the running amax inside the NVFP4 kernel.
+            _check_scope(self.scope, ("call", "token"), "format='nvfp4'")
+        else:
+            _check_scope(self.scope, ("call",), f"format={self.format!r} (one scale per block)")
+
+    def __call__(self, x, ctx: Ctx):
+        q = self.quantize(x)
+        err = (q - x).astype(jnp.float32)
+        ctx.sow("rel_err", _rms(err) / (_rms(x) + 1e-30))
+        ctx.sow("flushed", jnp.mean((q == 0) & (x != 0), dtype=jnp.float32))
+        return q
+
+    def quantize(self, x):
+        """The fake-quantised x (no telemetry)."""
+        if self.format == "nvfp4":
+            if self.scope == "token":  # the global scale of each token alone
+                per_token = jax.vmap(lambda v: formats.quantize_nvfp4(v, axis=-1, grad=self.grad))
+                return per_token(x.reshape(-1, x.shape[-1])).reshape(x.shape)
             return formats.quantize_nvfp4(x, axis=-1, grad=self.grad)
         return formats.quantize_mx(
             x,
@@ -239,7 +387,10 @@ class Quantize:
         )
 
     def describe(self) -> str:
-        return f"{self.format}(scale_rule={self.scale_rule}, rounding={self.rounding})"
+        return (
+            f"{self.format}(scale_rule={self.scale_rule}, rounding={self.rounding},"
+            f" scope={self.scope})"
+        )
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -252,6 +403,19 @@ class NoisyLinear:
     backward: bool = True
     level = "op"
     allowed_kinds = LINEAR_KINDS
+
+    def __call__(self, module, args, ctx: Ctx):
+        params = nn.unbox(module.variables["params"])
+        dtype, bias = module.dtype, params.get("bias")
+        return ops.noisy_linear(
+            args[0].astype(dtype),
+            params["kernel"].astype(dtype),
+            None if bias is None else bias.astype(dtype),
+            ctx.key,
+            self.scale.at(ctx.site, ctx.values),
+            forward=self.forward,
+            backward=self.backward,
+        )
 
     def describe(self) -> str:
         return (
@@ -267,6 +431,15 @@ class NormWeightNoise:
     scale: Scale
     level = "op"
     allowed_kinds = GROUPS["rmsnorm"]
+
+    def __call__(self, module, args, ctx: Ctx):
+        weight = nn.unbox(module.variables["params"])["weight"]
+        noise = self.scale.at(ctx.site, ctx.values) * jax.random.normal(
+            ctx.key, weight.shape, jnp.float32
+        )
+        ctx.sow("noise_rms_rel", _rms(noise) / (_rms(weight) + 1e-30))
+        noisy = (weight.astype(jnp.float32) + noise).astype(weight.dtype)
+        return qwen2.rms_norm(args[0], noisy, module.eps, module.dtype)
 
     def describe(self) -> str:
         return f"rmsnorm_weight_noise(sigma={self.scale.describe()})"
@@ -354,6 +527,7 @@ class FaultPlan:
                         if inj.sites.layers == "all"
                         else list(inj.sites.layers),
                         "phases": list(inj.phases),
+                        "scope": getattr(inj.transform, "scope", None),
                     }
                     for inj in self.injections
                 ],
@@ -422,16 +596,18 @@ class _Run:
         self.values = values
         self.hits: dict[str, list[str]] = {inj.name: [] for _, inj in active}
         self.applied = False
+        self.token_mask: jax.Array | None = None  # [B, T] of the latest model call
 
-    def _site_key(self, site: Site, index: int) -> jax.Array:
+    def site_key(self, site: Site, index: int) -> jax.Array:
         if self.key is None:
             raise ValueError(
                 f"a random fault transform at {site} needs a key: plan.apply(phase, key=...)"
             )
         path_hash = zlib.crc32(str(site).encode()) & 0x7FFFFFFF
         key = jax.random.fold_in(jax.random.fold_in(self.key, path_hash), index)
-        if _TRIALS:
-            key = jax.random.fold_in(key, _TRIALS[-1])
+        trial = _TRIAL.get()
+        if trial is not None:
+            key = jax.random.fold_in(key, trial)
         return key
 
     def intercept(self, next_fun, args, kwargs, context):
@@ -439,6 +615,8 @@ class _Run:
         if context.method_name != "__call__" or module.is_initializing():
             return next_fun(*args, **kwargs)
         self.applied = True
+        if isinstance(module, qwen2.Qwen2ForCausalLM):
+            self.token_mask = _call_token_mask(args, kwargs)
         site = classify(module.path, module)
         if site is None:
             return next_fun(*args, **kwargs)
@@ -448,113 +626,53 @@ class _Run:
         for _, inj in chosen:
             self.hits[inj.name].append(f"{site}:{inj.sites.point}")
 
-        inputs = [(i, inj) for i, inj in chosen if inj.sites.point == "input"]
-        outputs = [(i, inj) for i, inj in chosen if inj.sites.point == "output"]
         op = [(i, inj) for i, inj in chosen if inj.transform.level == "op"]
         if len(op) > 1:
             raise ValueError(
                 f"{site}: more than one op-level injection ({[inj.name for _, inj in op]})"
             )
-        value_inputs = [(i, inj) for i, inj in inputs if inj.transform.level == "value"]
-        value_outputs = [(i, inj) for i, inj in outputs if inj.transform.level == "value"]
-
-        if value_inputs:
-            args = (self._chain(args[0], value_inputs, site, module), *args[1:])
-        # An op-level transform redoes the module's computation; otherwise the module runs.
-        out = self._op(op[0], site, module, args, kwargs) if op else next_fun(*args, **kwargs)
-        if value_outputs:
+        inputs, outputs = (
+            [
+                (i, inj)
+                for i, inj in chosen
+                if inj.sites.point == p and inj.transform.level == "value"
+            ]
+            for p in ("input", "output")
+        )
+        if inputs:
+            args = (self._chain(args[0], inputs, site, module), *args[1:])
+        if op:  # an op-level transform redoes the module's computation
+            index, inj = op[0]
+            out = inj.transform(module, args, Ctx(self, site, module, index, inj.name, {}))
+        else:
+            out = next_fun(*args, **kwargs)
+        if outputs:
             if isinstance(out, tuple):
-                out = (self._chain(out[0], value_outputs, site, module), *out[1:])
+                out = (self._chain(out[0], outputs, site, module), *out[1:])
             else:
-                out = self._chain(out, value_outputs, site, module)
+                out = self._chain(out, outputs, site, module)
         return out
 
-    # -- value transforms, composed in order at one site and point --------------------------------
     def _chain(self, x, chain, site, module):
-        pre_noise = None  # the signal before the first noise at this point (for "rescued")
-        thr = None  # the absolute threshold of the last deadzone at this point
+        """The value transforms at one site and point, composed in plan order."""
+        shared: dict[str, Any] = {}
         for index, inj in chain:
-            t = inj.transform
-            if isinstance(t, Deadzone):
-                if t.reuse_threshold and thr is not None:
-                    this_thr = thr
-                else:
-                    frac = t.threshold
-                    if t.threshold_value is not None:
-                        frac = frac * traced_value(self.values, t.threshold_value, site)
-                    this_thr = ops.deadzone_threshold(
-                        x,
-                        frac,
-                        granularity=t.granularity,
-                        block_size=t.block_size,
-                        severity=t.severity,
-                    )
-                lanes = t.lane_mask(x.shape[-1])
-                flushed = jnp.abs(x) < this_thr
-                if lanes is not None:
-                    flushed = flushed & jnp.asarray(lanes)
-                _sow(module, inj, "flushed", jnp.mean(flushed, dtype=jnp.float32))
-                if pre_noise is not None:
-                    # |s| < thr but |s + n| >= thr: the noise carried the signal through.
-                    rescued = (jnp.abs(pre_noise) < this_thr) & ~flushed
-                    if lanes is not None:
-                        rescued = rescued & jnp.asarray(lanes)
-                    _sow(module, inj, "rescued", jnp.mean(rescued, dtype=jnp.float32))
-                x = ops.deadzone_apply(x, flushed, grad=t.grad)
-                thr = this_thr
-            elif isinstance(t, Noise):
-                scale = t.scale.at(site, self.values)
-                e = ops.noise_error(t.kind, x, scale, self._site_key(site, index))
-                if pre_noise is None:
-                    pre_noise = x
-                _sow(module, inj, "noise_rms_rel", _rms(e) / (_rms(x) + 1e-30))
-                x = x + e
-            elif isinstance(t, Quantize):
-                q = t(x)
-                err = (q - x).astype(jnp.float32)
-                _sow(module, inj, "rel_err", _rms(err) / (_rms(x) + 1e-30))
-                _sow(module, inj, "flushed", jnp.mean((q == 0) & (x != 0), dtype=jnp.float32))
-                x = q
-            else:
-                raise TypeError(f"injection {inj.name!r}: unknown transform {t!r}")
+            x = inj.transform(x, Ctx(self, site, module, index, inj.name, shared))
         return x
 
-    # -- op-level transforms: redo the module's computation from its params ---------------------
-    def _op(self, chosen, site, module, args, kwargs):
-        index, inj = chosen
-        t = inj.transform
-        params = nn.unbox(module.variables["params"])
-        x = args[0]
-        key = self._site_key(site, index)
-        scale = t.scale.at(site, self.values)
-        if isinstance(t, NoisyLinear):
-            dtype = module.dtype
-            bias = params.get("bias")
-            return ops.noisy_linear(
-                x.astype(dtype),
-                params["kernel"].astype(dtype),
-                None if bias is None else bias.astype(dtype),
-                key,
-                scale,
-                forward=t.forward,
-                backward=t.backward,
-            )
-        if isinstance(t, NormWeightNoise):
-            weight = params["weight"]
-            noise = scale * jax.random.normal(key, weight.shape, jnp.float32)
-            _sow(module, inj, "noise_rms_rel", _rms(noise) / (_rms(weight) + 1e-30))
-            noisy = (weight.astype(jnp.float32) + noise).astype(weight.dtype)
-            return qwen2.rms_norm(x, noisy, module.eps, module.dtype)
-        raise TypeError(f"injection {inj.name!r}: unknown op transform {t!r}")
+
+def _call_token_mask(args, kwargs) -> jax.Array:
+    """The `[B, T]` attention mask of a model call (all ones when not given)."""
+    mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
+    if mask is None:
+        ids = args[0] if args else kwargs["input_ids_BT"]
+        return jnp.ones(jnp.shape(ids), jnp.int32)
+    return jnp.asarray(mask)
 
 
 def _rms(x):
     x = x.astype(jnp.float32)
     return jnp.sqrt(jnp.mean(x * x))
-
-
-def _sow(module, inj: Injection, stat: str, value) -> None:
-    module.sow(STATS_COLLECTION, f"{inj.name}.{stat}", value)
 
 
 def summarize_stats(stats: Mapping) -> dict[str, float]:

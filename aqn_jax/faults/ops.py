@@ -38,6 +38,12 @@ GRANULARITIES = ("tensor", "token", "block")
 DEADZONE_SEVERITIES = ("amax", "quantile")
 DEADZONE_GRADS = ("mask", "ste")
 NOISE_KINDS = ("relative_gaussian", "absolute_gaussian", "systematic_bias")
+# Which tokens a tensor-wide statistic (a deadzone's amax or quantile, NVFP4's global scale)
+# is taken over (issue 19): "call", the tensor of the module call (the original system's: a
+# whole padded sequence in training, one token per row in cached decoding); "causal", per row
+# the tokens so far, padding excluded (decoding carries it, so it equals teacher forcing);
+# "token", each token alone (what a block-scaled format does physically).
+SCOPES = ("call", "causal", "token")
 
 
 def _check_choice(name: str, value, allowed: tuple[str, ...]) -> None:
@@ -150,6 +156,14 @@ def deadzone_flush_mask(
     thr = deadzone_threshold(
         x, threshold, granularity=granularity, block_size=block_size, severity=severity
     )
+    return flush_below(x, thr, sparsity_mask=sparsity_mask)
+
+
+def flush_below(x: jax.Array, thr: jax.Array, *, sparsity_mask=None) -> jax.Array:
+    """Boolean array, True where `|x| < thr` (thr broadcastable to x, e.g. from
+    `deadzone_threshold` or `causal_amax`) and, if given, sparsity_mask (see
+    `deadzone_flush_mask`)."""
+    x = jnp.asarray(x)
     flush = jnp.abs(x.astype(jnp.float32)) < thr
     if sparsity_mask is not None:
         sparsity_mask = jnp.asarray(sparsity_mask, jnp.bool_)
@@ -165,6 +179,34 @@ def deadzone_flush_mask(
             )
         flush = flush & sparsity_mask
     return flush
+
+
+def causal_amax(
+    x: jax.Array, token_mask: jax.Array, prior: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array]:
+    """Per row, max |x| over that row's real tokens up to and including each token.
+
+    x is `[B, T, ...]` (the tokens of one call), token_mask `[B, T]` (nonzero for real tokens;
+    padding never enters the statistic), prior `[B]` the running max of the row's earlier
+    tokens (cached decoding; None or 0 for a fresh sequence). Returns `(amax, running)`:
+    amax float32 `[B, T, 1, ...]` broadcastable to x, and running `[B]`, the max after the
+    call's last token, to pass as the next call's prior. Calling this on a sequence in one
+    piece or token by token with the carried prior gives identical values (max is exact).
+    A constant for differentiation, like `deadzone_threshold`.
+    """
+    x = jnp.asarray(x)
+    if x.ndim < 2 or token_mask.shape != x.shape[:2]:
+        raise ValueError(
+            f"causal_amax: x.shape={x.shape} needs leading [B, T] axes equal to"
+            f" token_mask.shape={tuple(token_mask.shape)}"
+        )
+    per_token = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=tuple(range(2, x.ndim)))
+    per_token = jnp.where(token_mask > 0, per_token, 0.0)  # |x| >= 0: 0 is max's identity
+    amax = jax.lax.cummax(per_token, axis=1)
+    if prior is not None:
+        amax = jnp.maximum(amax, jnp.asarray(prior, jnp.float32)[:, None])
+    amax = jax.lax.stop_gradient(amax)
+    return amax.reshape(amax.shape + (1,) * (x.ndim - 2)), amax[:, -1]
 
 
 @jax.custom_vjp

@@ -13,7 +13,9 @@ between calls and donated to the program, which updates them in place.
 Log-probs: `logprobs[b, t]` is log softmax(logits / temperature) of the sampled token (plain
 log softmax for greedy), the full-vocabulary distribution that the trainer recomputes by a
 teacher-forced forward; top-k / top-p only restrict what can be sampled. The drift between the
-two is what the trainer logs.
+two is what the trainer logs. A fault with scope 'causal' (faults/intercept.py) keeps its
+running statistic per site in the loop state next to the KV cache (`fault_state`), so cached
+decoding applies the fault that the trainer's teacher-forced forward applies.
 
 Randomness: sampling keys and fault keys are separate streams folded from the caller's keys
 and the token index, so a fault's noise at token t does not depend on how sampling used its
@@ -30,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from aqn_jax import parallel
-from aqn_jax.faults.intercept import FaultPlan
+from aqn_jax.faults.intercept import STATE_COLLECTION, STATS_COLLECTION, FaultPlan
 from aqn_jax.models.qwen2 import KVCache, Qwen2ForCausalLM, init_cache
 
 NEG_INF = -1e30  # masks logits that may never be sampled (finite: no NaN in log-softmax)
@@ -223,17 +225,22 @@ class Sampler:
             cache,
         )
 
-    def _forward(self, weights, ids, mask, cache, fault_key, values):
+    def _forward(self, weights, ids, mask, cache, fault_state, fault_key, values):
+        """One prefill or decode step. fault_state: the running statistics of causal-scope
+        faults (`faults.intercept`), carried next to the KV cache ({} before the prefill)."""
+        variables = {"params": weights}
+        if fault_state:
+            variables[STATE_COLLECTION] = fault_state
         with self.plan.apply(self.phase, key=fault_key, values=values):
             (logits, cache), state = self.model.apply(
-                {"params": weights},
+                variables,
                 ids,
                 attention_mask=mask,
                 cache=cache,
                 last_only=True,  # only the next token's logits are needed
-                mutable=["fault_stats"],
+                mutable=[STATS_COLLECTION, STATE_COLLECTION],
             )
-        return logits, cache, state.get("fault_stats", {})
+        return logits, cache, state.get(STATS_COLLECTION, {}), state.get(STATE_COLLECTION, {})
 
     def _generate(self, weights, input_ids, attention_mask, keys, cache, values):
         self.traces += 1
@@ -250,13 +257,14 @@ class Sampler:
             mask=jnp.zeros_like(cache.mask),
             end=jnp.zeros((), jnp.int32),
         )
-        logits, cache, stats = self._forward(
-            weights, input_ids, attention_mask, cache, jax.random.fold_in(fault_key, 0), values
+        logits, cache, stats, fault_state = self._forward(
+            weights, input_ids, attention_mask, cache, {}, jax.random.fold_in(fault_key, 0), values
         )
         T = sp.max_new_tokens
         state = dict(
             t=jnp.zeros((), jnp.int32),
             cache=cache,
+            fault_state=fault_state,
             logits=logits[:, -1],  # left padding: the last slot is every prompt's last token
             tokens=jnp.full((rows, T), sp.pad_id, jnp.int32),
             logprobs=jnp.zeros((rows, T), jnp.float32),
@@ -286,17 +294,19 @@ class Sampler:
             mask = s["mask"].at[:, t].set(live.astype(jnp.int32))
             done = s["done"] | (token == sp.eos_id)
             # Finished rows feed padding (mask 0): their slots stay invalid in the cache.
-            logits, cache, stats = self._forward(
+            logits, cache, stats, fault_state = self._forward(
                 weights,
                 token[:, None],
                 live[:, None].astype(jnp.int32),
                 s["cache"],
+                s["fault_state"],
                 jax.random.fold_in(fault_key, t + 1),
                 values,
             )
             return dict(
                 t=t + 1,
                 cache=cache,
+                fault_state=fault_state,
                 logits=logits[:, -1],
                 tokens=tokens,
                 logprobs=logprobs,
