@@ -18,6 +18,7 @@ from aqn_jax.faults.intercept import (
     NormWeightNoise,
     Quantize,
     Scale,
+    fault_trial,
     step_key,
     summarize_stats,
 )
@@ -393,3 +394,74 @@ def test_mxfp4_on_all_linear_inputs_reports_error():
     assert np.abs(logits - clean).max() > 1e-3
     assert 0.01 < stats["q.rel_err/mean"] < 0.5
     assert len([k for k in stats if k.startswith("q.rel_err/layers_")]) == 28
+
+
+# --- a transform is a function: a new fault needs no change to the interceptor -----------------
+class _ScaleBy:
+    """A fault the interceptor has never seen: x * factor, reporting the site and a key draw."""
+
+    level = "value"
+
+    def __init__(self, factor):
+        self.factor = factor
+
+    def __call__(self, x, ctx):
+        ctx.sow("mean_abs", jnp.mean(jnp.abs(x)))
+        ctx.sow("key_draw", jax.random.uniform(ctx.key))
+        return x * self.factor
+
+    def describe(self):
+        return f"scale_by({self.factor})"
+
+
+class _ZeroOp:
+    """An op-level fault the interceptor has never seen: the module's output replaced by 0."""
+
+    level = "op"
+
+    def __call__(self, module, args, ctx):
+        ctx.sow("hit", jnp.float32(1.0))
+        return jnp.zeros(args[0].shape[:-1] + (module.features,), args[0].dtype)
+
+    def describe(self):
+        return "zero_op"
+
+
+def test_a_new_transform_is_one_function_object():
+    plan = FaultPlan(
+        [inj("x3", ("layer",), _ScaleBy(3.0), (1,)), inj("z", ("o_proj",), _ZeroOp(), (2,))]
+    )
+    _, clean = run(FaultPlan([]), capture=True)
+    _, faulty = run(plan, capture=True)
+    np.testing.assert_array_equal(layer_out(faulty, 0), layer_out(clean, 0))
+    np.testing.assert_array_equal(layer_out(faulty, 1), 3.0 * layer_out(clean, 1))
+    o_proj = np.asarray(faulty["intermediates"]["layers_2"]["self_attn"]["o_proj"]["__call__"][0])
+    np.testing.assert_array_equal(o_proj, 0.0)
+    stats = summarize_stats(faulty["fault_stats"])
+    np.testing.assert_allclose(
+        stats["x3.mean_abs/layers_1"], np.abs(layer_out(clean, 1)).mean(), rtol=1e-6
+    )
+    assert (
+        0.0 <= stats["x3.key_draw/layers_1"] < 1.0 and stats["z.hit/layers_2/self_attn/o_proj"] == 1
+    )
+    assert plan.manifest["train"] == {
+        "x3": ["layers_1/layer:output"],
+        "z": ["layers_2/o_proj:output"],
+    }
+
+
+def test_fault_trial_redraws_noise_and_restores_the_outer_trial():
+    plan = FaultPlan([inj("n", ("layer",), Noise("absolute_gaussian", Scale(0.5)), (1,))])
+    dz = FaultPlan([inj("dz", ("layer",), Deadzone(0.3), (1,))])
+    plain, _ = run(plan)
+    with fault_trial(0):
+        zero, _ = run(plan)
+        with fault_trial(1):
+            one, _ = run(plan)
+            dz_one, _ = run(dz)
+        zero_again, _ = run(plan)
+    after, _ = run(plan)
+    np.testing.assert_array_equal(zero, zero_again)  # the inner trial ended
+    np.testing.assert_array_equal(plain, after)  # outside any trial: keys unchanged
+    assert np.abs(zero - one).max() > 1e-3 and np.abs(plain - zero).max() > 1e-3
+    np.testing.assert_array_equal(dz_one, run(dz)[0])  # a deterministic fault: no redraw
