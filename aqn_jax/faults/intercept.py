@@ -222,7 +222,9 @@ class Deadzone:
     """|x| < threshold * amax -> 0 (see `ops.deadzone`); with severity='quantile' the
     `threshold` smallest fraction of |x| -> 0 instead. `reuse_threshold`: when an earlier
     deadzone ran at the same site and point, reuse its absolute threshold (the original
-    `DeadzoneMatMul` re-applies the pre-noise threshold after adding noise)."""
+    `DeadzoneMatMul` re-applies the pre-noise threshold after adding noise). `scope` (with
+    granularity='tensor'): call | causal (amax only; `ops.causal_amax`, carried across cached
+    decode calls) | token (the per-token statistic); see the module docstring."""
 
     threshold: float
     granularity: str = "tensor"
