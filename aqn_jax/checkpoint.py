@@ -1,5 +1,8 @@
 """Orbax checkpoints of an RL run: train state (params, optimizer state, step) + JSON metadata
 (data position, config, metrics so far), every N steps and at the end, keeping the latest K.
+Around them: the check that a resumed run keeps its config (`check_resume_config`), the
+sanity check before a save (`check_sane`) and the SIGTERM request for a last save
+(`Preemption`).
 
 Saves are atomic in Orbax (a step directory appears only once complete), so an interrupted
 save is never picked up by `latest_step`.
@@ -7,11 +10,15 @@ save is never picked up by `latest_step`.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
+import signal
 import time
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 CHECKPOINT_DIR = "checkpoints"
@@ -110,3 +117,122 @@ class Checkpointer:
     def close(self) -> None:
         self.manager.wait_until_finished()
         self.manager.close()
+
+
+# Fields a resumed run may change: where things go and how often they are saved or reported,
+# never what is trained. Anything else changed against the workdir's config.json is refused.
+RESUME_FREE = ("checkpoint.every", "checkpoint.keep", "sft.cache_dir", "resume_override")
+RESUME_FREE_SECTIONS = ("distributed.", "planner.", "compare.", "evaluate.")
+
+
+def _flat(tree, prefix=""):
+    out = {}
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def check_resume_config(config, workdir: str) -> dict:
+    """A workdir with checkpoints is resumed only under the config it was started with.
+    Returns the changed fields {path: (old, new)} when `config.resume_override` allows them;
+    raises ValueError naming them otherwise. No checkpoint: nothing to check."""
+    ckpt_dir = os.path.join(workdir, "checkpoints")
+    path = os.path.join(workdir, "config.json")
+    has_ckpt = os.path.isdir(ckpt_dir) and any(n.isdigit() for n in os.listdir(ckpt_dir))
+    if not has_ckpt or not os.path.isfile(path):
+        return {}
+    with open(path) as f:
+        try:
+            old = _flat(json.load(f))
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: unreadable ({e}); the run cannot be resumed safely") from e
+    new = _flat(json.loads(config.to_json_best_effort()))
+    # A field the workdir's config.json lacks is new in this version (its default applies):
+    # not a change the user made. Both sides come from to_json_best_effort (tuples as lists).
+    changed = {
+        k: (old[k], new[k])
+        for k in sorted(old)
+        if k in new
+        and old[k] != new[k]
+        and k not in RESUME_FREE
+        and not k.startswith(RESUME_FREE_SECTIONS)
+    }
+    if changed and not config.get("resume_override", False):
+        shown = ", ".join(f"config.{k}: {a!r} -> {b!r}" for k, (a, b) in list(changed.items())[:6])
+        more = f" (+{len(changed) - 6} more)" if len(changed) > 6 else ""
+        raise ValueError(
+            f"{workdir} holds checkpoints of a run with another config: {shown}{more}; resume"
+            " with the same config, use another --workdir, or pass"
+            " --config.resume_override=True to continue with the new values (recorded in"
+            " config_overrides.jsonl)"
+        )
+    return changed
+
+
+def record_override(workdir: str, changes: dict) -> None:
+    """Append the fields a resumed run changed (`check_resume_config`) to config_overrides.jsonl."""
+    row = {
+        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "changed": {k: {"from": a, "to": b} for k, (a, b) in changes.items()},
+    }
+    with open(os.path.join(workdir, "config_overrides.jsonl"), "a") as f:
+        f.write(json.dumps(row, default=str) + "\n")
+    print(f"resume with a changed config (override, recorded): {sorted(changes)}")
+
+
+class Preemption:
+    """SIGTERM (a preempted job) asks for a final checkpoint after the current step."""
+
+    def __init__(self):
+        self.requested = False
+        self._previous = None
+        # Not possible off the main thread (e.g. a test runner's worker): then no handler.
+        with contextlib.suppress(ValueError):
+            self._previous = signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum, frame):
+        self.requested = True
+
+    def close(self) -> None:
+        """Give SIGTERM back to whoever had it: after the loop a SIGTERM must not be swallowed
+        (the compare job's evaluation, a worker process asked to exit)."""
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+            self._previous = None
+
+
+@jax.jit
+def _state_health(state):
+    """(every float of params and optimizer state finite, max |param|), in one program."""
+
+    def floats(tree):
+        return [x for x in jax.tree_util.tree_leaves(tree) if jnp.issubdtype(x.dtype, jnp.floating)]
+
+    finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in floats(state)]))
+    return finite, jnp.max(jnp.stack([jnp.max(jnp.abs(x)) for x in floats(state.params)]))
+
+
+def check_sane(step: int, state, metrics, trainer_cfg) -> None:
+    """Before a checkpoint is written: a diverged state stops the run, naming the step, and
+    nothing is saved (the previous checkpoint stays the latest)."""
+    finite, params_max = _state_health(state)
+    problems = []
+    if not bool(finite):
+        problems.append("non-finite params or optimizer state")
+    grad = float(metrics.get("actor/grad_norm", 0.0))
+    bound = float(trainer_cfg.get("max_grad_norm", 0) or 0)
+    if bound and not grad <= bound:
+        problems.append(f"actor/grad_norm={grad:.4g} > config.trainer.max_grad_norm={bound:g}")
+    bound = float(trainer_cfg.get("max_param_abs", 0) or 0)
+    if bound and not float(params_max) <= bound:
+        problems.append(
+            f"max |param| = {float(params_max):.4g} > config.trainer.max_param_abs={bound:g}"
+        )
+    if problems:
+        raise FloatingPointError(
+            f"RL step {step}: not saved: {'; '.join(problems)} (the run diverged: lower"
+            " config.actor.lr, or raise the bound if this is expected)"
+        )

@@ -1,5 +1,5 @@
 """Robustness evaluation of a policy: test-split accuracy under a matrix of device conditions,
-and the held-out loss (seed 001's metric) with the fault off and on.
+and the held-out loss (the original design notes' metric) with the fault off and on.
 
 Conditions (`config.evaluate`): the hardware fault of `config.faults` off / on, crossed with a
 perturbation of every decoder linear: none, relative Gaussian noise on the outputs
@@ -31,16 +31,15 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from aqn_jax.data.gsm8k import Example
+from aqn_jax.data.gsm8k import Example, left_pad
 from aqn_jax.data.tokenizers import Tokenizer
-from aqn_jax.diagnosis.srdd import hardware_plan
+from aqn_jax.faults.hardware import hardware_plan
 from aqn_jax.faults.intercept import FaultPlan, Injection, Noise, Quantize, Scale, step_key
 from aqn_jax.faults.sites import LINEAR_KINDS, SiteSelector
 from aqn_jax.models.qwen2 import Qwen2Config, Qwen2ForCausalLM
 from aqn_jax.rewards import score_batch
 from aqn_jax.rl.sampler import Sampler, SamplingParams
 from aqn_jax.rl.sft import sft_sequences
-from aqn_jax.rl.trainer import evaluate
 
 EVAL_NOISE = "eval_noise"  # the traced relative-noise level of the noise conditions
 
@@ -126,7 +125,7 @@ def condition_plan(hw: FaultPlan, fault: bool, kind: str) -> FaultPlan:
 
 def robustness(
     config,
-    model_config: Qwen2Config,
+    model_cfg: Qwen2Config,
     params,
     tokenizer: Tokenizer,
     examples: Sequence[Example],
@@ -139,11 +138,11 @@ def robustness(
     ev = config.evaluate
     check_evaluate(ev)
     t0 = time.perf_counter()
-    n_layers = model_config.num_hidden_layers
+    n_layers = model_cfg.num_hidden_layers
     hw = hardware_plan(config, n_layers)
-    gen = Qwen2ForCausalLM(dataclasses.replace(model_config, remat=False))
-    if jnp.dtype(model_config.dtype) != jnp.dtype(model_config.param_dtype):
-        params = jax.tree_util.tree_map(lambda x: x.astype(model_config.dtype), params)
+    gen = Qwen2ForCausalLM(dataclasses.replace(model_cfg, remat=False))
+    if jnp.dtype(model_cfg.dtype) != jnp.dtype(model_cfg.param_dtype):
+        params = jax.tree_util.tree_map(lambda x: x.astype(model_cfg.dtype), params)
     samples = int(ev.samples)
     sp = SamplingParams(
         max_new_tokens=int(config.rollout.max_new_tokens),
@@ -168,7 +167,7 @@ def robustness(
                 lambda plan=plan: Sampler(gen, sp, plan, buckets, phase="eval", mesh=mesh),
             )
         values = {EVAL_NOISE: np.float32(cond.level)} if cond.kind == "noise" else {}
-        scores = evaluate(
+        scores = eval_scores(
             samplers[key],
             params,
             examples,
@@ -193,7 +192,7 @@ def robustness(
         faults = (ev.fault,) if isinstance(ev.fault, bool) else tuple(ev.fault)
         out["loss"] = {
             ("fault" if f else "clean"): heldout_loss(
-                Qwen2ForCausalLM(model_config),
+                Qwen2ForCausalLM(model_cfg),
                 params,
                 hw if f else FaultPlan(),
                 examples,
@@ -205,6 +204,52 @@ def robustness(
         }
     out["wall_time_s"] = time.perf_counter() - t0
     return out
+
+
+def eval_scores(
+    sampler: Sampler,
+    params,
+    examples: Sequence[Example],
+    tokenizer: Tokenizer,
+    batch_size: int,
+    max_prompt_len: int,
+    fault_key=None,
+    values=None,
+    key=None,
+    texts: list[str] | None = None,
+) -> np.ndarray:
+    """verl scores (strict `####`) of `sampler`'s completions for every example, in order
+    (the last batch padded with repeats of its first prompt, which are dropped); with
+    `sampler.params.n > 1` each example's score is the mean over its n samples (mean@n).
+    `texts`, when given, receives the decoded completions (n per example, in order)."""
+    n = sampler.params.n
+    scores = []
+    for start in range(0, len(examples), batch_size):
+        chunk = list(examples[start : start + batch_size])
+        real = len(chunk)
+        chunk += [chunk[0]] * (batch_size - real)
+        ids = [tokenizer.encode_chat(ex.prompt_messages) for ex in chunk]
+        width = max(len(i) for i in ids)
+        if width > max_prompt_len:
+            raise ValueError(
+                f"a validation prompt has {width} tokens > config.rollout.max_prompt_len="
+                f"{max_prompt_len}"
+            )
+        arr, mask = left_pad(ids, tokenizer.pad_id, width)
+        k = jax.random.key(0) if key is None else jax.random.fold_in(key, start)
+        out = sampler(
+            params, arr, mask, k, fault_key=k if fault_key is None else fault_key, values=values
+        )
+        texts_of_batch = [
+            tokenizer.decode(t[m > 0]) for t, m in zip(out.tokens, out.response_mask, strict=True)
+        ]
+        truths = [ex.ground_truth for ex in chunk[:real] for _ in range(n)]
+        decoded = texts_of_batch[: real * n]
+        s = score_batch(decoded, truths).reshape(real, n).mean(axis=1)
+        scores.extend(s.tolist())
+        if texts is not None:
+            texts.extend(decoded)
+    return np.asarray(scores, np.float32)
 
 
 def greedy_sampling(config, tokenizer: Tokenizer) -> SamplingParams:
@@ -219,7 +264,7 @@ def greedy_sampling(config, tokenizer: Tokenizer) -> SamplingParams:
 
 
 def prompt_dependence(
-    config, model_config: Qwen2Config, params, tokenizer: Tokenizer, size: int = 0
+    config, model_cfg: Qwen2Config, params, tokenizer: Tokenizer, size: int = 0
 ) -> dict[str, Any]:
     """Does the policy read its prompt? On the embedded task's test split, no fault, greedy:
     - `acc`: accuracy on the first `size` problems (0 = config.trainer.val_size);
@@ -240,7 +285,7 @@ def prompt_dependence(
         )
     task = task_of(config.data)
     size = int(size or config.trainer.val_size)
-    gen = Qwen2ForCausalLM(dataclasses.replace(model_config, remat=False))
+    gen = Qwen2ForCausalLM(dataclasses.replace(model_cfg, remat=False))
     sp = greedy_sampling(config, tokenizer)
     buckets = tuple(int(b) for b in config.rollout.prompt_buckets)
     sampler = _program(
@@ -253,12 +298,12 @@ def prompt_dependence(
     texts: list[str] = []
     examples = task.examples("test", size)
     out["acc"] = float(
-        np.mean(evaluate(sampler, params, examples, tokenizer, bs, limit, texts=texts))
+        np.mean(eval_scores(sampler, params, examples, tokenizer, bs, limit, texts=texts))
     )
     redrawn = task.redrawn("test", size)
     texts_redrawn: list[str] = []
     out["acc_redrawn"] = float(
-        np.mean(evaluate(sampler, params, redrawn, tokenizer, bs, limit, texts=texts_redrawn))
+        np.mean(eval_scores(sampler, params, redrawn, tokenizer, bs, limit, texts=texts_redrawn))
     )
     changed = [
         i
@@ -288,7 +333,7 @@ def heldout_loss(
     fault_key,
 ) -> float:
     """Token-mean cross-entropy of the worked solutions (+ EOS) given the prompts, on the device
-    of `plan` (phase 'eval'): the loss of seed 001's table."""
+    of `plan` (phase 'eval'): the loss of the original design notes' table."""
     data = sft_sequences(examples, tokenizer)
 
     def make():

@@ -3,14 +3,14 @@
 `configs/<arm>.py` files are thin wrappers (`arm_config(name, arg)`), so that the `compare`
 job and the tests build exactly the configs the command line runs.
 
-Arms (seed 000's design, on a deadzone at the middle layer; `config.study_fault` names the
-fault the arms share: `deadzone` by default, `noise` for seed 002's study):
+Arms (the original design notes: a deadzone at the middle layer; `config.study_fault` names the
+fault the arms share: `deadzone` by default, `noise` for the original design notes' study):
   clean        no fault, no AQN (the upper bound)
   deadzone     the fault, no AQN (the lower bound; in a noise study: the noise, no AQN)
   global_aqn   the fault, AQN on every layer (the config's schedule: epoch_aware by default)
   global_qerl  the fault, AQN on every layer with QeRL's global decay (schedule 'qerl')
   targeted     the fault, AQN only on the layers SRDD locates (aqn.layers='located')
-  healthy      the fault, AQN on every layer but the faulty one (the control of seed 001)
+  healthy      the fault, AQN on every layer but the faulty one (the original notes' control)
   srdd_guided  the fault, AQN on every layer at SRDD's per-layer sigma map (aqn.layers='srdd')
 """
 
@@ -20,131 +20,131 @@ from aqn_jax.data.config import data_config
 from aqn_jax.diagnosis.srdd import diagnosis_config
 from aqn_jax.evaluation import evaluate_config
 from aqn_jax.faults.config import aqn_config, faults_config
-from aqn_jax.jobs.pretrain import sft_config
 from aqn_jax.models.factory import model_section
 from aqn_jax.parallel import distributed_config, mesh_config
 from aqn_jax.planner import planner_config
+from aqn_jax.warm_start import sft_config
 
 FAULT_LAYER = 4  # the middle of the tiny model's 8 layers
 
 
 def base_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config = ml_collections.ConfigDict()
-    config.job = "train"
+    config.job = "train"  # the job to run (aqn_jax/jobs/<job>.py): train | compare | evaluate | ...
     config.arm = "clean"  # the study arm (apply_arm); informational in the run's outputs
     # The fault every arm but clean runs on: deadzone (config.faults.deadzone) | noise
-    # (config.faults.noise: seed 002's hardware error model).
-    config.study_fault = "deadzone"
-    config.seed = 0
+    # (config.faults.noise: the original design notes' hardware error model).
+    config.study_fault = "deadzone"  # deadzone | noise
+    config.seed = 0  # RL seed: data order, sampling, fault noise (int; the study uses 0-4)
     # Resuming a workdir whose checkpoints were made under another config is refused, naming
     # the changed fields; True continues with the new values (recorded in
     # config_overrides.jsonl).
-    config.resume_override = False
+    config.resume_override = False  # bool
 
     config.model = model_section()  # preset tiny, or a local HF snapshot in hf_path
     config.tokenizer_path = ""  # '' = the embedded character tokenizer (or hf_path's)
 
-    config.data = data_config()
+    config.data = data_config()  # data paths or the embedded task (aqn_jax/data/config.py)
     # One operation on one-digit amounts, split by question text: under 200 distinct equations,
     # so a chain split would ask the tiny model to infer arithmetic facts it never saw (0.34 test
     # vs 0.94 train accuracy after SFT); a question split asks it to read the story's numbers
     # and operation (aqn_jax/data/arithmetic.py; WORKSPACE.md, issue 14).
-    config.data.task.digits = 1
-    config.data.task.steps = 1
-    config.data.task.split_by = "question"
-    config.data_batch = ml_collections.ConfigDict()
+    config.data.task.digits = 1  # digits of the task's amounts (1-4)
+    config.data.task.steps = 1  # operations per problem (1-4)
+    config.data.task.split_by = "question"  # question | chain: what train and test never share
+    config.data_batch = ml_collections.ConfigDict()  # the RL batch
     config.data_batch.prompts = 16  # prompts per RL step (verl train_batch_size)
 
     # The warm start (cached; this setting's result ships in aqn_jax/assets, made by
     # configs/warm_start.py): every train problem, 600 steps of 32, loss ~0.015.
-    config.sft = sft_config()
-    config.sft.steps = 600
-    config.sft.batch_size = 32
-    config.sft.examples = 4096
+    config.sft = sft_config()  # the SFT warm start (aqn_jax/warm_start.py)
+    config.sft.steps = 600  # optimizer steps
+    config.sft.batch_size = 32  # sequences per step
+    config.sft.examples = 4096  # train examples used (the first N)
     config.sft.seed = 0  # one warm start whatever config.seed (the model a researcher brings)
 
-    config.rollout = ml_collections.ConfigDict()
+    config.rollout = ml_collections.ConfigDict()  # generation (verl actor_rollout_ref.rollout)
     config.rollout.n = 5  # samples per prompt (GRPO group)
-    config.rollout.temperature = 1.0
-    config.rollout.top_k = 0
-    config.rollout.top_p = 1.0
+    config.rollout.temperature = 1.0  # sampling temperature (1.0; 0 = greedy)
+    config.rollout.top_k = 0  # 0 = off
+    config.rollout.top_p = 1.0  # nucleus mass (1.0 = off)
     config.rollout.max_new_tokens = 24  # answers are ~17 characters + EOS
     # The task's chat prompts are 24-69 characters long (mean 38): one bucket of 72 pads far
     # less than 96 would (every RL row is bucket + max_new_tokens; WORKSPACE.md, issue 8).
-    config.rollout.max_prompt_len = 72
-    config.rollout.prompt_buckets = (72,)
+    config.rollout.max_prompt_len = 72  # tokens; longer train prompts are dropped
+    config.rollout.prompt_buckets = (72,)  # padded prompt widths, tokens (one program each)
 
-    config.algo = ml_collections.ConfigDict()
+    config.algo = ml_collections.ConfigDict()  # the RL objective (verl algorithm / actor)
     config.algo.estimator = "grpo"  # grpo | drgrpo | gae (PPO with a critic)
-    config.algo.clip_ratio_low = 0.2
-    config.algo.clip_ratio_high = 0.2
+    config.algo.clip_ratio_low = 0.2  # PPO ratio clip below 1 (0.2)
+    config.algo.clip_ratio_high = 0.2  # PPO ratio clip above 1 (0.2; DAPO 0.28)
     config.algo.clip_ratio_c = 3.0  # dual-clip
-    config.algo.loss_agg_mode = "token-mean"
-    config.algo.use_kl_loss = True
-    config.algo.kl_loss_coef = 0.001
+    config.algo.loss_agg_mode = "token-mean"  # how token losses average (rl/losses.AGG_MODES)
+    config.algo.use_kl_loss = True  # KL to the reference policy as a loss term (GRPO)
+    config.algo.kl_loss_coef = 0.001  # its weight (0.001)
     config.algo.kl_type = "low_var_kl"  # low_var_kl | kl | mse | abs
-    config.algo.use_kl_in_reward = False
+    config.algo.use_kl_in_reward = False  # KL as a per-token reward penalty (PPO)
     config.algo.kl_coef = 0.001  # KL-in-reward coefficient
-    config.algo.entropy_coeff = 0.0
-    config.algo.gamma = 1.0
-    config.algo.lam = 1.0
+    config.algo.entropy_coeff = 0.0  # entropy bonus weight (0 = none)
+    config.algo.gamma = 1.0  # GAE discount per token (1.0)
+    config.algo.lam = 1.0  # GAE lambda (1.0)
 
-    config.actor = ml_collections.ConfigDict()
+    config.actor = ml_collections.ConfigDict()  # the policy's optimizer and PPO batching
     # 3e-5: from the shipped warm start, 1e-4 lowered the clean device's greedy accuracy
     # (0.797 -> 0.719 in 12 steps; 0.832 -> 0.801 / 0.758 in 30) while 3e-5 held it (0.789)
     # and won back 10% of the fault's cost in 12 steps (WORKSPACE.md, issue 14).
-    config.actor.lr = 3e-5
-    config.actor.warmup_steps = 0
+    config.actor.lr = 3e-5  # AdamW learning rate
+    config.actor.warmup_steps = 0  # RL steps of linear warmup
     config.actor.schedule = "constant"  # constant | warmup_constant | cosine
-    config.actor.weight_decay = 0.01
-    config.actor.grad_clip = 1.0
-    config.actor.ppo_epochs = 1
+    config.actor.weight_decay = 0.01  # decoupled AdamW weight decay
+    config.actor.grad_clip = 1.0  # global-norm clip (0 = off)
+    config.actor.ppo_epochs = 1  # passes over each RL batch
     config.actor.mini_batch_prompts = 8  # PPO mini-batch, in prompts (x n rows)
     config.actor.micro_batch_rows = 40  # gradient-accumulation chunk, in rows
 
     config.critic = ml_collections.ConfigDict()  # used by estimator='gae'
-    config.critic.lr = 1e-4
-    config.critic.lr_warmup_steps = 0
-    config.critic.schedule = "constant"
-    config.critic.weight_decay = 0.01
-    config.critic.grad_clip = 1.0
-    config.critic.cliprange_value = 0.5
+    config.critic.lr = 1e-4  # AdamW learning rate
+    config.critic.lr_warmup_steps = 0  # RL steps of linear warmup
+    config.critic.schedule = "constant"  # constant | warmup_constant | cosine
+    config.critic.weight_decay = 0.01  # decoupled AdamW weight decay
+    config.critic.grad_clip = 1.0  # global-norm clip (0 = off)
+    config.critic.cliprange_value = 0.5  # value clip around the old values (0.5)
     config.critic.warmup_steps = 0  # RL steps that update only the critic
     config.critic.faults = False  # run the hardware faults in the critic too
 
-    config.trainer = ml_collections.ConfigDict()
-    config.trainer.total_steps = 30
+    config.trainer = ml_collections.ConfigDict()  # the loop
+    config.trainer.total_steps = 30  # RL steps (used when total_epochs = 0)
     config.trainer.total_epochs = 0  # > 0: this many passes over the train split instead
     config.trainer.val_every = 10  # 0 = only at the start and the end
     config.trainer.val_size = 256  # test examples per validation
-    config.trainer.val_batch_size = 64
+    config.trainer.val_batch_size = 64  # prompts per validation batch
     # Checked before every save (no checkpoint of a diverged run): params and optimizer state
     # finite, the pre-clip gradient norm <= max_grad_norm (the embedded runs stay under 10),
     # every |param| <= max_param_abs. 0 turns a bound off.
-    config.trainer.max_grad_norm = 1e4
-    config.trainer.max_param_abs = 1e4
+    config.trainer.max_grad_norm = 1e4  # pre-clip actor gradient norm bound
+    config.trainer.max_param_abs = 1e4  # |param| bound
 
-    config.checkpoint = ml_collections.ConfigDict()
+    config.checkpoint = ml_collections.ConfigDict()  # Orbax checkpoints under <workdir>/checkpoints
     config.checkpoint.every = 0  # 0 = only at the end
-    config.checkpoint.keep = 2
+    config.checkpoint.keep = 2  # the latest N kept
 
-    config.mesh = mesh_config()
+    config.mesh = mesh_config()  # devices as (data, fsdp, tensor) (aqn_jax/parallel.py)
     config.distributed = distributed_config()  # several hosts (launch/*.py set it)
     config.planner = planner_config()  # per-device memory plan, checked before compiling
-    config.diagnosis = diagnosis_config()
+    config.diagnosis = diagnosis_config()  # SRDD (aqn_jax/diagnosis/srdd.py)
     config.evaluate = evaluate_config()  # job `evaluate` (the robustness matrix)
 
-    config.faults = faults_config()
-    config.faults.deadzone.layers = str(FAULT_LAYER)
+    config.faults = faults_config()  # the simulated hardware (aqn_jax/faults/config.py)
+    config.faults.deadzone.layers = str(FAULT_LAYER)  # the faulty layer
     # The operating point, chosen from the measured severity curve of the shipped warm start
     # (configs/severity.py; WORKSPACE.md, issue 14): flushing the 75% smallest |h| of layer 4's
     # output takes greedy accuracy 0.832 -> 0.508 and the held-out loss 0.033 -> 0.62, a cost
     # RL can win back from (0.9 leaves 0.105; the seed's 0.01 of the max flushes 5%, no cost).
-    config.faults.deadzone.severity = "quantile"
-    config.faults.deadzone.quantile = 0.75
-    config.aqn = aqn_config()
-    config.aqn.schedule = "epoch_aware"
-    config.aqn.num_epochs = 2
+    config.faults.deadzone.severity = "quantile"  # amax | quantile
+    config.faults.deadzone.quantile = 0.75  # fraction of |h| flushed
+    config.aqn = aqn_config()  # the treatment: AQN noise (aqn_jax/faults/config.py)
+    config.aqn.schedule = "epoch_aware"  # qerl | epoch_aware | constant | linear | cosine
+    config.aqn.num_epochs = 2  # epochs of the epoch-aware decay
 
     if arg == "smoke":
         shrink(config)
@@ -172,7 +172,8 @@ def shrink(config: ml_collections.ConfigDict) -> None:
 
 
 STUDY_ARMS = ("clean", "deadzone", "global_aqn", "targeted", "healthy", "srdd_guided")
-ARMS = (*STUDY_ARMS, "global_qerl")  # global_qerl: seed 002's baseline (configs/compare.py)
+# global_qerl: the baseline of the original design notes (configs/compare.py)
+ARMS = (*STUDY_ARMS, "global_qerl")
 STUDY_FAULTS = ("deadzone", "noise")
 
 

@@ -25,6 +25,8 @@ from typing import Any
 
 import jax
 
+from aqn_jax.files import write_atomic
+
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
 PREVIOUS_DIR = "previous"
@@ -111,11 +113,7 @@ def open_run(
 
 
 def _write_rows(path: str, rows) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
-    os.replace(tmp, path)
+    write_atomic(path, "".join(json.dumps(row) + "\n" for row in rows))
 
 
 def _move_aside(workdir: str, log) -> None:

@@ -20,6 +20,7 @@ where an array is not fully addressable). Only process 0 writes logs and reports
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import flax.linen as nn
@@ -44,8 +45,8 @@ DEFAULT_RULES = (
 def mesh_config() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.data = -1  # -1: all devices not used by the other axes
-    c.fsdp = 1
-    c.tensor = 1
+    c.fsdp = 1  # devices that shard params and rows (ZeRO-3 style)
+    c.tensor = 1  # devices that shard heads / mlp / vocab (Megatron style)
     return c
 
 
@@ -58,8 +59,8 @@ def distributed_config() -> ml_collections.ConfigDict:
     """
     c = ml_collections.ConfigDict()
     c.coordinator = ""  # 'host:port' of process 0
-    c.num_processes = 0
-    c.process_id = -1
+    c.num_processes = 0  # hosts (0 = from the coordinator or auto)
+    c.process_id = -1  # this host's index (-1 = auto)
     c.auto = False  # let JAX detect the cluster (TPU pod, Slurm, Open MPI)
     c.local_device_ids = ""  # e.g. '0,1' (GPUs this process uses); '' = all visible
     return c
@@ -159,6 +160,17 @@ def mesh_shape(mesh_cfg: Any, num_devices: int) -> tuple[int, int, int]:
             " the device count (or set one axis to -1)"
         )
     return tuple(sizes)
+
+
+def check_splits(mesh_cfg: Any, num_devices: int, sizes: Mapping[str, int]) -> None:
+    """Every row count in `sizes` ({what it is, as the error names it: rows}) must split over
+    the data x fsdp devices of `config.mesh`; raises naming the first that does not."""
+    data, fsdp, _ = mesh_shape(mesh_cfg, num_devices)
+    for what, rows in sizes.items():
+        if int(rows) % (data * fsdp):
+            raise ValueError(
+                f"{what} does not split over the data x fsdp = {data * fsdp} devices of config.mesh"
+            )
 
 
 def make_mesh(mesh_cfg: Any, devices=None) -> Mesh:

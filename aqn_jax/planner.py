@@ -85,7 +85,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from aqn_jax import parallel
-from aqn_jax.diagnosis.srdd import hardware_plan
+from aqn_jax.faults.hardware import hardware_plan
 from aqn_jax.models.qwen2 import Qwen2Config, Qwen2ForCausalLM, init_cache
 from aqn_jax.rl.optim import optimizer_of
 

@@ -1,12 +1,20 @@
-"""The run report: `report.md` with the training-curve plot (`training_curves.png`)."""
+"""The run report: `summary.json`'s content (`run_summary`), `report.md` with the
+training-curve plot (`training_curves.png`), and the closing lines a run prints."""
 
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import jax
 import numpy as np
+
+from aqn_jax import parallel
+from aqn_jax.diagnosis.srdd import sigmas_of
+from aqn_jax.faults.config import parse_layers
+from aqn_jax.models.factory import model_config
 
 
 def _series(rows: Sequence[Mapping[str, Any]], key: str):
@@ -83,3 +91,89 @@ def write_run_report(workdir: str, summary: Mapping[str, Any], rows) -> str:
         f.write("\n".join(lines))
     del png
     return path
+
+
+def run_summary(
+    config,
+    workdir: str,
+    plan,
+    diagnosis: Mapping[str, Any] | None,
+    history: Sequence[Mapping[str, Any]],
+    val: tuple[Mapping[str, float], Mapping[str, float], int],
+    steps: int,
+    sft_info: Mapping[str, Any],
+    t_start: float,
+) -> dict:
+    """The content of a train run's summary.json. `val`: (the validation at the start, the
+    last one, its size); `t_start`: the run's perf_counter at its start."""
+    val0, last_val, val_size = val
+    n_layers = model_layers(config)
+    aqn_inj = [inj for inj in plan.injections if inj.name == "aqn"]
+    aqn_layers = None
+    if aqn_inj:
+        layers = aqn_inj[0].sites.layers
+        aqn_layers = list(range(n_layers)) if layers == "all" else list(layers)
+    sigmas = None if diagnosis is None else sigmas_of(diagnosis)
+    return {
+        "name": os.path.basename(os.path.abspath(workdir)),
+        "fault_layers": fault_layers(config, n_layers),
+        "train_prompts_dropped": None,  # set by the train job
+        "srdd_located_layers": None if diagnosis is None else diagnosis["verdict"]["layers"],
+        "aqn_layers": aqn_layers,
+        "aqn_layer_sigmas": sigmas if config.aqn.layers == "srdd" else None,
+        "val_acc_start": val0["val-core/acc"],
+        "val_acc_clean_start": val0["val-clean/acc"],
+        "val_acc_end": last_val["val-core/acc"],
+        "val_acc_clean_end": last_val["val-clean/acc"],
+        # The fault's cost at the start (clean minus faulty device, same policy) and the share
+        # of it RL won back on the faulty device (None without a cost to win back).
+        "fault_gap_start": val0["val-clean/acc"] - val0["val-core/acc"],
+        "recovered": recovered(val0, last_val),
+        "val_size": val_size,
+        "steps": steps,
+        "final_reward_mean": float(
+            np.mean([h["critic/score/mean"] for h in history[-5:] if "critic/score/mean" in h])
+        ),
+        "sft": sft_info,
+        "wall_time_s": time.perf_counter() - t_start,
+        "devices": jax.device_count(),
+        "mesh": dict(
+            zip(parallel.AXES, parallel.mesh_shape(config.mesh, jax.device_count()), strict=True)
+        ),
+    }
+
+
+def print_summary(summary: Mapping[str, Any], report: str) -> None:
+    print(
+        f"val acc (faulty device): {summary['val_acc_start']:.3f} ->"
+        f" {summary['val_acc_end']:.3f};"
+        f" clean: {summary['val_acc_clean_end']:.3f}; SRDD located"
+        f" {summary['srdd_located_layers']}, fault at {summary['fault_layers']}"
+    )
+    if summary["recovered"] is not None:
+        print(
+            f"the fault cost {summary['fault_gap_start']:.3f} accuracy at the start (clean"
+            f" {summary['val_acc_clean_start']:.3f}, faulty {summary['val_acc_start']:.3f});"
+            f" RL won back {100 * summary['recovered']:.0f}% of it"
+        )
+    print(f"report: {report}")
+
+
+def recovered(start: Mapping[str, float], end: Mapping[str, float]) -> float | None:
+    """The share of the fault's cost at the start that RL won back on the faulty device."""
+    gap = start["val-clean/acc"] - start["val-core/acc"]
+    return (end["val-core/acc"] - start["val-core/acc"]) / gap if gap > 0 else None
+
+
+def model_layers(config) -> int:
+    return model_config(config.model).num_hidden_layers
+
+
+def fault_layers(config, n_layers: int) -> list[int]:
+    """The layers of the run's hardware fault (the deadzone's, else the noise's)."""
+    for name in ("deadzone", "noise"):
+        section = config.faults[name]
+        if section.enabled:
+            layers = parse_layers(section.layers, f"config.faults.{name}.layers", n_layers)
+            return list(range(n_layers)) if layers == "all" else list(layers)
+    return []

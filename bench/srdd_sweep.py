@@ -28,10 +28,9 @@ from common import check_load, cpu_description, record  # noqa: E402
 from aqn_jax.data.arithmetic import ArithmeticTask  # noqa: E402
 from aqn_jax.data.tokenizers import CharTokenizer  # noqa: E402
 from aqn_jax.diagnosis import analysis, srdd  # noqa: E402
-from aqn_jax.diagnosis.scans import make_scan  # noqa: E402
+from aqn_jax.diagnosis.scans import make_scan, swept_deadzone_plan  # noqa: E402
 from aqn_jax.faults.config import aqn_config, build_plan, faults_config  # noqa: E402
-from aqn_jax.faults.intercept import Deadzone, FaultPlan, Injection, step_key  # noqa: E402
-from aqn_jax.faults.sites import SiteSelector  # noqa: E402
+from aqn_jax.faults.intercept import step_key  # noqa: E402
 from aqn_jax.models.factory import init_params  # noqa: E402
 from aqn_jax.models.qwen2 import Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 from aqn_jax.rl.sft import sft_sequences, sft_train  # noqa: E402
@@ -68,16 +67,7 @@ def main() -> None:
     diag = srdd.diagnosis_config()
     n = cfg.num_hidden_layers
     keys = (step_key(0, 0, "eval"), jax.random.key(1))
-
-    plan = FaultPlan(
-        [
-            Injection(
-                "deadzone",
-                SiteSelector(("layer",), "all", "output"),
-                Deadzone(0.5, threshold_value="dz"),
-            )
-        ]
-    )
+    plan = swept_deadzone_plan("dz")
     scan = make_scan(model, plan, srdd.settings_from(diag))
     rows, hits = [], {}
     t0 = time.perf_counter()

@@ -9,8 +9,8 @@ global; report.md with plots and results.json.
       flush |h| < t * max|h|) | seed_regime (97% flushed, the seed's regime on a real LM)
       layer_early | layer_middle | layer_late (fault at layer 1 / 4 / 6) | two_layers (2 and 5)
       aqn_between | aqn_before_fault | aqn_norm_weight (AQN's form, targeted vs global_aqn)
-      noise_study | noise_study_5pct (seed 002: relative noise on every linear; arms deadzone
-      = the noise without AQN, global_qerl, global_aqn = epoch-aware)
+      noise_study | noise_study_5pct (the original design notes: relative noise on every
+      linear; arms deadzone = the noise without AQN, global_qerl, global_aqn = epoch-aware)
   python -m aqn_jax.launch --config=configs/compare.py:smoke           # 2 arms x 2 seeds, tiny
   python -m aqn_jax.launch --config=configs/compare.py:layer_late,smoke
 
@@ -37,7 +37,7 @@ evaluation on 128 problems with the fault:
 """
 
 from aqn_jax.experiment import base_config
-from aqn_jax.jobs.compare import compare_config
+from aqn_jax.study.config import compare_config
 
 VARIANTS = {
     "default": {},
@@ -57,11 +57,11 @@ VARIANTS = {
     "aqn_between": {"aqn_order": "between"},
     "aqn_before_fault": {"aqn_order": "before_fault"},
     "aqn_norm_weight": {"aqn_form": "norm_weight", "aqn_order": "after_fault"},
-    # Seed 002: relative noise on every linear output; no AQN vs QeRL's global decay vs
-    # epoch-aware; each policy evaluated with 0 / 5 / 10 / 20% noise on a clean device. On the
-    # shipped warm start 5% costs 0.016 accuracy (0.832 -> 0.816, inside the noise of 256
-    # problems) and 10% costs 0.078, seed 002's 8.7 points on Qwen2.5-1.5B at 5%: the study runs
-    # at 10%; noise_study_5pct keeps the seed's number.
+    # The original design notes: relative noise on every linear output; no AQN vs QeRL's
+    # global decay vs epoch-aware; each policy evaluated with 0 / 5 / 10 / 20% noise on a clean
+    # device. On the shipped warm start 5% costs 0.016 accuracy (0.832 -> 0.816, inside the
+    # noise of 256 problems) and 10% costs 0.078, the notes' 8.7 points on Qwen2.5-1.5B at 5%:
+    # the study runs at 10%; noise_study_5pct keeps the notes' number.
     "noise_study": {"study_fault": "noise", "noise_scale": "0.10"},
     "noise_study_5pct": {"study_fault": "noise", "noise_scale": "0.05"},
 }

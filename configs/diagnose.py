@@ -2,7 +2,7 @@
 
 Purpose: localise a hardware fault to its decoder layer from per-layer scans (instability,
 gain, kurtosis, min/max DC gain, dead fraction), and derive the per-layer AQN sigma map of
-seed 001 for SRDD-guided training.
+the original design notes for SRDD-guided training.
 
   python -m aqn_jax.launch --config=configs/diagnose.py
   python -m aqn_jax.launch --config=configs/diagnose.py --config.faults.deadzone.layers=6 \

@@ -1,7 +1,7 @@
 """Arm `healthy` of the embedded study (aqn_jax/experiment.py).
 
-The deadzone at layer 4 and AQN on every layer except it (seed 001's control: is targeted AQN's
-gain only 'not hurting the healthy layers'?).
+The deadzone at layer 4 and AQN on every layer except it (the original design notes' control:
+is targeted AQN's gain only 'not hurting the healthy layers'?).
 
   python -m aqn_jax.launch --config=configs/healthy.py
   python -m aqn_jax.launch --config=configs/healthy.py:smoke     # < 1 minute, a wiring check

@@ -14,7 +14,7 @@ runs/severity/severity.json and severity.md. Run time and the measured table: WO
 """
 
 from aqn_jax.experiment import base_config
-from aqn_jax.jobs.severity import severity_config
+from aqn_jax.study.config import severity_config
 
 
 def get_config(arg=None):

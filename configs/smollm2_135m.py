@@ -16,8 +16,9 @@ Then, with the snapshot path as the required field:
 
 Arguments: an arm of aqn_jax/experiment.py (clean | deadzone | global_aqn | targeted | healthy |
 srdd_guided | global_qerl: job train, a short SFT on the task's chat format, then GRPO) or
-`severity` (job severity: the seed 001 table, layers 5/10/15/20/25 x thresholds 0.001 / 0.01 /
-0.1 of the tensor max: flushed fraction, held-out loss on answer tokens, greedy accuracy);
+`severity` (job severity: the table of the original design notes, layers 5/10/15/20/25 x
+thresholds 0.001 / 0.01 / 0.1 of the tensor max: flushed fraction, held-out loss on answer
+tokens, greedy accuracy);
 `,smoke` shrinks either. `configs/model_summary.py --config.model.hf_path=...` prints the
 residual stream's per-layer profile (max 24,900 in channel 507 at the first token from layer
 11 on); `configs/diagnose.py` runs SRDD on it.
@@ -31,7 +32,7 @@ accuracy is 0 without a real SFT: the instruct model does not write '#### N' on 
 """
 
 from aqn_jax.experiment import ARMS, apply_arm, base_config
-from aqn_jax.jobs.severity import severity_config
+from aqn_jax.study.config import severity_config
 
 FAULT_LAYER = 15  # the seed's layer (of 30)
 

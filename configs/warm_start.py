@@ -14,7 +14,7 @@ changes the key: the run then trains and caches under runs/cache/ as before.
 """
 
 from aqn_jax.experiment import base_config
-from aqn_jax.jobs.pretrain import SHIPPED_DIR
+from aqn_jax.warm_start import SHIPPED_DIR
 
 
 def get_config(arg=None):

@@ -140,7 +140,7 @@ def test_variants_and_bad_input():
     with pytest.raises(ValueError, match="allowed: one of"):
         load_config("compare", "threshold_0.3")
 
-    from aqn_jax.jobs.compare import check_compare
+    from aqn_jax.study.config import check_compare
 
     bad = load_config("compare")
     bad.compare.arms = ("targeted", "random_aqn")
@@ -159,10 +159,10 @@ def test_variants_and_bad_input():
 def test_every_arm_validates_before_the_diagnosis_exists(tmp_path):
     """The default study (all 6 arms) and each sweep variant pass validation in an empty workdir
     (srdd_guided's sigma map and targeted's layers come from a diagnosis not yet made)."""
-    from aqn_jax.jobs.compare import run_config, validate
+    from aqn_jax.jobs.compare import check_config, run_config
 
     for variant in (None, "threshold_0.5", "seed_regime", "layer_early", "two_layers"):
-        validate(load_config("compare", variant), str(tmp_path))
+        check_config(load_config("compare", variant), str(tmp_path))
     config = load_config("compare")
     assert run_config(config, "srdd_guided", 3, str(tmp_path), None).aqn.layers == "srdd"
     diagnosis = {"verdict": {"layers": [2, 5]}}
@@ -178,7 +178,7 @@ def test_aqn_form_and_noise_study_variants(tmp_path):
     from aqn_jax.aqn import sigma_at
     from aqn_jax.faults.config import build_plan
     from aqn_jax.faults.intercept import Noise, NormWeightNoise
-    from aqn_jax.jobs.compare import run_config, validate
+    from aqn_jax.jobs.compare import check_config, run_config
     from aqn_jax.study.report import summarize
 
     diagnosis = {"verdict": {"layers": [4]}}
@@ -190,7 +190,7 @@ def test_aqn_form_and_noise_study_variants(tmp_path):
     for variant, names in expect.items():
         config = load_config("compare", variant)
         assert config.compare.arms == ("targeted", "global_aqn")
-        validate(config, str(tmp_path))
+        check_config(config, str(tmp_path))
         for arm, layers in (("targeted", (4,)), ("global_aqn", "all")):
             plan = build_plan(run_config(config, arm, 0, str(tmp_path), diagnosis), 8)
             assert [i.name for i in plan.injections] == names, (variant, arm)
@@ -211,7 +211,7 @@ def test_aqn_form_and_noise_study_variants(tmp_path):
     assert config.compare.arms == ("deadzone", "global_qerl", "global_aqn")
     assert tuple(config.evaluate.noise_levels) == (0.0, 0.05, 0.10, 0.20)
     assert load_config("compare", "noise_study_5pct").faults.noise.scale == 0.05
-    validate(config, str(tmp_path))
+    check_config(config, str(tmp_path))
     plans = {
         arm: build_plan(run_config(config, arm, 0, str(tmp_path), None), 8)
         for arm in config.compare.arms
@@ -237,16 +237,16 @@ def test_aqn_form_and_noise_study_variants(tmp_path):
     bad = load_config("compare", "noise_study")
     bad.compare.arms = ("deadzone", "targeted")
     with pytest.raises(ValueError, match="config.study_fault='noise'"):
-        validate(bad, str(tmp_path))
+        check_config(bad, str(tmp_path))
 
 
 def test_train_gives_sigterm_back():
     """train.run's preemption flag handler is removed when the loop ends: a compare worker (or the
     job, evaluating after training) must still stop on SIGTERM."""
-    from aqn_jax.jobs.train import _Preemption
+    from aqn_jax.checkpoint import Preemption
 
     before = signal.getsignal(signal.SIGTERM)
-    stop = _Preemption()
+    stop = Preemption()
     assert signal.getsignal(signal.SIGTERM) == stop._handle
     os.kill(os.getpid(), signal.SIGTERM)  # caught: only the flag is set
     assert stop.requested

@@ -10,10 +10,15 @@ import numpy as np
 import pytest
 
 from aqn_jax.diagnosis import analysis, srdd
-from aqn_jax.diagnosis.scans import ScanSettings, make_scan, scan_layers, scan_layers_naive
+from aqn_jax.diagnosis.scans import (
+    ScanSettings,
+    make_scan,
+    scan_layers,
+    scan_layers_naive,
+    swept_deadzone_plan,
+)
 from aqn_jax.faults.config import aqn_config, build_plan, faults_config, needs_srdd
-from aqn_jax.faults.intercept import Deadzone, FaultPlan, Injection, step_key
-from aqn_jax.faults.sites import SiteSelector
+from aqn_jax.faults.intercept import step_key
 from aqn_jax.models.factory import init_params
 from aqn_jax.models.qwen2 import Qwen2Config, Qwen2ForCausalLM
 
@@ -200,15 +205,7 @@ def test_localises_deadzone_at_every_layer(calibrated):
     is the single-layer fault exactly (checked against the static plan for one placement)."""
     model, params, ids, mask = calibrated
     diag = srdd.diagnosis_config()
-    plan = FaultPlan(
-        [
-            Injection(
-                "deadzone",
-                SiteSelector(("layer",), "all", "output"),
-                Deadzone(0.5, threshold_value="dz"),
-            )
-        ]
-    )
+    plan = swept_deadzone_plan("dz")
     scan = make_scan(model, plan, srdd.settings_from(diag))
     keys = (step_key(0, 0, "eval"), jax.random.key(1))
     hits, rows = 0, []

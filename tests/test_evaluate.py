@@ -8,20 +8,20 @@ import jax
 import numpy as np
 import pytest
 
-from aqn_jax.diagnosis.srdd import hardware_plan
 from aqn_jax.evaluation import (
     check_evaluate,
     condition_plan,
     conditions,
+    eval_scores,
     heldout_loss,
     robustness,
 )
+from aqn_jax.faults.hardware import hardware_plan
 from aqn_jax.faults.intercept import FaultPlan, step_key
 from aqn_jax.faults.sites import LINEAR_KINDS
 from aqn_jax.models.qwen2 import Qwen2ForCausalLM
 from aqn_jax.rl.sampler import Sampler, SamplingParams
 from aqn_jax.rl.sft import sft_loss, sft_sequences
-from aqn_jax.rl.trainer import evaluate
 
 from conftest import launch_cli, load_config
 
@@ -80,7 +80,7 @@ def test_matrix_agrees_with_validation_and_noise_zero_is_exact(sft_tiny):
     hw = hardware_plan(config, cfg.num_hidden_layers)
     for name, plan in (("clean", FaultPlan()), ("fault", hw)):
         sampler = Sampler(model, greedy, plan, (128,), phase="eval")
-        ref = evaluate(sampler, params, examples, tok, 8, 128, fault_key=key)
+        ref = eval_scores(sampler, params, examples, tok, 8, 128, fault_key=key)
         # noise level 0 through the traced-noise program equals no perturbation exactly.
         assert conds[name]["acc"] == pytest.approx(float(np.mean(ref)), abs=0)
     assert conds["clean"]["perturbation"] == "none" and conds["fault"]["fault"]

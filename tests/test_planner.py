@@ -23,7 +23,7 @@ from aqn_jax.models.hf import abstract_params
 from aqn_jax.models.qwen2 import Qwen2Config, Qwen2ForCausalLM, init_cache
 from aqn_jax.rl import losses
 from aqn_jax.rl.optim import adamw, lr_schedule
-from aqn_jax.rl.trainer import response_logits, token_logprobs
+from aqn_jax.rl.step import response_logits, token_logprobs
 
 from conftest import load_config
 

@@ -122,37 +122,35 @@ def test_generation_weights_are_bf16_and_match_the_traced_cast(snapshot):
 
     from aqn_jax.data.config import load_split
     from aqn_jax.faults.intercept import FaultPlan
-    from aqn_jax.jobs.pretrain import tokenizer_for
     from aqn_jax.models.factory import load_model
     from aqn_jax.models.qwen2 import Qwen2ForCausalLM
     from aqn_jax.parallel import make_mesh
-    from aqn_jax.rl.trainer import Trainer
+    from aqn_jax.rl import step as rl_step
+    from aqn_jax.rl.trainer import Trainer, prompt_batcher
+    from aqn_jax.warm_start import tokenizer_for
 
     config = load_config("gsm8k_qwen2p5_1p5b", "clean")
     config.model.hf_path = snapshot["model"]
     config.data.train_path, config.data.test_path = snapshot["train"], snapshot["test"]
     config.data_batch.prompts, config.rollout.n = 4, 2
     config.actor.mini_batch_prompts, config.actor.micro_batch_rows = 2, 2
-    qcfg, params = load_model(config.model, 0)
-    tr = Trainer(
-        config,
-        qcfg,
-        params,
-        tokenizer_for(config),
-        load_split(config.data, "train"),
-        load_split(config.data, "test"),
-        FaultPlan(),
-        FaultPlan(),
-        make_mesh(config.mesh),
-    )
-    assert tr.total_steps == 4  # total_epochs=2 over 2 batches per epoch
-    w = tr.generation_weights()
+    model_cfg, params = load_model(config.model, 0)
+    tok = tokenizer_for(config)
+    batcher = prompt_batcher(config, load_split(config.data, "train"), tok)
+    total = rl_step.total_steps_of(config, batcher.batches_per_epoch)
+    assert total == 4  # total_epochs=2 over 2 batches per epoch
+    static = rl_step.static_from(config, model_cfg, FaultPlan(), FaultPlan(), total)
+    sh = rl_step.shardings(static, make_mesh(config.mesh))
+    state, ref = rl_step.init_state(static, params, sh)
+    test = load_split(config.data, "test")
+    tr = Trainer(config, static, sh, None, None, ref, batcher, tok, test, FaultPlan())
+    w = tr.generation_weights(state.params)
     leaves = jax.tree_util.tree_leaves(w)
     assert {x.dtype for x in leaves} == {jnp.dtype(jnp.bfloat16)}
-    assert {x.dtype for x in jax.tree_util.tree_leaves(tr.state.params)} == {jnp.dtype("float32")}
+    assert {x.dtype for x in jax.tree_util.tree_leaves(state.params)} == {jnp.dtype("float32")}
     ids = np.array([[5, 6, 7, 8]], np.int32)
-    model = Qwen2ForCausalLM(qcfg)
-    master = model.apply({"params": tr.state.params}, ids)
+    model = Qwen2ForCausalLM(model_cfg)
+    master = model.apply({"params": state.params}, ids)
     cast = model.apply({"params": w}, ids)
     np.testing.assert_array_equal(np.asarray(master), np.asarray(cast))
 

@@ -44,7 +44,7 @@ class _Killed(BaseException):
     """Stands for a kill at a known point (not a race)."""
 
 
-def _kill_at_first_step(self, step):
+def _kill_at_first_step(self, state, step):
     raise _Killed(step)
 
 
@@ -140,11 +140,11 @@ def test_kill_and_resume_equals_uninterrupted(tmp_path, monkeypatch):
 
 def test_sigterm_requests_a_final_checkpoint():
     """The train loop's SIGTERM handler only sets a flag; the loop then saves and exits 143."""
-    from aqn_jax.jobs.train import _Preemption
+    from aqn_jax.checkpoint import Preemption
 
     previous = signal.getsignal(signal.SIGTERM)
     try:
-        stop = _Preemption()
+        stop = Preemption()
         assert not stop.requested
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(0.1)

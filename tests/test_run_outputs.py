@@ -90,8 +90,8 @@ def test_rows_that_cannot_match_the_checkpoint_are_refused(tmp_path, steps, rest
 
 def test_resume_with_another_config_is_refused_unless_overridden(tmp_path):
     """Checkpoints made under one config are never resumed under another without saying so."""
+    from aqn_jax.checkpoint import check_resume_config, record_override
     from aqn_jax.experiment import arm_config
-    from aqn_jax.jobs.train import _record_override, check_resume_config
 
     config = arm_config("deadzone", "smoke")
     (tmp_path / "config.json").write_text(config.to_json_best_effort(indent=2))
@@ -110,7 +110,7 @@ def test_resume_with_another_config_is_refused_unless_overridden(tmp_path):
     changed.resume_override = True
     diff = check_resume_config(changed, str(tmp_path))
     assert diff == {"actor.lr": (3e-05, 1e6)}
-    _record_override(str(tmp_path), diff)
+    record_override(str(tmp_path), diff)
     (row,) = [json.loads(x) for x in (tmp_path / "config_overrides.jsonl").read_text().splitlines()]
     assert row["changed"] == {"actor.lr": {"from": 3e-05, "to": 1e6}}
 
@@ -121,7 +121,7 @@ def test_a_diverged_state_is_never_saved():
     import jax.numpy as jnp
     import ml_collections
 
-    from aqn_jax.jobs.train import check_sane
+    from aqn_jax.checkpoint import check_sane
 
     @flax.struct.dataclass
     class State:

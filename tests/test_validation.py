@@ -152,7 +152,7 @@ def test_bad_input_fails_first_naming_the_field(launch, tmp_path, monkeypatch, m
 
 
 def test_long_train_prompts_are_counted_and_dropped_or_refused(launch, tmp_path, capsys):
-    from aqn_jax.jobs.train import validate
+    from aqn_jax.rl.checks import check_train
 
     from conftest import load_config
 
@@ -162,7 +162,7 @@ def test_long_train_prompts_are_counted_and_dropped_or_refused(launch, tmp_path,
         f.split("=", 1)[1] for f in data_flags(tmp_path, mixed)
     )
     config.sft.cache_dir = str(tmp_path / "cache")
-    result = validate(config)
+    result = check_train(config)
     assert (result.train_prompts, result.train_prompts_dropped) == (21, 5)
     qcfg, tokenizer, hw, memory = result  # unpacks as before
     out = capsys.readouterr().out
@@ -185,7 +185,7 @@ def test_long_train_prompts_are_counted_and_dropped_or_refused(launch, tmp_path,
 def test_a_failed_sft_cache_write_keeps_the_trained_warm_start(tmp_path, monkeypatch, capsys):
     """The cache checked writable, then the write fails anyway (a full disk): the run goes on
     with the SFT it trained, warning once, and leaves no half-written entry behind."""
-    from aqn_jax.jobs import pretrain
+    from aqn_jax import warm_start as pretrain
 
     from conftest import load_config
 

@@ -11,7 +11,7 @@ from conftest import load_config
 
 def test_shipped_warm_start_reads_its_prompt(tmp_path):
     from aqn_jax.evaluation import prompt_dependence
-    from aqn_jax.jobs.pretrain import SHIPPED_DIR, cache_dir, tokenizer_for, warm_start
+    from aqn_jax.warm_start import SHIPPED_DIR, cache_dir, tokenizer_for, warm_start
 
     config = load_config("targeted")
     config.sft.cache_dir = str(tmp_path / "cache")
@@ -32,7 +32,7 @@ def test_shipped_warm_start_reads_its_prompt(tmp_path):
 
 
 def test_a_changed_sft_setting_does_not_load_the_shipped_warm_start():
-    from aqn_jax.jobs.pretrain import SHIPPED_DIR, cache_dir
+    from aqn_jax.warm_start import SHIPPED_DIR, cache_dir
 
     config = load_config("targeted")
     shipped = cache_dir(config, "x").rsplit("/", 1)[1]
@@ -43,7 +43,7 @@ def test_a_changed_sft_setting_does_not_load_the_shipped_warm_start():
 
 def test_a_damaged_sft_cache_entry_is_set_aside_and_recomputed(tmp_path, monkeypatch, capsys):
     """A truncated cache entry used to block every later run with a bare SafetensorError."""
-    from aqn_jax.jobs import pretrain
+    from aqn_jax import warm_start as pretrain
 
     calls = []
 

@@ -347,6 +347,20 @@ def tokenize_prompts(examples: Sequence[Example], tokenizer: Tokenizer) -> list[
 _STATE_VERSION = 1
 
 
+def left_pad(
+    rows: Sequence[Sequence[int]], pad_id: int, width: int | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """Token rows LEFT-padded with `pad_id` to `width` (default: the longest row), as
+    generation needs them (it appends on the right): ids, mask [len(rows), width] int32."""
+    width = max(len(r) for r in rows) if width is None else int(width)
+    ids = np.full((len(rows), width), pad_id, np.int32)
+    mask = np.zeros((len(rows), width), np.int32)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r) :] = r
+        mask[i, width - len(r) :] = 1
+    return ids, mask
+
+
 class PromptBatcher:
     """Endless, shuffled, resumable batches of left-padded prompt token ids.
 
@@ -556,11 +570,7 @@ class PromptBatcher:
         picks = self.epoch_order(self._epoch)[self._offset : self._offset + self.batch_size]
         lengths = self.lengths[picks]
         width = self.bucket_for(int(lengths.max()))
-        input_ids = np.full((self.batch_size, width), self.pad_id, dtype=np.int32)
-        attention_mask = np.zeros((self.batch_size, width), dtype=np.int32)
-        for row, (p, n) in enumerate(zip(picks, lengths, strict=True)):
-            input_ids[row, width - n :] = self._ids[p]
-            attention_mask[row, width - n :] = 1
+        input_ids, attention_mask = left_pad([self._ids[p] for p in picks], self.pad_id, width)
         batch = {
             "input_ids": input_ids,
             "attention_mask": attention_mask,

@@ -39,8 +39,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from aqn_jax.faults.intercept import FaultPlan, fault_trial
-from aqn_jax.faults.sites import classify
+from aqn_jax.faults.intercept import Deadzone, FaultPlan, Injection, fault_trial
+from aqn_jax.faults.sites import SiteSelector, classify
 from aqn_jax.models.qwen2 import Qwen2ForCausalLM
 
 METRICS = ("instability", "gain", "kurtosis", "min_gain", "max_gain", "dead", "out_std")
@@ -205,6 +205,14 @@ def make_scan(
         return _stack(probe.results, num_layers)
 
     return scan
+
+
+def swept_deadzone_plan(value: str, threshold: float = 0.5) -> FaultPlan:
+    """A deadzone at the output of every layer with its threshold multiplied by the traced
+    per-layer vector `values[value]` (0 = a healthy layer): one compiled scan serves every
+    fault placement and severity of a sweep (each is the single-layer fault exactly)."""
+    deadzone = Deadzone(threshold, threshold_value=value)
+    return FaultPlan([Injection("deadzone", SiteSelector(("layer",), "all", "output"), deadzone)])
 
 
 def scan_layers(

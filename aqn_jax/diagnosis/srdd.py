@@ -7,7 +7,6 @@ active during diagnosis (it is the treatment, not the device).
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import json
 import os
@@ -19,11 +18,12 @@ import jax
 import ml_collections
 import numpy as np
 
-from aqn_jax.data.gsm8k import Example
+from aqn_jax.data.gsm8k import Example, left_pad
 from aqn_jax.data.tokenizers import Tokenizer
-from aqn_jax.faults.config import build_plan
+from aqn_jax.faults.hardware import hardware_plan  # noqa: F401 (re-export: bench/srdd_real.py)
 from aqn_jax.faults.intercept import FaultPlan, step_key
-from aqn_jax.models.qwen2 import Qwen2ForCausalLM
+from aqn_jax.files import write_json
+from aqn_jax.models.qwen2 import Qwen2Config, Qwen2ForCausalLM
 
 from . import analysis
 from .scans import METRICS, ScanSettings, scan_layers
@@ -76,13 +76,6 @@ def check_config(diag: Any) -> None:
         )
 
 
-def hardware_plan(config: Any, num_layers: int) -> FaultPlan:
-    """The device's fault plan: `config.faults` with AQN switched off."""
-    hw = ml_collections.ConfigDict(copy.deepcopy(config.to_dict()))
-    hw.aqn.enabled = False
-    return build_plan(hw, num_layers)
-
-
 def calibration_batch(
     examples: Sequence[Example], tokenizer: Tokenizer, num_prompts: int, max_len: int
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -100,13 +93,7 @@ def calibration_batch(
             f"config.diagnosis.num_prompts={num_prompts}: only {len(rows)} prompts of <="
             f" {max_len} tokens in the data"
         )
-    width = max(len(r) for r in rows)
-    ids = np.full((len(rows), width), tokenizer.pad_id, np.int32)
-    mask = np.zeros((len(rows), width), np.int32)
-    for i, r in enumerate(rows):
-        ids[i, width - len(r) :] = r
-        mask[i, width - len(r) :] = 1
-    return ids, mask
+    return left_pad(rows, tokenizer.pad_id)
 
 
 def diagnose(
@@ -175,6 +162,30 @@ def diagnose(
         "fault_plan": plan.describe(),
         "scan_seconds": scan_s,
     }
+
+
+def run_srdd(
+    config: Any,
+    model_cfg: Qwen2Config,
+    params: Any,
+    plan: FaultPlan,
+    examples: Sequence[Example],
+    tokenizer: Tokenizer,
+    workdir: str | None = None,
+) -> dict[str, Any]:
+    """SRDD of `params` on the device `plan` (the hardware faults, no AQN), as every job runs
+    it: calibration prompts from `examples` (the train split), the scans at
+    `config.diagnosis`, the sigma map at base `diagnosis.base_sigma` (0: `aqn.sigma_start`).
+    Writes srdd.json and srdd.png into `workdir` (process 0) when given; returns the report."""
+    diag = config.diagnosis
+    ids, mask = calibration_batch(
+        examples, tokenizer, int(diag.num_prompts), int(diag.max_prompt_len)
+    )
+    base = float(diag.base_sigma or config.aqn.sigma_start)
+    report = diagnose(Qwen2ForCausalLM(model_cfg), params, plan, ids, mask, diag, base)
+    if workdir is not None and jax.process_index() == 0:
+        write_report(report, workdir)
+    return report
 
 
 def aqn_fragment(sigmas: Mapping[int, float], located: Sequence[int], base: float) -> dict:
@@ -268,10 +279,7 @@ def write_report(report: Mapping[str, Any], workdir: str) -> tuple[str, str]:
     """srdd.json and srdd.png in `workdir`; returns their paths."""
     os.makedirs(workdir, exist_ok=True)
     json_path = os.path.join(workdir, SRDD_FILE)
-    tmp = json_path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(report, f, indent=2)
-    os.replace(tmp, json_path)
+    write_json(json_path, report)
     return json_path, plot_report(report, os.path.join(workdir, PLOT_FILE))
 
 

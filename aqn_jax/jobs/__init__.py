@@ -1,4 +1,15 @@
-"""One module per job; each defines `run(config, workdir)`. Selected by `config.job`."""
+"""One module per job; each defines `run(config, workdir)`. Selected by `config.job`.
+
+A job never imports another job: `run_job` runs the one a config names (the compare job runs
+its train runs through it)."""
+
+import importlib
+
+
+def run_job(config, workdir: str) -> None:
+    """Run the job `config.job` in this process (without launch's workdir lock or distributed
+    initialisation: the caller holds those)."""
+    importlib.import_module(f"aqn_jax.jobs.{config.job}").run(config, workdir)
 
 
 def check_required(config) -> None:

@@ -44,7 +44,6 @@ import time
 import traceback
 
 import jax
-import ml_collections
 import numpy as np
 
 from aqn_jax import parallel
@@ -52,42 +51,18 @@ from aqn_jax.checkpoint import Checkpointer
 from aqn_jax.data.config import load_split
 from aqn_jax.diagnosis import srdd
 from aqn_jax.evaluation import conditions, robustness
-from aqn_jax.experiment import ARMS, STUDY_ARMS, apply_arm
-from aqn_jax.jobs import train
-from aqn_jax.jobs.pretrain import sft_seed, tokenizer_for, warm_start
+from aqn_jax.experiment import apply_arm
+from aqn_jax.faults.hardware import hardware_plan
+from aqn_jax.files import write_json
+from aqn_jax.jobs import run_job
 from aqn_jax.metrics import read_metrics
 from aqn_jax.models.factory import logical_axes, model_config
-from aqn_jax.models.qwen2 import Qwen2ForCausalLM
+from aqn_jax.rl.checks import check_train
+from aqn_jax.study.config import check_compare
 from aqn_jax.study.report import write_report
+from aqn_jax.warm_start import sft_seed, tokenizer_for, warm_start
 
 CURVE_KEYS = ("val-core/acc", "val-clean/acc", "critic/score/mean")
-
-
-def compare_config() -> ml_collections.ConfigDict:
-    c = ml_collections.ConfigDict()
-    c.arms = STUDY_ARMS
-    c.seeds = (0, 1, 2, 3, 4)
-    c.variant = "default"  # a name for the report (configs/compare.py sets it per sweep)
-    c.reference_arm = "global_aqn"
-    c.comparisons = (("targeted", "global_aqn"), ("healthy", "global_aqn"))
-    c.compile_cache = True  # persistent XLA cache under the workdir (shared programs compile once)
-    c.workers = 0  # runs in parallel processes: 0 = one per CPU core (CPU, single host), else 1
-    return c
-
-
-def check_compare(cmp) -> None:
-    arms = tuple(cmp.arms)
-    bad = [a for a in arms if a not in ARMS]
-    if bad or not arms:
-        raise ValueError(f"config.compare.arms={arms}; allowed: non-empty subsets of {ARMS}")
-    seeds = tuple(cmp.seeds)
-    if not seeds or len(set(seeds)) != len(seeds) or any(int(s) < 0 for s in seeds):
-        raise ValueError(f"config.compare.seeds={seeds}; expected distinct seeds >= 0")
-    for pair in cmp.comparisons:
-        if len(pair) != 2 or any(a not in ARMS for a in pair):
-            raise ValueError(f"config.compare.comparisons has {tuple(pair)}; expected arm pairs")
-    if int(cmp.workers) < 0:
-        raise ValueError(f"config.compare.workers={cmp.workers}; must be >= 0 (0 = one per core)")
 
 
 def worker_count(cmp, pending: int) -> int:
@@ -108,7 +83,7 @@ def worker_count(cmp, pending: int) -> int:
 def run_config(config, arm: str, seed: int, workdir: str, diagnosis: dict | None):
     """The train config of one (arm, seed): the shared warm start and diagnosis made explicit.
     With `diagnosis=None` (validation, before the diagnosis exists) the SRDD arms keep
-    `aqn.layers='located'` / `'srdd'`, which `train.validate` checks with stand-in layers."""
+    `aqn.layers='located'` / `'srdd'`, which `check_train` checks with stand-in layers."""
     c = copy.deepcopy(config)
     with c.unlocked():
         c.job = "train"
@@ -123,24 +98,24 @@ def run_config(config, arm: str, seed: int, workdir: str, diagnosis: dict | None
     return c
 
 
-def validate(config, workdir: str) -> None:
+def check_config(config, workdir: str) -> None:
     """Every check that needs no compile, for every arm: bad input fails before any training."""
     check_compare(config.compare)
     for arm in config.compare.arms:
-        train.validate(run_config(config, arm, int(config.compare.seeds[0]), workdir, None))
+        check_train(run_config(config, arm, int(config.compare.seeds[0]), workdir, None))
 
 
 def run(config, workdir: str) -> None:
     t_start = time.perf_counter()
     cmp = config.compare
-    validate(config, workdir)
+    check_config(config, workdir)
     arms, seeds = tuple(cmp.arms), tuple(int(s) for s in cmp.seeds)
     if cmp.compile_cache:
         _use_compile_cache(os.path.join(workdir, "xla_cache"))
 
     base = run_config(config, "deadzone", seeds[0], workdir, None)
     t0 = time.perf_counter()
-    qcfg, params, _ = warm_start(base, workdir)
+    model_cfg, params, _ = warm_start(base, workdir)
     timing = {"sft_s": time.perf_counter() - t0}
 
     diagnosis = None
@@ -150,23 +125,15 @@ def run(config, workdir: str) -> None:
             diagnosis = srdd.load_report(path)
         else:
             t0 = time.perf_counter()
-            ids, mask = srdd.calibration_batch(
+            diagnosis = srdd.run_srdd(
+                base,
+                model_cfg,
+                params,
+                hardware_plan(base, model_cfg.num_hidden_layers),
                 load_split(base.data, "train"),
                 tokenizer_for(base),
-                int(base.diagnosis.num_prompts),
-                int(base.diagnosis.max_prompt_len),
+                os.path.dirname(path),
             )
-            diagnosis = srdd.diagnose(
-                Qwen2ForCausalLM(qcfg),
-                params,
-                srdd.hardware_plan(base, qcfg.num_hidden_layers),
-                ids,
-                mask,
-                base.diagnosis,
-                float(base.diagnosis.base_sigma or base.aqn.sigma_start),
-            )
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            srdd.write_report(diagnosis, os.path.dirname(path))
             timing["srdd_s"] = time.perf_counter() - t0
         print(f"SRDD (shared by every run): {diagnosis['verdict']['message']}")
         if not diagnosis["verdict"]["layers"] and "targeted" in arms:
@@ -233,7 +200,7 @@ def run(config, workdir: str) -> None:
         "timing": timing,
     }
     if jax.process_index() == 0:
-        _write_json(os.path.join(workdir, "results.json"), results)
+        write_json(os.path.join(workdir, "results.json"), results, default=str)
         report = write_report(results, workdir)
         print(f"report: {report}")
 
@@ -243,10 +210,10 @@ def train_and_evaluate(rc, run_dir: str, device=None) -> float:
     `device` (a config; default `rc`) into `evaluation.json` (written last: its presence marks
     the run finished). Returns the wall time."""
     t0 = time.perf_counter()
-    train.run(rc, run_dir)
+    run_job(rc, run_dir)  # rc.job is 'train' (run_config)
     result = _evaluate(rc if device is None else device, run_dir)
     result["wall_time_s"] = time.perf_counter() - t0
-    _write_json(os.path.join(run_dir, "evaluation.json"), result)
+    write_json(os.path.join(run_dir, "evaluation.json"), result, default=str)
     return result["wall_time_s"]
 
 
@@ -330,14 +297,14 @@ def _worker_task(task):
     os.dup2(log.fileno(), 1), os.dup2(log.fileno(), 2)  # C-level output (XLA, absl) too
     try:
         return i, "ok", train_and_evaluate(rc, run_dir, device)
-    except SystemExit as e:  # SIGTERM: train.run saved a checkpoint
+    except SystemExit as e:  # SIGTERM: the train job saved a checkpoint
         return i, ("preempted" if e.code == 143 else "failed"), f"exit {e.code}"
     except Exception:
         text = traceback.format_exc()
         print(text, flush=True)
         return i, "failed", text[-2000:]
     finally:
-        # A run that raised may leave train.run's SIGTERM flag handler installed: an idle worker
+        # A run that raised may leave the train job's SIGTERM flag handler installed: an idle worker
         # must die on SIGTERM (Pool.terminate) instead of swallowing it.
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         sys.stdout.flush(), sys.stderr.flush()
@@ -356,14 +323,14 @@ def _evaluate(config, run_dir: str) -> dict:
     ckpt = Checkpointer(run_dir, 0, 1)
     state, _ = ckpt.restore_host(ckpt.latest_step())
     ckpt.close()
-    qcfg, tokenizer = model_config(config.model), tokenizer_for(config)
+    model_cfg, tokenizer = model_config(config.model), tokenizer_for(config)
     size = int(config.evaluate.size or config.trainer.val_size)
     test = load_split(config.data, "test")[:size]
     mesh = parallel.make_mesh(config.mesh)
     params = parallel.put_global(
-        state["params"], parallel.param_shardings(logical_axes(qcfg), mesh)
+        state["params"], parallel.param_shardings(logical_axes(model_cfg), mesh)
     )
-    return robustness(config, qcfg, params, tokenizer, test, mesh=mesh)
+    return robustness(config, model_cfg, params, tokenizer, test, mesh=mesh)
 
 
 def _collect(run_dir: str) -> dict:
@@ -397,10 +364,3 @@ def _collect(run_dir: str) -> dict:
         "telemetry": {"flushed": mean_of(".flushed"), "rescued": mean_of(".rescued")},
         "wall_time_s": ev.get("wall_time_s"),
     }
-
-
-def _write_json(path: str, obj) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=2, default=str)
-    os.replace(tmp, path)

@@ -8,43 +8,40 @@ map, the `config.aqn` fragment) and `srdd.png` into the workdir.
 
 from __future__ import annotations
 
+import os
+
 from aqn_jax.data.config import check_data, load_split
 from aqn_jax.diagnosis import srdd
-from aqn_jax.jobs.pretrain import tokenizer_for
+from aqn_jax.faults.hardware import hardware_plan
 from aqn_jax.models.factory import load_model, model_config
-from aqn_jax.models.qwen2 import Qwen2ForCausalLM
-
-
-def _validate(config):
-    qcfg = model_config(config.model)
-    srdd.check_config(config.diagnosis)
-    check_data(config.data)
-    tokenizer = tokenizer_for(config)
-    plan = srdd.hardware_plan(config, qcfg.num_hidden_layers)
-    return qcfg, tokenizer, plan
+from aqn_jax.warm_start import tokenizer_for
 
 
 def run(config, workdir: str) -> None:
-    qcfg, tokenizer, plan = _validate(config)
-    ids, mask = srdd.calibration_batch(
-        load_split(config.data, "train"),
-        tokenizer,
-        int(config.diagnosis.num_prompts),
-        int(config.diagnosis.max_prompt_len),
-    )
-    qcfg, params = load_model(config.model, config.seed)
-    model = Qwen2ForCausalLM(qcfg)
+    # -- Check the config (nothing compiled or written before this passes) ----------------
+    model_cfg = model_config(config.model)
+    srdd.check_config(config.diagnosis)
+    check_data(config.data)
+    tokenizer = tokenizer_for(config)
+    plan = hardware_plan(config, model_cfg.num_hidden_layers)
+
+    # -- Diagnose ------------------------------------------------------------------------
+    model_cfg, params = load_model(config.model, config.seed)
     print(plan.describe())
-    base = float(config.diagnosis.base_sigma or config.aqn.sigma_start)
-    report = srdd.diagnose(model, params, plan, ids, mask, config.diagnosis, base)
+    report = srdd.run_srdd(
+        config, model_cfg, params, plan, load_split(config.data, "train"), tokenizer, workdir
+    )
+
+    # -- Summary -------------------------------------------------------------------------
+    cal = report["calibration"]
     print(
-        f"calibration: {ids.shape[0]} prompts, {int(mask.sum())} tokens; scans in"
+        f"calibration: {cal['prompts']} prompts, {cal['tokens']} tokens; scans in"
         f" {report['scan_seconds']:.1f}s (incl. compile)"
     )
     print(srdd.format_table(report))
-    json_path, png_path = srdd.write_report(report, workdir)
     frag = report["aqn_fragment"]
     print(f"SRDD-guided AQN: {frag['flags_srdd_guided']}")
     if frag["flags_targeted"]:
         print(f"targeted AQN:    {frag['flags_targeted']}")
+    json_path, png_path = (os.path.join(workdir, f) for f in (srdd.SRDD_FILE, srdd.PLOT_FILE))
     print(f"wrote {json_path} and {png_path}")

@@ -24,34 +24,29 @@ import numpy as np
 from aqn_jax import parallel
 from aqn_jax.checkpoint import Checkpointer
 from aqn_jax.data.config import check_data, load_split
-from aqn_jax.diagnosis.srdd import hardware_plan
 from aqn_jax.evaluation import check_evaluate, conditions, robustness
-from aqn_jax.jobs.pretrain import tokenizer_for, warm_start
-from aqn_jax.jobs.train import check_prompt_lengths
+from aqn_jax.faults.hardware import hardware_plan
 from aqn_jax.models.factory import logical_axes, model_config
 from aqn_jax.models.hf import abstract_params
+from aqn_jax.rl.checks import check_prompt_lengths
+from aqn_jax.warm_start import tokenizer_for, warm_start
 
 
-def validate(config):
+def check_config(config):
     ev = config.evaluate
     check_evaluate(ev)
-    qcfg = model_config(config.model)
+    model_cfg = model_config(config.model)
     tokenizer = tokenizer_for(config)
     check_data(config.data)
-    hardware_plan(config, qcfg.num_hidden_layers)
+    hardware_plan(config, model_cfg.num_hidden_layers)
     if ev.run and not os.path.isdir(os.path.join(os.path.expanduser(ev.run), "checkpoints")):
         raise ValueError(
             f"config.evaluate.run={ev.run!r}: no checkpoints/ there; expected the workdir of a"
             " train run (or '' to evaluate the warm start)"
         )
-    mesh_shape = parallel.mesh_shape(config.mesh, jax.device_count())
     bs = int(ev.batch_size or config.trainer.val_batch_size)
-    if bs % (mesh_shape[0] * mesh_shape[1]):
-        raise ValueError(
-            f"config.evaluate.batch_size={bs} does not split over the data x fsdp ="
-            f" {mesh_shape[0] * mesh_shape[1]} devices of config.mesh"
-        )
-    return qcfg, tokenizer
+    parallel.check_splits(config.mesh, jax.device_count(), {f"config.evaluate.batch_size={bs}": bs})
+    return model_cfg, tokenizer
 
 
 def run_status(run_dir: str, step: int) -> dict:
@@ -76,10 +71,10 @@ def load_policy(config, workdir: str):
     """(model config, host params, description, run status) of what config.evaluate names."""
     ev = config.evaluate
     if not ev.run:
-        qcfg, params, info = warm_start(config, workdir)
+        model_cfg, params, info = warm_start(config, workdir)
         source = "config.model" if info.get("sft") == "off" else f"SFT, cache {info['cache']}"
-        return qcfg, jax.device_get(params), f"warm start ({source})", None
-    qcfg = model_config(config.model)
+        return model_cfg, jax.device_get(params), f"warm start ({source})", None
+    model_cfg = model_config(config.model)
     ckpt = Checkpointer(os.path.expanduser(ev.run), 0, 1)
     step = ckpt.latest_step() if ev.step < 0 else int(ev.step)
     if step is None or step not in ckpt.manager.all_steps():
@@ -91,7 +86,7 @@ def load_policy(config, workdir: str):
     state, _ = ckpt.restore_host(step)
     ckpt.close()
     params = state["params"]
-    want = jax.tree_util.tree_map(lambda a: a.shape, abstract_params(qcfg))
+    want = jax.tree_util.tree_map(lambda a: a.shape, abstract_params(model_cfg))
     if jax.tree_util.tree_map(np.shape, params) != want:
         raise ValueError(
             f"config.evaluate.run={ev.run!r}: its checkpoint's params do not match config.model;"
@@ -101,22 +96,22 @@ def load_policy(config, workdir: str):
     what = f"{ev.run} step {step}"
     if not status["finished"]:
         what += f" of {status['total_steps'] or '?'} (UNFINISHED run: not its final policy)"
-    return qcfg, params, what, status
+    return model_cfg, params, what, status
 
 
 def run(config, workdir: str) -> None:
-    qcfg, tokenizer = validate(config)
+    model_cfg, tokenizer = check_config(config)
     size = int(config.evaluate.size or config.trainer.val_size)
     test = load_split(config.data, "test")[:size]
     with config.unlocked():
         config.trainer.val_size = len(test)
     check_prompt_lengths(config, tokenizer, test)
-    qcfg, params, what, status = load_policy(config, workdir)
+    model_cfg, params, what, status = load_policy(config, workdir)
     mesh = parallel.make_mesh(config.mesh)
-    params = parallel.put_global(params, parallel.param_shardings(logical_axes(qcfg), mesh))
+    params = parallel.put_global(params, parallel.param_shardings(logical_axes(model_cfg), mesh))
     names = [c.name for c in conditions(config.evaluate)]
     print(f"evaluating {what} on {len(test)} test examples; conditions: {names}")
-    result = robustness(config, qcfg, params, tokenizer, test, mesh=mesh)
+    result = robustness(config, model_cfg, params, tokenizer, test, mesh=mesh)
     result.update(
         policy=what, run=status, test_size=len(test), fault_config=config.faults.to_dict()
     )

@@ -28,36 +28,36 @@ from aqn_jax.models.factory import load_model, logical_axes, model_config
 from aqn_jax.models.qwen2 import Qwen2ForCausalLM
 
 
-def _validate(config):
+def _check_config(config):
     """Every check that needs no compile, so bad input fails at once."""
-    qcfg = model_config(config.model)
+    model_cfg = model_config(config.model)
     tokenizer_path = config.tokenizer_path or config.model.hf_path
     tokenizer = load_tokenizer(tokenizer_path or None)
-    if tokenizer.vocab_size > qcfg.vocab_size:
+    if tokenizer.vocab_size > model_cfg.vocab_size:
         raise ValueError(
             f"config.tokenizer_path={tokenizer_path!r}: the tokenizer has {tokenizer.vocab_size}"
-            f" ids but the model's vocab_size is {qcfg.vocab_size}"
+            f" ids but the model's vocab_size is {model_cfg.vocab_size}"
         )
     if not config.prompt:
         raise ValueError("config.prompt='' ; give a non-empty user message")
     if config.phase not in ("rollout", "train", "eval"):
         raise ValueError(f"config.phase={config.phase!r}; allowed: ('rollout', 'train', 'eval')")
-    plan = build_plan(config, qcfg.num_hidden_layers)
-    return qcfg, tokenizer, plan
+    plan = build_plan(config, model_cfg.num_hidden_layers)
+    return model_cfg, tokenizer, plan
 
 
 def run(config, workdir: str) -> None:
-    qcfg, tokenizer, plan = _validate(config)
-    qcfg, params = load_model(config.model, config.seed)
+    model_cfg, tokenizer, plan = _check_config(config)
+    model_cfg, params = load_model(config.model, config.seed)
     source = (
         config.model.hf_path or f"preset {config.model.preset} (random init, seed {config.seed})"
     )
 
     flat_params = traverse_util.flatten_dict(params, sep="/")
-    flat_axes = traverse_util.flatten_dict(logical_axes(qcfg), sep="/")
+    flat_axes = traverse_util.flatten_dict(logical_axes(model_cfg), sep="/")
     total = sum(int(np.prod(v.shape)) for v in flat_params.values())
     rows = []
-    print(f"Qwen2ForCausalLM ({qcfg.model_type}) from {source}")
+    print(f"Qwen2ForCausalLM ({model_cfg.model_type}) from {source}")
     print(f"{'param':48s} {'shape':>16s} {'dtype':>9s}  logical axes")
     for path in sorted(flat_params, key=_layer_order):
         value = flat_params[path]
@@ -68,11 +68,11 @@ def run(config, workdir: str) -> None:
         if not path.startswith("layers_") or path.startswith("layers_0/"):
             shape, dtype = str(tuple(value.shape)), str(value.dtype)
             print(f"{path:48s} {shape:>16s} {dtype:>9s}  {flat_axes[path]}")
-    if qcfg.num_hidden_layers > 1:
-        print(f"(layers_1 .. layers_{qcfg.num_hidden_layers - 1}: as layers_0)")
+    if model_cfg.num_hidden_layers > 1:
+        print(f"(layers_1 .. layers_{model_cfg.num_hidden_layers - 1}: as layers_0)")
     print(f"total parameters: {total:,}")
 
-    model = Qwen2ForCausalLM(qcfg)
+    model = Qwen2ForCausalLM(model_cfg)
     # The manifest of every phase, traced abstractly before anything compiles: an injection
     # that hits no module raises here.
     print(plan.describe())
@@ -131,7 +131,7 @@ def run(config, workdir: str) -> None:
 
     summary = dict(
         source=source,
-        config=dataclasses.asdict(qcfg),
+        config=dataclasses.asdict(model_cfg),
         param_count=total,
         params=rows,
         prompt_tokens=int(ids.shape[1]),

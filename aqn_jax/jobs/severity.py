@@ -19,18 +19,16 @@ config.severity. Writes `severity.json` and `severity.md` into the workdir.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import time
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 
 from aqn_jax.data.config import check_data, load_split
-from aqn_jax.evaluation import greedy_sampling, heldout_loss, prompt_dependence
-from aqn_jax.faults.config import POINTS, parse_layers
+from aqn_jax.evaluation import eval_scores, greedy_sampling, heldout_loss, prompt_dependence
+from aqn_jax.faults.config import POINTS
 from aqn_jax.faults.intercept import (
     Deadzone,
     FaultPlan,
@@ -39,46 +37,22 @@ from aqn_jax.faults.intercept import (
     summarize_stats,
 )
 from aqn_jax.faults.sites import SiteSelector, expand_kinds
-from aqn_jax.jobs.pretrain import tokenizer_for, warm_start
+from aqn_jax.files import write_json
 from aqn_jax.models.factory import model_config
 from aqn_jax.models.qwen2 import Qwen2ForCausalLM
 from aqn_jax.rl.sampler import Sampler
 from aqn_jax.rl.sft import sft_sequences
-from aqn_jax.rl.trainer import evaluate
+from aqn_jax.study.config import check_severity
+from aqn_jax.warm_start import tokenizer_for, warm_start
 
 FACTOR = "severity_layer_factor"  # the traced per-layer factor of the swept deadzone
 BASE = 0.5  # the Deadzone's own threshold; a point's value v is the factor v / BASE
 
 
-def severity_config() -> ml_collections.ConfigDict:
-    c = ml_collections.ConfigDict()
-    c.layers = "all"  # decoder layers to sweep: 'all', 5, '(3,5)', '10:15'
-    c.amax = (0.001, 0.01, 0.1)  # severity 'amax': flush |h| < t * amax (the original's)
-    c.quantile = (0.25, 0.5, 0.75, 0.9)  # severity 'quantile': the fraction flushed
-    c.size = 0  # test examples per point; 0 = config.trainer.val_size
-    c.accuracy = True  # greedy accuracy per point (False: loss and flushed fraction only)
-    return c
-
-
-def check_severity(sev, num_layers: int):
-    layers = parse_layers(sev.layers, "config.severity.layers", num_layers)
-    points = []
-    for mode, field in (("amax", "amax"), ("quantile", "quantile")):
-        for v in tuple(sev[field]):
-            if not 0.0 < float(v) < 1.0:
-                raise ValueError(f"config.severity.{field} has {v}; each must be in (0, 1)")
-            points.append((mode, float(v)))
-    if not points:
-        raise ValueError("config.severity.amax and config.severity.quantile are both empty")
-    if sev.size < 0:
-        raise ValueError(f"config.severity.size={sev.size}; must be >= 0 (0 = val_size)")
-    return list(range(num_layers)) if layers == "all" else list(layers), points
-
-
 def run(config, workdir: str) -> None:
     # -- Validate (nothing compiled or written before this passes) ----------------------------
-    qcfg = model_config(config.model)
-    n_layers = qcfg.num_hidden_layers
+    model_cfg = model_config(config.model)
+    n_layers = model_cfg.num_hidden_layers
     layers, points = check_severity(config.severity, n_layers)
     check_data(config.data)
     tokenizer = tokenizer_for(config)
@@ -103,8 +77,8 @@ def run(config, workdir: str) -> None:
 
     # -- Model ---------------------------------------------------------------------------------
     t0 = time.perf_counter()
-    qcfg, params, _ = warm_start(config, workdir)
-    model = Qwen2ForCausalLM(dataclasses.replace(qcfg, remat=False))
+    model_cfg, params, _ = warm_start(config, workdir)
+    model = Qwen2ForCausalLM(dataclasses.replace(model_cfg, remat=False))
     bs = int(config.trainer.val_batch_size)
     key = step_key(int(config.seed), 0, "eval")
     sp = greedy_sampling(config, tokenizer)
@@ -119,7 +93,7 @@ def run(config, workdir: str) -> None:
             samplers[repr(plan.injections)] = Sampler(model, sp, plan, buckets, phase="eval")
         sampler = samplers[repr(plan.injections)]
         return float(
-            np.mean(evaluate(sampler, params, test, tokenizer, bs, limit, key, values, key))
+            np.mean(eval_scores(sampler, params, test, tokenizer, bs, limit, key, values, key))
         )
 
     samplers: dict[str, Sampler] = {}
@@ -127,7 +101,7 @@ def run(config, workdir: str) -> None:
     clean["acc"] = accuracy(FaultPlan(), {})
     out = {"model": config.model.to_dict(), "n": len(test), "clean": clean, "points": []}
     if not config.data.train_path:
-        out["prompt_dependence"] = prompt_dependence(config, qcfg, params, tokenizer, size)
+        out["prompt_dependence"] = prompt_dependence(config, model_cfg, params, tokenizer, size)
     print(_clean_line(out))
 
     # -- Sweep ---------------------------------------------------------------------------------
@@ -218,10 +192,7 @@ def _point_line(r):
 
 
 def _write(workdir: str, out: dict) -> None:
-    tmp = os.path.join(workdir, "severity.json.tmp")
-    with open(tmp, "w") as f:
-        json.dump(out, f, indent=2)
-    os.replace(tmp, os.path.join(workdir, "severity.json"))
+    write_json(os.path.join(workdir, "severity.json"), out)
     layers = sorted({p["layer"] for p in out["points"]})
     lines = [
         "# Deadzone severity curve (before RL)",

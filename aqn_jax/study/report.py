@@ -68,6 +68,8 @@ from typing import Any
 
 import numpy as np
 
+from aqn_jax.files import write_json
+
 from . import stats
 
 RESULTS_FILE = "results.json"
@@ -373,17 +375,17 @@ def _save(plt, fig, path: str) -> str:
     return path
 
 
-def _colors(arms: Sequence[str]) -> dict[str, Any]:
+def _arm_colors(summary: Mapping[str, Any]):
+    """(pyplot, the study's arms, a color per arm) for a study plot."""
     plt = _pyplot()
+    arms = summary["arms"]
     cycle = plt.get_cmap("tab10")
-    return {arm: cycle(i % 10) for i, arm in enumerate(arms)}
+    return plt, arms, {arm: cycle(i % 10) for i, arm in enumerate(arms)}
 
 
 def plot_curves(results: Mapping[str, Any], summary: Mapping[str, Any], path: str) -> str:
     """Validation accuracies and the reward vs step: per arm the mean over seeds, ±1 std band."""
-    plt = _pyplot()
-    arms = summary["arms"]
-    colors = _colors(arms)
+    plt, arms, colors = _arm_colors(summary)
     fig, axes = plt.subplots(1, len(CURVE_KEYS), figsize=(5 * len(CURVE_KEYS), 4.2))
     for ax, key in zip(axes, CURVE_KEYS, strict=True):
         for arm in arms:
@@ -408,9 +410,7 @@ def plot_curves(results: Mapping[str, Any], summary: Mapping[str, Any], path: st
 
 def plot_final(summary: Mapping[str, Any], path: str) -> str:
     """Final accuracies per arm: every seed's point, the mean and its 95% CI as error bars."""
-    plt = _pyplot()
-    arms = summary["arms"]
-    colors = _colors(arms)
+    plt, arms, colors = _arm_colors(summary)
     metrics = ("acc_fault", "acc_clean")
     fig, axes = plt.subplots(1, len(metrics), figsize=(6 * len(metrics), 4.2))
     for ax, metric in zip(axes, metrics, strict=True):
@@ -434,9 +434,7 @@ def plot_final(summary: Mapping[str, Any], path: str) -> str:
 
 def plot_robustness(summary: Mapping[str, Any], path: str) -> str:
     """Grouped bars: accuracy under each condition (groups), one bar per arm, ±1 std."""
-    plt = _pyplot()
-    arms = summary["arms"]
-    colors = _colors(arms)
+    plt, arms, colors = _arm_colors(summary)
     conditions = summary["robustness"]["conditions"]
     fig, ax = plt.subplots(figsize=(max(6.0, 1.6 * len(conditions) + 2), 4.5))
     width = 0.8 / max(1, len(arms))
@@ -587,10 +585,7 @@ def write_report(results: Mapping[str, Any], workdir: str) -> str:
     with open(path, "w") as f:
         f.write(_markdown(results, summary))
     json_path = os.path.join(workdir, RESULTS_FILE)
-    tmp = json_path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump({**results, "summary": summary}, f, indent=2)
-    os.replace(tmp, json_path)
+    write_json(json_path, {**results, "summary": summary})
     return path
 
 

@@ -1,0 +1,196 @@
+"""The checks of an RL run's config that need no compile: every field named when it is wrong,
+before anything is trained or written (`check_train`), and the prompt-length checks the
+`evaluate` job shares."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import numpy as np
+
+from aqn_jax import parallel, planner
+from aqn_jax.data.config import check_data, load_split
+from aqn_jax.data.gsm8k import tokenize_prompts
+from aqn_jax.diagnosis.srdd import check_config as check_diagnosis
+from aqn_jax.faults.config import build_plan
+from aqn_jax.faults.hardware import hardware_plan
+from aqn_jax.models.factory import model_config
+from aqn_jax.rl.optim import check_optimizer
+from aqn_jax.rl.sampler import check_rollout
+from aqn_jax.rl.step import hyper_from
+from aqn_jax.warm_start import check_sft, check_sft_cache, tokenizer_for
+
+
+def check_prompt_lengths(config, tokenizer, test_examples) -> None:
+    """Validation prompts must fit the largest prompt bucket (training drops longer ones)."""
+    size = min(int(config.trainer.val_size), len(test_examples))
+    lengths = [len(tokenizer.encode_chat(ex.prompt_messages)) for ex in test_examples[:size]]
+    _check_val_lengths(config, lengths, len(test_examples))
+
+
+def _check_val_lengths(config, lengths, test_size: int) -> None:
+    if not len(lengths):
+        raise ValueError(
+            f"config.trainer.val_size={config.trainer.val_size} with {test_size} test"
+            " examples: no validation prompt; val_size must be >= 1 and the test split non-empty"
+        )
+    longest = max(lengths)
+    limit = min(max(config.rollout.prompt_buckets), int(config.rollout.max_prompt_len))
+    if longest > limit:
+        raise ValueError(
+            f"the longest validation prompt has {longest} tokens > {limit}: raise"
+            f" config.rollout.prompt_buckets={tuple(config.rollout.prompt_buckets)} and"
+            f" config.rollout.max_prompt_len={config.rollout.max_prompt_len}"
+        )
+
+
+_LENGTHS: dict = {}  # (split, data, tokenizer) -> prompt lengths: the compare job checks 7 arms
+
+
+def prompt_lengths(config, tokenizer, split: str) -> np.ndarray:
+    """The token count of every prompt of `split` ('train' | 'test') as the batcher counts it
+    (chat template, generation prompt), remembered per data section, file and tokenizer."""
+    data = config.data
+    path = os.path.expanduser(data[f"{split}_path"]) if data[f"{split}_path"] else ""
+    stamp = (os.stat(path).st_mtime_ns, os.path.getsize(path)) if path else None
+    tok = config.tokenizer_path or config.model.hf_path
+    key = (split, json.dumps(data.to_dict(), sort_keys=True, default=str), stamp, tok)
+    if key not in _LENGTHS:
+        if len(_LENGTHS) >= 4:  # a few configs' splits at a time: bounded memory
+            _LENGTHS.clear()
+        ids = tokenize_prompts(load_split(data, split), tokenizer)
+        _LENGTHS[key] = np.array([len(t) for t in ids], np.int64)
+    return _LENGTHS[key]
+
+
+def check_train_prompts(config, lengths) -> int:
+    """The train prompts the batcher drops (longer than config.rollout.max_prompt_len), counted
+    and printed; refused when config.data.drop_long_prompts is False, when too few are left for
+    one batch, or when one it keeps would not fit the sampler's largest prompt bucket. `lengths`:
+    every train prompt's token count (`prompt_lengths`). Returns the number dropped."""
+    ro = config.rollout
+    limit = int(ro.max_prompt_len)
+    lengths = np.asarray(lengths, np.int64)
+    total, long = len(lengths), lengths > limit
+    dropped = int(long.sum())
+    where = f"config.rollout.max_prompt_len={limit}"
+    buckets = f"config.rollout.prompt_buckets={tuple(ro.prompt_buckets)}"
+    what = (
+        f"{dropped} of {total} train prompts are longer than {where} tokens"
+        f" (up to {int(lengths.max(initial=0))})"
+    )
+    if dropped and not config.data.get("drop_long_prompts", True):
+        raise ValueError(
+            f"config.data.drop_long_prompts=False and {what}; raise config.rollout.max_prompt_len"
+            f" and {buckets}, or set config.data.drop_long_prompts=True to train without them"
+        )
+    kept, prompts = total - dropped, int(config.data_batch.prompts)
+    if total < prompts:
+        raise ValueError(
+            f"config.data_batch.prompts={prompts}; must be <= the {total} prompts of the train"
+            " split (config.data.train_path, or config.data.train_size for the embedded task)"
+        )
+    if kept < prompts:
+        raise ValueError(
+            f"{what}, and the {kept} left are fewer than config.data_batch.prompts={prompts} (one"
+            f" batch); raise config.rollout.max_prompt_len and {buckets} to at least"
+            f" {int(np.sort(lengths)[prompts - 1])}"
+        )
+    if dropped:
+        print(f"{what}: dropped (config.data.drop_long_prompts=True); {kept} train prompts left")
+    top = max(int(b) for b in ro.prompt_buckets)
+    unfit = int(((lengths > top) & ~long).sum())
+    if unfit:
+        raise ValueError(
+            f"{buckets}: {unfit} train prompts are longer than its largest bucket {top} and within"
+            f" {where}, so the sampler could not pad them; add a bucket >= {limit}"
+        )
+    return dropped
+
+
+def check_trainer(config) -> None:
+    """config.trainer and config.checkpoint: the loop's counts and sizes."""
+    tr = config.trainer
+    if tr.get("total_epochs", 0) < 0:
+        raise ValueError(f"config.trainer.total_epochs={tr.total_epochs}; must be >= 0 (0 = steps)")
+    if not tr.get("total_epochs", 0) and tr.total_steps < 1:
+        raise ValueError(
+            f"config.trainer.total_steps={tr.total_steps}; must be >= 1 (or set"
+            " config.trainer.total_epochs > 0)"
+        )
+    if tr.val_every < 0:
+        raise ValueError(f"config.trainer.val_every={tr.val_every}; must be >= 0 (0 = start/end)")
+    if tr.val_size < 1:
+        raise ValueError(f"config.trainer.val_size={tr.val_size}; must be >= 1 (test examples)")
+    if tr.val_batch_size < 1:
+        raise ValueError(f"config.trainer.val_batch_size={tr.val_batch_size}; must be >= 1")
+    for name in ("max_grad_norm", "max_param_abs"):
+        if not float(tr.get(name, 0)) >= 0:
+            raise ValueError(f"config.trainer.{name}={tr.get(name)}; must be >= 0 (0 = no bound)")
+    # The Checkpointer refuses these too, but only once the trainer is built (after the SFT).
+    ck = config.checkpoint
+    if ck.every < 0:
+        raise ValueError(f"config.checkpoint.every={ck.every}; must be >= 0 (0 = only at the end)")
+    if ck.keep < 1:
+        raise ValueError(f"config.checkpoint.keep={ck.keep}; must be >= 1")
+
+
+class Checked(tuple):
+    """`check_train`'s result: unpacks as (model config, tokenizer, hardware plan, memory plan);
+    `train_prompts` / `train_prompts_dropped` count the train split and the prompts the batcher
+    will drop as longer than config.rollout.max_prompt_len."""
+
+    train_prompts: int
+    train_prompts_dropped: int
+
+    def __new__(cls, model_cfg, tokenizer, hw, memory, *, train_prompts: int, dropped: int):
+        self = super().__new__(cls, (model_cfg, tokenizer, hw, memory))
+        self.train_prompts, self.train_prompts_dropped = train_prompts, dropped
+        return self
+
+
+def check_train(config, workdir: str | None = None) -> Checked:
+    """Every check that needs no compile; raises ValueError naming the field. Nothing is
+    written. `workdir` locates the default SFT cache (<workdir>/../cache) for its check."""
+    # The config's own values first (no file read): a typo fails in well under a second.
+    check_rollout(config.rollout)
+    hyper_from(config)  # data_batch / rollout.n / actor batch sizes, algo
+    check_optimizer(config.actor, "warmup_steps", "config.actor")
+    if config.algo.estimator == "gae":
+        check_optimizer(config.critic, "lr_warmup_steps", "config.critic")
+    check_trainer(config)
+    model_cfg = model_config(config.model)
+    n = model_cfg.num_hidden_layers
+    tokenizer = tokenizer_for(config)
+    check_data(config.data)
+    if config.sft.enabled:
+        check_sft(config.sft)
+    check_diagnosis(config.diagnosis)
+    hw = hardware_plan(config, n)  # fault layers within the model, fields valid
+    # The AQN arm parses now; 'located' / 'srdd' get their layers from the diagnosis later.
+    build_plan(config, n, srdd_sigmas=dict.fromkeys(range(n), 0.05), srdd_layers=[0])
+    rows = int(config.data_batch.prompts) * int(config.rollout.n)
+    parallel.check_splits(
+        config.mesh,
+        jax.device_count(),
+        {
+            f"config.data_batch.prompts * config.rollout.n = {rows} rows": rows,
+            f"config.actor.micro_batch_rows={config.actor.micro_batch_rows}": (
+                config.actor.micro_batch_rows
+            ),
+            f"config.trainer.val_batch_size={config.trainer.val_batch_size}": (
+                config.trainer.val_batch_size
+            ),
+        },
+    )
+    # Per-device memory from shapes alone; refuses (suggesting a mesh) when it cannot fit.
+    memory = planner.check(config, model_cfg, jax.device_count())
+    # The data as the run will batch it: every train prompt tokenized, the validation prompts.
+    train = prompt_lengths(config, tokenizer, "train")
+    dropped = check_train_prompts(config, train)
+    test = prompt_lengths(config, tokenizer, "test")
+    _check_val_lengths(config, test[: int(config.trainer.val_size)], len(test))
+    check_sft_cache(config, workdir)  # last: the SFT would train, then fail to be cached
+    return Checked(model_cfg, tokenizer, hw, memory, train_prompts=len(train), dropped=dropped)

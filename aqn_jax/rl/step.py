@@ -1,0 +1,521 @@
+"""The RL step as pure functions over a frozen static description.
+
+`static_from(config, ...)` builds `Static` once: the hyperparameters (`Hyper`), the policy and
+critic modules, the fault plans and the optimizers. The job then jits, with explicit
+`NamedSharding`s (`shardings`) and the state donated to the update:
+
+  init_state(static, params, sh)                        -> (RLState, reference params)
+  prepare_step(static, state, ref_params, batch, scores, key, sigma)
+                                                        -> (per-row arrays, fault statistics)
+  update_step(static, state, batch, key, sigma)         -> (RLState, metrics)
+
+`prepare_step` computes the old and reference log-probs (and values), the token rewards and
+the advantages; `update_step` runs the PPO epochs over mini-batches (lax.scan) with gradient
+accumulation over micro-batches. `sigma` is AQN's traced noise level of this step (a new
+sigma does not recompile). A batch row is the left-padded prompt `[bucket]` followed by the
+`max_new_tokens` response slots; the prompt length is read from the shapes, so each program
+compiles once per prompt bucket. Log-probs use logits / rollout temperature, as the sampler's
+do (verl).
+
+Fault randomness: each forward pass draws its own fault noise (a noisy device never repeats its
+error), keyed by the step's 'train' key folded with the pass index; the deterministic faults
+(deadzone) are identical in every pass. The critic runs the hardware faults only with
+`config.critic.faults=True` (as in the original, where only the actor's matmuls were patched).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+import flax
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding
+
+from aqn_jax import parallel
+from aqn_jax.faults.config import AQN_SIGMA
+from aqn_jax.faults.intercept import FaultPlan
+from aqn_jax.models.factory import logical_axes
+from aqn_jax.models.qwen2 import Qwen2Config, Qwen2ForCausalLM
+
+from . import advantages as adv_lib
+from . import losses
+from .optim import optimizer_of
+
+
+@flax.struct.dataclass
+class RLState:
+    step: jax.Array
+    params: Any
+    opt_state: Any
+    critic_params: Any = None
+    critic_opt_state: Any = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Hyper:
+    """The static settings of the jitted programs (from config.algo / actor / critic)."""
+
+    estimator: str
+    n: int
+    temperature: float
+    clip_low: float
+    clip_high: float
+    clip_ratio_c: float
+    agg: str
+    use_kl_loss: bool
+    kl_loss_coef: float
+    kl_type: str
+    use_kl_in_reward: bool
+    kl_coef: float
+    entropy_coeff: float
+    gamma: float
+    lam: float
+    ppo_epochs: int
+    mini_batches: int
+    micro_batches: int
+    vf_clip: float
+    critic_warmup: int
+
+
+def hyper_from(config) -> Hyper:
+    algo, actor = config.algo, config.actor
+    for field, value in (
+        ("data_batch.prompts", config.data_batch.prompts),
+        ("rollout.n", config.rollout.n),
+        ("actor.ppo_epochs", actor.ppo_epochs),
+        ("actor.mini_batch_prompts", actor.mini_batch_prompts),
+        ("actor.micro_batch_rows", actor.micro_batch_rows),
+    ):
+        if value < 1:
+            raise ValueError(f"config.{field}={value}; must be a positive int")
+    if algo.estimator not in adv_lib.ESTIMATORS:
+        raise ValueError(f"config.algo.estimator={algo.estimator!r}; allowed: {adv_lib.ESTIMATORS}")
+    if algo.estimator in ("grpo", "drgrpo") and int(config.rollout.n) < 2:
+        raise ValueError(
+            f"config.rollout.n={config.rollout.n}; must be >= 2 with"
+            f" config.algo.estimator={algo.estimator!r} (its advantage compares the n samples of"
+            " a prompt; n=1 needs estimator 'gae')"
+        )
+    prompts = int(config.data_batch.prompts)
+    if prompts % int(actor.mini_batch_prompts):
+        raise ValueError(
+            f"config.actor.mini_batch_prompts={actor.mini_batch_prompts} must divide"
+            f" config.data_batch.prompts={prompts}"
+        )
+    rows = int(actor.mini_batch_prompts) * int(config.rollout.n)
+    if rows % int(actor.micro_batch_rows):
+        raise ValueError(
+            f"config.actor.micro_batch_rows={actor.micro_batch_rows} must divide the mini-batch"
+            f" rows mini_batch_prompts*n = {rows}"
+        )
+    if algo.loss_agg_mode not in losses.AGG_MODES:
+        raise ValueError(
+            f"config.algo.loss_agg_mode={algo.loss_agg_mode!r}; allowed: {losses.AGG_MODES}"
+        )
+    if algo.kl_type not in losses.KL_TYPES:
+        raise ValueError(f"config.algo.kl_type={algo.kl_type!r}; allowed: {losses.KL_TYPES}")
+    return Hyper(
+        estimator=algo.estimator,
+        n=int(config.rollout.n),
+        temperature=float(config.rollout.temperature) or 1.0,
+        clip_low=float(algo.clip_ratio_low),
+        clip_high=float(algo.clip_ratio_high),
+        clip_ratio_c=float(algo.clip_ratio_c),
+        agg=algo.loss_agg_mode,
+        use_kl_loss=bool(algo.use_kl_loss),
+        kl_loss_coef=float(algo.kl_loss_coef),
+        kl_type=algo.kl_type,
+        use_kl_in_reward=bool(algo.use_kl_in_reward),
+        kl_coef=float(algo.kl_coef),
+        entropy_coeff=float(algo.entropy_coeff),
+        gamma=float(algo.gamma),
+        lam=float(algo.lam),
+        ppo_epochs=int(actor.ppo_epochs),
+        mini_batches=prompts // int(actor.mini_batch_prompts),
+        micro_batches=rows // int(actor.micro_batch_rows),
+        vf_clip=float(config.critic.cliprange_value),
+        critic_warmup=int(config.critic.warmup_steps),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Static:
+    """Everything the jitted programs close over, built once from the config (`static_from`)."""
+
+    h: Hyper
+    model_cfg: Qwen2Config
+    policy: Qwen2ForCausalLM
+    critic: Qwen2ForCausalLM
+    plan: FaultPlan  # the policy's passes: hardware faults + AQN
+    critic_plan: FaultPlan  # the hardware faults with config.critic.faults, else none
+    actor_opt: optax.GradientTransformation
+    critic_opt: optax.GradientTransformation
+    actor_schedule: optax.Schedule
+    max_new: int  # response slots of a row (config.rollout.max_new_tokens)
+    total_steps: int  # RL steps of the run (the LR and AQN schedules run over them)
+    updates: int  # optimizer updates per RL step: ppo_epochs x mini-batches
+
+    @property
+    def use_critic(self) -> bool:
+        return self.h.estimator == "gae"
+
+    @property
+    def use_ref(self) -> bool:
+        return self.h.use_kl_loss or self.h.use_kl_in_reward
+
+
+def static_from(
+    config, model_cfg: Qwen2Config, plan: FaultPlan, hardware_plan: FaultPlan, total_steps: int
+) -> Static:
+    h = hyper_from(config)
+    # Schedules advance per RL step (verl steps its LR scheduler once per update_policy);
+    # optax counts optimizer updates, `updates` per RL step.
+    updates = h.ppo_epochs * h.mini_batches
+    actor_schedule, actor_opt = optimizer_of(
+        config.actor, "warmup_steps", total_steps * updates, updates, "config.actor"
+    )
+    _, critic_opt = optimizer_of(
+        config.critic, "lr_warmup_steps", total_steps * updates, updates, "config.critic"
+    )
+    return Static(
+        h=h,
+        model_cfg=model_cfg,
+        policy=Qwen2ForCausalLM(model_cfg),
+        critic=Qwen2ForCausalLM(model_cfg, head="value"),
+        plan=plan,
+        critic_plan=hardware_plan if config.critic.faults else FaultPlan(),
+        actor_opt=actor_opt,
+        critic_opt=critic_opt,
+        actor_schedule=actor_schedule,
+        max_new=int(config.rollout.max_new_tokens),
+        total_steps=int(total_steps),
+        updates=updates,
+    )
+
+
+def total_steps_of(config, batches_per_epoch: int) -> int:
+    """RL steps of a run: config.trainer.total_epochs full passes when set, else total_steps."""
+    epochs = int(config.trainer.get("total_epochs", 0))
+    return epochs * int(batches_per_epoch) if epochs > 0 else int(config.trainer.total_steps)
+
+
+# -- shardings and the initial state ---------------------------------------------------------------
+class Shardings(NamedTuple):
+    state: RLState  # of NamedShardings: params and moments by logical axes, counters replicated
+    params: Any  # the policy's params (and the reference params)
+    rows: NamedSharding  # [rows, T] arrays: rows over ('data', 'fsdp')
+    scores: NamedSharding  # [rows]
+    replicated: NamedSharding
+
+
+def init_critic(model_cfg: Qwen2Config, policy_params):
+    """The critic: the policy's backbone (embed, layers, final norm) and a fresh value head
+    (zero-initialised: every value starts at 0)."""
+    backbone = {k: v for k, v in policy_params.items() if k != "lm_head"}
+    D = model_cfg.hidden_size
+    head = {"kernel": np.zeros((D, 1), np.float32), "bias": np.zeros((1,), np.float32)}
+    return {**jax.tree_util.tree_map(np.array, backbone), "value_head": head}
+
+
+def _fresh_state(static: Static, params, critic_params) -> RLState:
+    return RLState(
+        step=jnp.zeros((), jnp.int32),
+        params=params,
+        opt_state=static.actor_opt.init(params),
+        critic_params=critic_params,
+        critic_opt_state=None if critic_params is None else static.critic_opt.init(critic_params),
+    )
+
+
+def shardings(static: Static, mesh: Mesh) -> Shardings:
+    """Shape-first (`jax.eval_shape`): the state's shardings without allocating it."""
+    rep = parallel.replicated(mesh)
+    params = parallel.param_shardings(logical_axes(static.model_cfg), mesh)
+    critic = None
+    if static.use_critic:
+        critic = parallel.param_shardings(logical_axes(static.model_cfg, head="value"), mesh)
+
+    def abstract(shards):  # where an optimizer's state holds params needs no param shapes
+        return jax.tree_util.tree_map(lambda s: jax.ShapeDtypeStruct((), jnp.float32), shards)
+
+    def opt_sharding(opt, shards):
+        # Moments follow their params; counters and other scalars are replicated.
+        return optax.tree_map_params(
+            opt,
+            lambda _, s: s,
+            jax.eval_shape(opt.init, abstract(shards)),
+            shards,
+            transform_non_params=lambda _: rep,
+        )
+
+    state = RLState(
+        step=rep,
+        params=params,
+        opt_state=opt_sharding(static.actor_opt, params),
+        critic_params=critic,
+        critic_opt_state=None if critic is None else opt_sharding(static.critic_opt, critic),
+    )
+    return Shardings(
+        state=state,
+        params=params,
+        rows=parallel.batch_sharding(mesh, 2),
+        scores=parallel.batch_sharding(mesh, 1),
+        replicated=rep,
+    )
+
+
+def init_state(static: Static, params, sh: Shardings) -> tuple[RLState, Any]:
+    """(the initial train state, the frozen reference params or None) from host `params`,
+    placed with `sh`. The state aliases the placed params (the update then donates them)."""
+    # Host values in, global arrays out: every process holds only its own shards.
+    host_params = jax.device_get(params)
+    params = parallel.put_global(host_params, sh.params)
+    critic_params = None
+    if static.use_critic:
+        critic_params = parallel.put_global(
+            init_critic(static.model_cfg, host_params), sh.state.critic_params
+        )
+    ref_params = jax.tree_util.tree_map(jnp.copy, params) if static.use_ref else None
+    init = jax.jit(lambda p, cp: _fresh_state(static, p, cp), out_shardings=sh.state)
+    return init(params, critic_params), ref_params
+
+
+# -- the forward passes ----------------------------------------------------------------------------
+def response_logits(logits_BSV, prompt_len: int, resp_len: int):
+    """Logits that predict response token t: position prompt_len - 1 + t."""
+    return logits_BSV[:, prompt_len - 1 : prompt_len - 1 + resp_len]
+
+
+def token_logprobs(logits_NTV, tokens_NT, temperature: float):
+    logp = jax.nn.log_softmax(logits_NTV.astype(jnp.float32) / temperature, axis=-1)
+    return jnp.take_along_axis(logp, tokens_NT[..., None], axis=-1)[..., 0]
+
+
+def _policy_logits(static: Static, params, batch, key, values):
+    plen = batch["ids"].shape[1] - static.max_new
+    with static.plan.apply("train", key=key, values=values):
+        logits, state = static.policy.apply(
+            {"params": params},
+            batch["ids"],
+            attention_mask=batch["mask"],
+            mutable=["fault_stats"],
+        )
+    return response_logits(logits, plen, static.max_new), state
+
+
+def _values(static: Static, critic_params, batch, key, values):
+    plen = batch["ids"].shape[1] - static.max_new
+    with static.critic_plan.apply("train", key=key, values=values):
+        v = static.critic.apply(
+            {"params": critic_params}, batch["ids"], attention_mask=batch["mask"]
+        )
+    return response_logits(v[..., None], plen, static.max_new)[..., 0]
+
+
+# -- prepare: old / reference log-probs, values, rewards, advantages -------------------------------
+def _prepare_chunk(static: Static, state: RLState, ref_params, key, values, xs):
+    h = static.h
+    j, mic = xs
+    logits, fstate = _policy_logits(
+        static, state.params, mic, jax.random.fold_in(key, 3 * j), values
+    )
+    o = {
+        "old_logp": token_logprobs(logits, mic["tokens"], h.temperature),
+        "entropy": losses.entropy_from_logits(logits / h.temperature),
+        "fault_stats": fstate.get("fault_stats", {}),
+    }
+    if ref_params is not None:
+        ref_logits, _ = _policy_logits(
+            static, ref_params, mic, jax.random.fold_in(key, 3 * j + 1), values
+        )
+        o["ref_logp"] = token_logprobs(ref_logits, mic["tokens"], h.temperature)
+    if h.estimator == "gae":
+        o["values"] = _values(
+            static, state.critic_params, mic, jax.random.fold_in(key, 3 * j + 2), values
+        )
+    return o
+
+
+def prepare_step(static: Static, state: RLState, ref_params, batch, scores, key, sigma):
+    """(per-row arrays, fault statistics): old and reference log-probs (and values), token
+    rewards and advantages, then the train pass's fault statistics (means over the chunks).
+
+    The forward passes run over the update's micro-batches (`lax.map`, micro_batch_rows
+    rows each, the same rows the update will group): the memory of one micro-batch, not
+    of the whole batch, and a tensor-wide fault statistic (a deadzone's amax) sees the
+    same rows here as in the update, so the first PPO ratio compares like with like."""
+    h = static.h
+    values = {AQN_SIGMA: sigma}
+    rows = batch["ids"].shape[0]
+    C = h.mini_batches * h.micro_batches
+    mics = {
+        k: batch[k].reshape(C, rows // C, *batch[k].shape[1:])
+        for k in ("ids", "mask", "tokens", "rmask")
+    }
+    outs = jax.lax.map(
+        lambda xs: _prepare_chunk(static, state, ref_params, key, values, xs),
+        (jnp.arange(C), mics),
+    )
+    stats = jax.tree_util.tree_map(lambda v: jnp.mean(v, axis=0), outs.pop("fault_stats"))
+    out = {k: v.reshape(rows, *v.shape[2:]) for k, v in outs.items()}
+    old_logp = out["old_logp"]
+    mask = batch["rmask"]
+    kl = None
+    if ref_params is not None:
+        kl = losses.kl_penalty(old_logp, out["ref_logp"], h.kl_type)
+    rewards = adv_lib.token_level_rewards(
+        scores, mask, kl if h.use_kl_in_reward else None, h.kl_coef
+    )
+    out["token_rewards"] = rewards
+    if h.estimator == "gae":
+        a, r = adv_lib.gae_advantage_return(rewards, out["values"], mask, h.gamma, h.lam)
+        out.update(advantages=a, returns=r)
+    else:
+        # GRPO scores the outcome (the KL-in-reward term, if any, summed per response).
+        seq = jnp.sum(rewards, axis=1)
+        out["advantages"] = adv_lib.grpo_outcome_advantage(
+            seq, mask, h.n, norm_by_std=h.estimator == "grpo"
+        )
+    return out, stats
+
+
+# -- update: PPO epochs over mini-batches, accumulation over micro-batches -------------------------
+def actor_loss(static: Static, params, mic, denom, key, values):
+    """Clipped (dual-clip) policy loss - entropy bonus (+ KL loss) of one micro-batch."""
+    h = static.h
+    logits, _ = _policy_logits(static, params, mic, key, values)
+    logits = logits / h.temperature
+    logp = token_logprobs(logits, mic["tokens"], 1.0)
+    mask = mic["rmask"]
+    pg, aux = losses.policy_loss(
+        logp,
+        mic["old_logp"],
+        mic["advantages"],
+        mask,
+        clip_low=h.clip_low,
+        clip_high=h.clip_high,
+        clip_ratio_c=h.clip_ratio_c,
+        agg=h.agg,
+        denom=denom,
+    )
+    ent = losses.agg_loss(losses.entropy_from_logits(logits), mask, h.agg, denom)
+    loss = pg - h.entropy_coeff * ent
+    kl_loss = jnp.zeros(())
+    if h.use_kl_loss:
+        kl_loss = losses.agg_loss(
+            losses.kl_penalty(logp, mic["ref_logp"], h.kl_type), mask, h.agg, denom
+        )
+        loss = loss + h.kl_loss_coef * kl_loss
+    return loss, {"pg_loss": pg, "kl_loss": kl_loss, "entropy": ent, **aux}
+
+
+def critic_loss(static: Static, cparams, mic, denom, key, values):
+    """Clipped value loss of one micro-batch."""
+    h = static.h
+    v = _values(static, cparams, mic, key, values)
+    loss, aux = losses.value_loss(
+        v,
+        mic["values"],
+        mic["returns"],
+        mic["rmask"],
+        clip=h.vf_clip,
+        agg=h.agg,
+        denom=denom,
+    )
+    return loss, {"vf_loss": loss, **aux, "vpred_mean": adv_lib.masked_mean(v, mic["rmask"])}
+
+
+def accumulate(loss_fn, params, mb, denom, base):
+    """(summed gradient, mean metrics) of `loss_fn(params, micro-batch, denom, key)` over the
+    micro-batches of `mb` (leading axis), the j-th keyed by fold_in(base, j)."""
+    G = jax.tree_util.tree_leaves(mb)[0].shape[0]
+
+    def micro(carry, xs):
+        grads, mets = carry
+        j, mic = xs
+        (_, m), g = jax.value_and_grad(loss_fn, has_aux=True)(
+            params, mic, denom, jax.random.fold_in(base, j)
+        )
+        grads = jax.tree_util.tree_map(jnp.add, grads, g)
+        mets = jax.tree_util.tree_map(lambda a, b: a + b / G, mets, m)
+        return (grads, mets), None
+
+    zeros = jax.tree_util.tree_map(jnp.zeros_like, params)
+    mic0 = jax.tree_util.tree_map(lambda x: x[0], mb)
+    shapes = jax.eval_shape(lambda: loss_fn(params, mic0, denom, base)[1])
+    mets0 = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+    (grads, mets), _ = jax.lax.scan(micro, (zeros, mets0), (jnp.arange(G), mb))
+    return grads, mets
+
+
+def mini_batches(static: Static, batch):
+    """The batch as [mini-batches, micro-batches, rows, ...]."""
+    M, G = static.h.mini_batches, static.h.micro_batches
+    return {k: v.reshape(M, G, v.shape[0] // (M * G), *v.shape[1:]) for k, v in batch.items()}
+
+
+def minibatch_grads(static: Static, params, mb, key, idx, sigma):
+    """(actor gradient, its metrics, the loss denominator) of mini-batch `mb`, the `idx`-th
+    update of the step: what `update_step` feeds the actor's optimizer."""
+    h = static.h
+    values = {AQN_SIGMA: sigma}
+    denom = losses.agg_denominator(mb["rmask"].reshape(-1, mb["rmask"].shape[-1]), h.agg)
+    base = jax.random.fold_in(key, 10 + idx)
+
+    def loss(p, mic, d, k):
+        return actor_loss(static, p, mic, d, k, values)
+
+    grads, mets = accumulate(loss, params, mb, denom, base)
+    return grads, mets, denom
+
+
+def _minibatch_update(static: Static, key, sigma, mbatch, st: RLState, idx):
+    h = static.h
+    values = {AQN_SIGMA: sigma}
+    mb = jax.tree_util.tree_map(lambda x: x[idx % h.mini_batches], mbatch)
+    mets = {}
+    cparams, copt = st.critic_params, st.critic_opt_state
+    if static.use_critic:
+        denom = losses.agg_denominator(mb["rmask"].reshape(-1, mb["rmask"].shape[-1]), h.agg)
+        base = jax.random.fold_in(key, 10 + idx)
+
+        def closs(p, mic, d, k):
+            return critic_loss(static, p, mic, d, k, values)
+
+        cg, cm = accumulate(closs, cparams, mb, denom, jax.random.fold_in(base, 1 << 20))
+        cu, copt = static.critic_opt.update(cg, copt, cparams)
+        cparams = optax.apply_updates(cparams, cu)
+        mets.update({f"critic/{k}": v for k, v in cm.items()})
+        mets["critic/grad_norm"] = optax.tree.norm(cg)
+    g, am, _ = minibatch_grads(static, st.params, mb, key, idx, sigma)
+    grad_norm = optax.tree.norm(g)
+    # No actor update during the critic warm-up (verl critic_warmup).
+    live = st.step >= h.critic_warmup if static.use_critic else jnp.bool_(True)
+    u, opt = static.actor_opt.update(g, st.opt_state, st.params)
+    params = jax.tree_util.tree_map(
+        lambda p, q: jnp.where(live, q, p), st.params, optax.apply_updates(st.params, u)
+    )
+    opt = jax.tree_util.tree_map(lambda a, b: jnp.where(live, b, a), st.opt_state, opt)
+    mets.update({f"actor/{k}": v for k, v in am.items()})
+    mets["actor/grad_norm"] = grad_norm
+    st = st.replace(params=params, opt_state=opt, critic_params=cparams, critic_opt_state=copt)
+    return st, mets
+
+
+def update_step(static: Static, state: RLState, batch, key, sigma) -> tuple[RLState, dict]:
+    """PPO epochs over mini-batches (lax.scan), gradient accumulation over micro-batches;
+    returns the next state and the step's metrics (means over the updates)."""
+    h = static.h
+    mbatch = mini_batches(static, batch)
+    state, mets = jax.lax.scan(
+        lambda st, idx: _minibatch_update(static, key, sigma, mbatch, st, idx),
+        state,
+        jnp.arange(h.ppo_epochs * h.mini_batches),
+    )
+    mets = jax.tree_util.tree_map(jnp.mean, mets)
+    mets["actor/lr"] = jnp.asarray(static.actor_schedule(state.step * static.updates), jnp.float32)
+    return state.replace(step=state.step + 1), mets

@@ -1,0 +1,61 @@
+"""The sections of the study jobs' configs: `config.compare` (job `compare`: arms x seeds) and
+`config.severity` (job `severity`: the deadzone severity curve), with their checks."""
+
+from __future__ import annotations
+
+import ml_collections
+
+from aqn_jax.experiment import ARMS, STUDY_ARMS
+from aqn_jax.faults.config import parse_layers
+
+
+def compare_config() -> ml_collections.ConfigDict:
+    c = ml_collections.ConfigDict()
+    c.arms = STUDY_ARMS
+    c.seeds = (0, 1, 2, 3, 4)
+    c.variant = "default"  # a name for the report (configs/compare.py sets it per sweep)
+    c.reference_arm = "global_aqn"
+    c.comparisons = (("targeted", "global_aqn"), ("healthy", "global_aqn"))
+    c.compile_cache = True  # persistent XLA cache under the workdir (shared programs compile once)
+    c.workers = 0  # runs in parallel processes: 0 = one per CPU core (CPU, single host), else 1
+    return c
+
+
+def check_compare(cmp) -> None:
+    arms = tuple(cmp.arms)
+    bad = [a for a in arms if a not in ARMS]
+    if bad or not arms:
+        raise ValueError(f"config.compare.arms={arms}; allowed: non-empty subsets of {ARMS}")
+    seeds = tuple(cmp.seeds)
+    if not seeds or len(set(seeds)) != len(seeds) or any(int(s) < 0 for s in seeds):
+        raise ValueError(f"config.compare.seeds={seeds}; expected distinct seeds >= 0")
+    for pair in cmp.comparisons:
+        if len(pair) != 2 or any(a not in ARMS for a in pair):
+            raise ValueError(f"config.compare.comparisons has {tuple(pair)}; expected arm pairs")
+    if int(cmp.workers) < 0:
+        raise ValueError(f"config.compare.workers={cmp.workers}; must be >= 0 (0 = one per core)")
+
+
+def severity_config() -> ml_collections.ConfigDict:
+    c = ml_collections.ConfigDict()
+    c.layers = "all"  # decoder layers to sweep: 'all', 5, '(3,5)', '10:15'
+    c.amax = (0.001, 0.01, 0.1)  # severity 'amax': flush |h| < t * amax (the original's)
+    c.quantile = (0.25, 0.5, 0.75, 0.9)  # severity 'quantile': the fraction flushed
+    c.size = 0  # test examples per point; 0 = config.trainer.val_size
+    c.accuracy = True  # greedy accuracy per point (False: loss and flushed fraction only)
+    return c
+
+
+def check_severity(sev, num_layers: int):
+    layers = parse_layers(sev.layers, "config.severity.layers", num_layers)
+    points = []
+    for mode, field in (("amax", "amax"), ("quantile", "quantile")):
+        for v in tuple(sev[field]):
+            if not 0.0 < float(v) < 1.0:
+                raise ValueError(f"config.severity.{field} has {v}; each must be in (0, 1)")
+            points.append((mode, float(v)))
+    if not points:
+        raise ValueError("config.severity.amax and config.severity.quantile are both empty")
+    if sev.size < 0:
+        raise ValueError(f"config.severity.size={sev.size}; must be >= 0 (0 = val_size)")
+    return list(range(num_layers)) if layers == "all" else list(layers), points

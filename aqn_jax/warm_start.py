@@ -1,0 +1,243 @@
+"""The SFT warm start of the policy, cached and reused; the tokenizer of a config.
+
+The embedded default starts RL from the tiny model after a short SFT on the task's worked
+solutions (aqn_jax/rl/sft.py). The result is cached as a local HF snapshot (config.json +
+safetensors, loadable by `transformers` too) under `config.sft.cache_dir` (default: `cache/`
+next to the workdir, so every run under one parent shares it), keyed by a hash of everything
+that determines it (model, tokenizer, data, SFT settings, seed). A later run with the same key
+loads it instead of training. The jobs `pretrain`, `train`, `evaluate`, `severity` and
+`compare` call `warm_start`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+import time
+from typing import Any
+
+import jax
+import ml_collections
+import numpy as np
+
+from aqn_jax.data.config import load_split
+from aqn_jax.data.tokenizers import Tokenizer, load_tokenizer
+from aqn_jax.metrics import progress
+from aqn_jax.models.factory import load_model, model_config
+from aqn_jax.models.hf import load_hf_checkpoint, save_hf_checkpoint
+from aqn_jax.models.qwen2 import Qwen2Config, Qwen2ForCausalLM
+from aqn_jax.rl.sft import sft_sequences, sft_train
+
+SFT_META = "sft.json"
+# Warm starts shipped with the package (produced by `configs/warm_start.py`, WORKSPACE.md):
+# a config whose cache key matches one loads it instead of training (the embedded default's
+# SFT takes longer than a first run should wait).
+SHIPPED_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets")
+
+
+def sft_config() -> ml_collections.ConfigDict:
+    c = ml_collections.ConfigDict()
+    c.enabled = True  # SFT warm start before RL (the embedded default); False = use the model
+    c.steps = 300  # optimizer steps
+    c.batch_size = 32  # sequences per step
+    c.lr = 3e-3  # AdamW peak learning rate
+    c.warmup_steps = 10  # steps of linear warmup
+    c.schedule = "cosine"  # constant | warmup_constant | cosine
+    c.examples = 2048  # train examples used for SFT (the first N of the train split)
+    c.cache_dir = ""  # '' = <workdir>/../cache
+    c.seed = -1  # init + SFT seed; -1 = config.seed (the compare job fixes it: one warm start)
+    return c
+
+
+def sft_seed(config) -> int:
+    seed = int(config.sft.get("seed", -1))
+    return int(config.seed) if seed < 0 else seed
+
+
+def check_sft(sft: Any) -> None:
+    for field in ("steps", "batch_size", "examples"):
+        if sft[field] < 1:
+            raise ValueError(f"config.sft.{field}={sft[field]}; must be >= 1")
+    if sft.batch_size > sft.examples:
+        raise ValueError(
+            f"config.sft.batch_size={sft.batch_size} > config.sft.examples={sft.examples}"
+        )
+    if not sft.lr > 0:
+        raise ValueError(f"config.sft.lr={sft.lr}; must be > 0")
+
+
+def cached_sft(config, workdir: str) -> str | None:
+    """The directory of this config's finished warm start (the cache's, else the shipped one),
+    or None when the SFT would have to train."""
+    path = cache_dir(config, workdir)
+    for where in (path, os.path.join(SHIPPED_DIR, os.path.basename(path))):
+        if os.path.isfile(os.path.join(where, SFT_META)):
+            return where
+    return None
+
+
+def check_sft_cache(config, workdir: str | None) -> None:
+    """When the SFT will train (enabled, not cached or shipped): its cache must be writable, or
+    the finished SFT could not be kept. The cache directory, or the nearest part of its path
+    that exists, must be a directory this process can write. Without a workdir the default
+    `<workdir>/../cache` is unknown: only an explicit config.sft.cache_dir is checked."""
+    if not config.sft.enabled or (workdir is None and not config.sft.cache_dir):
+        return
+    if cached_sft(config, workdir or ".") is not None:
+        return
+    root = os.path.dirname(os.path.abspath(cache_dir(config, workdir or ".")))
+    field = f"config.sft.cache_dir={config.sft.cache_dir!r}"
+    if not config.sft.cache_dir:
+        field += f" (the default: {root})"
+    existing = root
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise ValueError(
+            f"{field}; must be a writable directory, and {existing} is a file: the SFT warm"
+            " start would train and then fail to be cached"
+        )
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(
+            f"{field}; must be a writable directory, and {existing} is not writable: the SFT"
+            " warm start would train and then fail to be cached"
+        )
+
+
+def tokenizer_for(config) -> Tokenizer:
+    path = config.tokenizer_path or config.model.hf_path
+    tokenizer = load_tokenizer(path or None)
+    vocab = model_config(config.model).vocab_size
+    if tokenizer.vocab_size > vocab:
+        raise ValueError(
+            f"config.tokenizer_path={path!r}: the tokenizer has {tokenizer.vocab_size} ids but the"
+            f" model's vocab_size is {vocab}"
+        )
+    return tokenizer
+
+
+def cache_key(config) -> str:
+    d = config.data
+    parts = {
+        "model": config.model.to_dict(),
+        "tokenizer": config.tokenizer_path,
+        "data": {
+            "train_path": d.train_path,
+            "task": d.task.to_dict(),
+            "train_size": d.train_size,
+        },
+        "sft": {k: v for k, v in config.sft.to_dict().items() if k not in ("cache_dir", "seed")},
+        "seed": sft_seed(config),
+    }
+    blob = json.dumps(parts, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def cache_dir(config, workdir: str) -> str:
+    root = config.sft.cache_dir or os.path.join(os.path.dirname(os.path.abspath(workdir)), "cache")
+    return os.path.join(root, f"sft-{cache_key(config)}")
+
+
+def _set_aside_damaged(where: str, found: str, error: Exception) -> None:
+    """A cache entry that does not load is moved aside (kept for inspection) and recomputed,
+    as unreadable checkpoints are; a damaged shipped asset is named and left in place."""
+    if found == "hit" and jax.process_index() == 0:
+        aside = f"{where}.damaged-{int(time.time())}"
+        os.rename(where, aside)
+        print(f"SFT cache {where} is damaged ({error}); moved to {aside}; recomputing")
+    else:
+        print(f"SFT warm start {where} is damaged ({error}); recomputing (reinstall to repair)")
+
+
+def warm_start(config, workdir: str, verbose: bool = True) -> tuple[Qwen2Config, Any, dict]:
+    """(model config, params, info): the SFT'd policy (from the cache when present), or the
+    configured model itself when `config.sft.enabled` is False."""
+    if not config.sft.enabled:
+        model_cfg, params = load_model(config.model, sft_seed(config))
+        return model_cfg, params, {"sft": "off"}
+    check_sft(config.sft)
+    path = cache_dir(config, workdir)
+    where = cached_sft(config, workdir)
+    if where is not None:
+        found = "hit" if where == path else "shipped"
+        model_cfg = model_config(config.model)
+        try:
+            _, params = load_hf_checkpoint(where, model_cfg.param_dtype)
+            with open(os.path.join(where, SFT_META)) as f:
+                info = json.load(f)
+        except (ValueError, OSError) as e:  # a damaged entry (truncated, garbage, half-copied)
+            _set_aside_damaged(where, found, e)
+        else:
+            info["cache"] = found
+            if verbose:
+                print(f"SFT warm start: {'cached' if found == 'hit' else 'shipped'} {where}")
+            return model_cfg, params, info
+    check_sft_cache(config, workdir)  # before training: a cache that cannot be written
+
+    tokenizer = tokenizer_for(config)
+    examples = load_split(config.data, "train")[: int(config.sft.examples)]
+    data = sft_sequences(examples, tokenizer)
+    model_cfg, params = load_model(config.model, sft_seed(config))
+    model = Qwen2ForCausalLM(model_cfg)
+    bar = progress(int(config.sft.steps), "SFT", enabled=verbose and jax.process_index() == 0)
+
+    def tick(step, loss):
+        bar.update(1)
+        if step % 10 == 0:
+            bar.set_postfix(loss=f"{loss:.3f}")
+
+    t0 = time.perf_counter()
+    params, hist = sft_train(
+        model,
+        params,
+        data,
+        steps=int(config.sft.steps),
+        batch_size=int(config.sft.batch_size),
+        lr=float(config.sft.lr),
+        warmup_steps=int(config.sft.warmup_steps),
+        schedule=config.sft.schedule,
+        seed=sft_seed(config),
+        callback=tick,
+    )
+    bar.close()
+    info = {
+        "cache": "miss",
+        "key": cache_key(config),
+        "steps": int(config.sft.steps),
+        "examples": len(examples),
+        "loss_first": hist["loss"][0],
+        "loss_last": float(np.mean(hist["loss"][-10:])),
+        "wall_time_s": time.perf_counter() - t0,
+    }
+    saved = True
+    if jax.process_index() == 0:
+        tmp = path + f".tmp{os.getpid()}"
+        try:
+            shutil.rmtree(tmp, ignore_errors=True)
+            save_hf_checkpoint(tmp, model_cfg, jax.device_get(params))
+            with open(os.path.join(tmp, SFT_META), "w") as f:
+                json.dump(info, f, indent=2)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            if os.path.exists(path):  # a concurrent run finished first: keep theirs
+                shutil.rmtree(tmp, ignore_errors=True)
+            else:
+                os.replace(tmp, path)
+        except OSError as e:  # a full disk, a cache made read-only meanwhile: keep the SFT
+            shutil.rmtree(tmp, ignore_errors=True)
+            saved = False
+            info["cache"] = "unsaved"
+            print(
+                f"warning: the SFT warm start could not be cached in {path} ({e}); this run"
+                " goes on with it, the next one trains it again",
+                file=sys.stderr,
+            )
+    if verbose:
+        print(
+            f"SFT warm start: {info['steps']} steps, loss {info['loss_first']:.3f} ->"
+            f" {info['loss_last']:.3f} in {info['wall_time_s']:.0f}s;"
+            + (f" cached {path}" if saved else " not cached")
+        )
+    return model_cfg, params, info
