@@ -1,0 +1,45 @@
+"""DESIGN.md's layering, checked on the source: a job never imports another job, and no config
+or library module imports a job (the jobs package's `run_job` dispatch aside)."""
+
+import ast
+import os
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+JOBS = {n[:-3] for n in os.listdir(os.path.join(REPO, "aqn_jax", "jobs")) if n[0] != "_"}
+
+
+def job_imports(source: str) -> list[str]:
+    """The imports of a job module in `source`."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names = [a.name for a in node.names]
+            if node.module.startswith("aqn_jax.jobs."):
+                found.append(node.module)
+            elif node.module == "aqn_jax.jobs" and set(names) & JOBS:
+                found.append(f"aqn_jax.jobs: {sorted(set(names) & JOBS)}")
+        elif isinstance(node, ast.Import):
+            found += [a.name for a in node.names if a.name.startswith("aqn_jax.jobs.")]
+    return found
+
+
+def test_no_job_config_or_library_module_imports_a_job():
+    assert {"train", "pretrain", "compare", "evaluate"} <= JOBS
+    bad = {}
+    for folder in ("aqn_jax", "configs"):
+        for root, _, files in os.walk(os.path.join(REPO, folder)):
+            for name in files:
+                path = os.path.join(root, name)
+                # launch.py is the entry point: it dispatches to the jobs.
+                if name.endswith(".py") and path != os.path.join(REPO, "aqn_jax", "launch.py"):
+                    with open(path) as f:
+                        if found := job_imports(f.read()):
+                            bad[os.path.relpath(path, REPO)] = found
+    assert bad == {}
+
+
+def test_the_check_sees_a_job_import():
+    """The negative control: the imports this layout forbids are found."""
+    source = "from aqn_jax.jobs import run_job, train\nimport aqn_jax.jobs.pretrain\n"
+    assert job_imports(source) == ["aqn_jax.jobs: ['train']", "aqn_jax.jobs.pretrain"]
+    assert job_imports("from aqn_jax.jobs import run_job\n") == []
