@@ -31,11 +31,12 @@ from common import check_load, cpu_description, record  # noqa: E402
 
 from aqn_jax.data.config import load_split  # noqa: E402
 from aqn_jax.diagnosis import analysis, srdd  # noqa: E402
-from aqn_jax.diagnosis.scans import make_scan  # noqa: E402
-from aqn_jax.faults.intercept import Deadzone, FaultPlan, Injection, step_key  # noqa: E402
-from aqn_jax.faults.sites import SiteSelector  # noqa: E402
+from aqn_jax.diagnosis.scans import make_scan, swept_deadzone_plan  # noqa: E402
+from aqn_jax.faults.hardware import hardware_plan  # noqa: E402
+from aqn_jax.faults.intercept import step_key  # noqa: E402
 from aqn_jax.models.factory import load_model  # noqa: E402
 from aqn_jax.models.qwen2 import Qwen2ForCausalLM  # noqa: E402
+from aqn_jax.warm_start import tokenizer_for  # noqa: E402
 
 
 def _config(hf_path: str):
@@ -45,14 +46,6 @@ def _config(hf_path: str):
     config.model.hf_path = hf_path
     config.tokenizer_path = ""
     return config
-
-
-def _tokenizer(config):
-    try:  # the library home of `tokenizer_for` (issue 16) or the job that held it before
-        from aqn_jax.warm_start import tokenizer_for
-    except ImportError:
-        from aqn_jax.jobs.pretrain import tokenizer_for
-    return tokenizer_for(config)
 
 
 def _verdict(scans, diag):
@@ -97,7 +90,7 @@ def main() -> None:
 
     config = _config(args.hf_path)
     diag = config.diagnosis
-    tok = _tokenizer(config)
+    tok = tokenizer_for(config)
     ids, mask = srdd.calibration_batch(
         load_split(config.data, "train"), tok, args.prompts, int(diag.max_prompt_len)
     )
@@ -109,15 +102,7 @@ def main() -> None:
 
     # The seed's deadzone at every placement through one compiled scan: Deadzone(0.5) scaled by
     # a traced per-layer vector (0 = off; an amax threshold of 0 flushes nothing).
-    plan = FaultPlan(
-        [
-            Injection(
-                "deadzone",
-                SiteSelector(("layer",), "all", "output"),
-                Deadzone(0.5, threshold_value="dz"),
-            )
-        ]
-    )
+    plan = swept_deadzone_plan("dz")
     scan = make_scan(model, plan, srdd.settings_from(diag))
     rows, hits, conf = [], {}, {}
     t0 = time.perf_counter()
@@ -139,8 +124,6 @@ def main() -> None:
             )
             print(rows[-1], flush=True)
     sweep_s = time.perf_counter() - t0
-
-    from aqn_jax.diagnosis.srdd import hardware_plan
 
     config.faults.deadzone.enabled = False
     config.faults.noise.enabled = True
