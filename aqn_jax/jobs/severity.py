@@ -68,6 +68,7 @@ def run(config, workdir: str) -> None:
                 granularity=dz.granularity,
                 grad=dz.grad,
                 severity=mode,
+                scope=dz.scope,  # the run's scope (issue 19), as SRDD and evaluation use
                 threshold_value=FACTOR,
             )
         except ValueError as e:
