@@ -220,9 +220,9 @@ def eval_scores(
 ) -> np.ndarray:
     """verl scores (strict `####`) of `sampler`'s completions for every example, in order
     (the last batch padded with repeats of its first prompt, which are dropped); with
-    `sampler.params.n > 1` each example's score is the mean over its n samples (mean@n).
+    `sampler.sampling.n > 1` each example's score is the mean over its n samples (mean@n).
     `texts`, when given, receives the decoded completions (n per example, in order)."""
-    n = sampler.params.n
+    n = sampler.sampling.n
     scores = []
     for start in range(0, len(examples), batch_size):
         chunk = list(examples[start : start + batch_size])

@@ -20,7 +20,6 @@ import numpy as np
 
 from aqn_jax.data.gsm8k import Example, left_pad
 from aqn_jax.data.tokenizers import Tokenizer
-from aqn_jax.faults.hardware import hardware_plan  # noqa: F401 (re-export: bench/srdd_real.py)
 from aqn_jax.faults.intercept import FaultPlan, step_key
 from aqn_jax.files import write_json
 from aqn_jax.models.qwen2 import Qwen2Config, Qwen2ForCausalLM

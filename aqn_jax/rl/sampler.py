@@ -91,31 +91,31 @@ def check_rollout(ro: Any) -> None:
         )
 
 
-def filter_logits(logits_BV: jax.Array, params: SamplingParams) -> jax.Array:
+def filter_logits(logits_BV: jax.Array, sampling: SamplingParams) -> jax.Array:
     """Temperature-scaled logits with the vocab limit, top-k and top-p applied (NEG_INF out)."""
     logits_BV = logits_BV.astype(jnp.float32)
     V = logits_BV.shape[-1]
-    if params.vocab_size is not None and params.vocab_size < V:
-        logits_BV = jnp.where(jnp.arange(V) < params.vocab_size, logits_BV, NEG_INF)
-    if params.greedy:
+    if sampling.vocab_size is not None and sampling.vocab_size < V:
+        logits_BV = jnp.where(jnp.arange(V) < sampling.vocab_size, logits_BV, NEG_INF)
+    if sampling.greedy:
         return logits_BV
-    logits_BV = logits_BV / params.temperature
-    if params.top_k and params.top_k < V:
-        kth_B1 = jax.lax.top_k(logits_BV, params.top_k)[0][:, -1:]
+    logits_BV = logits_BV / sampling.temperature
+    if sampling.top_k and sampling.top_k < V:
+        kth_B1 = jax.lax.top_k(logits_BV, sampling.top_k)[0][:, -1:]
         logits_BV = jnp.where(logits_BV < kth_B1, NEG_INF, logits_BV)
-    if params.top_p < 1.0:
+    if sampling.top_p < 1.0:
         # Keep the smallest set of most likely tokens whose mass reaches top_p (always >= 1).
         sorted_BV = jnp.sort(logits_BV, axis=-1)[:, ::-1]
         probs_BV = jax.nn.softmax(sorted_BV, axis=-1)
         mass_before_BV = jnp.cumsum(probs_BV, axis=-1) - probs_BV
-        keep = mass_before_BV < params.top_p
+        keep = mass_before_BV < sampling.top_p
         cutoff_B1 = jnp.min(jnp.where(keep, sorted_BV, jnp.inf), axis=-1, keepdims=True)
         logits_BV = jnp.where(logits_BV < cutoff_B1, NEG_INF, logits_BV)
     return logits_BV
 
 
-def _logprob_scale(params: SamplingParams) -> float:
-    return 1.0 if params.greedy else params.temperature
+def _logprob_scale(sampling: SamplingParams) -> float:
+    return 1.0 if sampling.greedy else sampling.temperature
 
 
 @dataclasses.dataclass
@@ -136,7 +136,7 @@ class Sampler:
     def __init__(
         self,
         model: Qwen2ForCausalLM,
-        params: SamplingParams,
+        sampling: SamplingParams,
         plan: FaultPlan | None = None,
         buckets: tuple[int, ...] = (64, 128, 256, 512, 1024),
         phase: str = "rollout",
@@ -146,7 +146,7 @@ class Sampler:
         (the trainer's batch sharding; the weights bring their own), so the program compiles
         once and the donated cache keeps its sharding between calls."""
         self.model = model
-        self.params = params
+        self.sampling = sampling  # the sampling parameters (not the model's weights)
         self.plan = plan or FaultPlan()
         self.buckets = tuple(sorted(buckets))
         self.phase = phase
@@ -184,14 +184,15 @@ class Sampler:
         B, L = input_ids.shape
         bucket = self.bucket(L)
         pad = bucket - L
-        input_ids = np.pad(input_ids, ((0, 0), (pad, 0)), constant_values=self.params.pad_id)
+        input_ids = np.pad(input_ids, ((0, 0), (pad, 0)), constant_values=self.sampling.pad_id)
         attention_mask = np.pad(attention_mask, ((0, 0), (pad, 0)))
-        input_ids = np.repeat(input_ids, self.params.n, axis=0)
-        attention_mask = np.repeat(attention_mask, self.params.n, axis=0)
-        rows = B * self.params.n
+        input_ids = np.repeat(input_ids, self.sampling.n, axis=0)
+        attention_mask = np.repeat(attention_mask, self.sampling.n, axis=0)
+        rows = B * self.sampling.n
         cache = self._caches.pop((rows, bucket), None)
         if cache is None:
-            make = lambda: init_cache(self.model.config, rows, bucket + self.params.max_new_tokens)
+            length = bucket + self.sampling.max_new_tokens
+            make = lambda: init_cache(self.model.config, rows, length)
             if self.mesh is None:
                 cache = make()
             else:  # created in place on the mesh (no host copy; works across processes)
@@ -244,7 +245,7 @@ class Sampler:
 
     def _generate(self, weights, input_ids, attention_mask, keys, cache, values):
         self.traces += 1
-        sp = self.params
+        sp = self.sampling
         key, fault_key = keys
         rows = input_ids.shape[0]
         # Reuse the donated buffers, zeroed: a padding query has no valid key, and its softmax
