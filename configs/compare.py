@@ -30,10 +30,16 @@ evaluation on 128 problems with the fault:
   0.531 ± 0.028 (difference −0.010, p = 0.62, MDD 0.077; 5 seeds per arm would detect 0.05);
   no AQN (the deadzone arm of the 5-seed recovery study) 0.527 ± 0.020: no effect of AQN.
 - aqn_between: 18 min; targeted 0.516 ± 0.014, global_aqn 0.526 ± 0.024 (p = 0.56, MDD 0.066).
-- noise_study (10%): 48 min for 3 arms x 3 seeds; no AQN 0.706 ± 0.039, global_qerl
-  0.698 ± 0.037, global_aqn (epoch-aware) 0.685 ± 0.046 on the noisy device (p >= 0.58, MDD
-  0.12-0.13; 11-13 seeds per arm would detect 0.05); the same on a clean device with 0-20% noise.
-- aqn_norm_weight, noise_study_5pct: smoke-run only.
+- aqn_norm_weight: 23 min for 2 arms x 3 seeds (245-333 s per run on a quieter machine);
+  targeted 0.542 ± 0.046, global_aqn 0.526 ± 0.037 (+0.016, p = 0.67, MDD 0.13).
+- noise_study (10%), 5 seeds: 48 min for seeds 0-2 and 55 min for seeds 3-4 (3 arms each, under
+  load); no AQN 0.695 ± 0.031, global_qerl 0.692 ± 0.028, global_aqn (epoch-aware)
+  0.684 ± 0.035 on the noisy device (p >= 0.62, MDD 0.061-0.068; 7-9 seeds per arm would detect
+  0.05); on a clean device with 0 / 5 / 10 / 20% noise 0.77 / 0.76 / 0.69 / 0.41 for every arm.
+- noise_study_5pct: smoke-run only (5% costs the warm start 0.016 before RL, inside the noise of
+  256 problems: a study there is null by construction).
+- default (6 arms x 5 seeds): not yet run end to end at this operating point; from the per-run
+  times above (~290 s quiet, 2 workers) about 75 min, over the 60-minute goal.
 """
 
 from aqn_jax.experiment import base_config
