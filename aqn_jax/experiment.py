@@ -16,10 +16,11 @@ fault the arms share: `deadzone` by default, `noise` for the original design not
 
 import ml_collections
 
+from aqn_jax.aqn.config import aqn_config
 from aqn_jax.data.config import data_config
 from aqn_jax.diagnosis.srdd import diagnosis_config
 from aqn_jax.evaluation import evaluate_config
-from aqn_jax.faults.config import aqn_config, faults_config
+from aqn_jax.faults.config import faults_config
 from aqn_jax.models.factory import model_section
 from aqn_jax.parallel import distributed_config, mesh_config
 from aqn_jax.planner import planner_config
@@ -142,7 +143,7 @@ def base_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # RL can win back from (0.9 leaves 0.105; the seed's 0.01 of the max flushes 5%, no cost).
     config.faults.deadzone.severity = "quantile"  # amax | quantile
     config.faults.deadzone.quantile = 0.75  # fraction of |h| flushed
-    config.aqn = aqn_config()  # the treatment: AQN noise (aqn_jax/faults/config.py)
+    config.aqn = aqn_config()  # the treatment: AQN noise (aqn_jax/aqn/config.py)
     config.aqn.schedule = "epoch_aware"  # qerl | epoch_aware | constant | linear | cosine
     config.aqn.num_epochs = 2  # epochs of the epoch-aware decay
 

@@ -13,7 +13,7 @@ import numpy as np
 
 from aqn_jax import parallel
 from aqn_jax.diagnosis.srdd import sigmas_of
-from aqn_jax.faults.config import parse_layers
+from aqn_jax.faults.fields import parse_layers
 from aqn_jax.models.factory import model_config
 
 

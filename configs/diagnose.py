@@ -17,9 +17,10 @@ guided and targeted arms; about 10 s on 2 CPU cores. With no fault: "no fault fo
 
 import ml_collections
 
+from aqn_jax.aqn.config import aqn_config
 from aqn_jax.data.config import data_config
 from aqn_jax.diagnosis.srdd import diagnosis_config
-from aqn_jax.faults.config import aqn_config, faults_config
+from aqn_jax.faults.config import faults_config
 from aqn_jax.models.factory import model_section
 
 

@@ -18,7 +18,8 @@ the logit change the faults cause; `runs/model_summary/{model_summary,manifest}.
 
 import ml_collections
 
-from aqn_jax.faults.config import aqn_config, faults_config
+from aqn_jax.aqn.config import aqn_config
+from aqn_jax.faults.config import faults_config
 
 
 def get_config(arg=None) -> ml_collections.ConfigDict:
@@ -43,7 +44,7 @@ def get_config(arg=None) -> ml_collections.ConfigDict:
     # The user message of the sample forward pass (rendered through the chat template).
     config.prompt = "Tom has 12 apples and buys 7 more. How many apples does he have?"
 
-    # --- faults and AQN (aqn_jax/faults/config.py documents every field) ----------------------
+    # --- faults and AQN (faults/config.py and aqn/config.py document every field) -------------
     config.faults = faults_config()
     config.faults.deadzone.layers = "3"  # the tiny model has 8 layers (the 1.5B default is 15)
     config.aqn = aqn_config()

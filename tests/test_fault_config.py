@@ -5,8 +5,10 @@ import ml_collections
 import numpy as np
 import pytest
 
+from aqn_jax.aqn.config import aqn_config, aqn_sigma
 from aqn_jax.aqn.schedules import qerl_sigmas, sigma_at
-from aqn_jax.faults.config import aqn_config, aqn_sigma, build_plan, faults_config, parse_layers
+from aqn_jax.faults.config import build_plan, faults_config
+from aqn_jax.faults.fields import parse_layers
 from aqn_jax.faults.intercept import Deadzone, Noise, NoisyLinear, NormWeightNoise, Quantize
 from aqn_jax.models.hf import abstract_params
 from aqn_jax.models.qwen2 import Qwen2Config, Qwen2ForCausalLM

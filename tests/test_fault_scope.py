@@ -13,8 +13,9 @@ import ml_collections
 import numpy as np
 import pytest
 
+from aqn_jax.aqn.config import aqn_config
 from aqn_jax.faults import formats, ops
-from aqn_jax.faults.config import aqn_config, build_plan, faults_config
+from aqn_jax.faults.config import build_plan, faults_config
 from aqn_jax.faults.intercept import (
     STATE_COLLECTION,
     Deadzone,

@@ -20,9 +20,10 @@ import torch
 import transformers
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
+from aqn_jax.aqn.config import aqn_config
 from aqn_jax.data.tokenizers import HFTokenizer
 from aqn_jax.faults import ops
-from aqn_jax.faults.config import aqn_config, build_plan, faults_config
+from aqn_jax.faults.config import build_plan, faults_config
 from aqn_jax.faults.intercept import step_key, summarize_stats
 from aqn_jax.models import gguf as gguf_import
 from aqn_jax.models.hf import load_hf_checkpoint

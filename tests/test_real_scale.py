@@ -93,7 +93,7 @@ def test_real_scale_config_runs_end_to_end(snapshot, tmp_path):
     assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
     assert [r["data/epoch"] for r in rows[1:]] == [0, 0, 1, 1]
     # The AQN schedule (epoch-aware, 2 epochs) runs over the 4 steps the epochs gave.
-    from aqn_jax.faults.config import aqn_sigma
+    from aqn_jax.aqn.config import aqn_sigma
 
     expected = [aqn_sigma(load_config("gsm8k_qwen2p5_1p5b", "targeted"), s, 4) for s in range(1, 5)]
     assert [r["aqn/sigma"] for r in rows[1:]] == pytest.approx(expected, rel=1e-6)

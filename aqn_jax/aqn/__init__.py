@@ -1,8 +1,9 @@
-"""AQN (adaptive quantisation noise): sigma schedules and per-layer sigma maps.
+"""AQN (adaptive quantisation noise): sigma schedules, per-layer sigma maps and the injection.
 
-The injections themselves are built by `aqn_jax.faults.config.build_plan` from `config.aqn`
-(global, targeted, healthy or SRDD-guided layers; QeRL's RMSNorm-weight form or the original
-system's activation form), so faults and AQN go through one interceptor.
+`config.py` holds the `config.aqn` section, builds its injection (global, targeted, healthy or
+SRDD-guided layers; QeRL's RMSNorm-weight form or the original system's activation form) and
+gives each step's sigma; `aqn_jax.faults.config.build_plan` places the injection among the
+hardware faults, so faults and AQN go through one interceptor.
 """
 
 from .schedules import SCHEDULES, qerl_sigmas, sigma_at

@@ -9,23 +9,22 @@ Every experiment scripts faults the same way:
 Layers are 'all', an int, a tuple of ints, or a string of those ('5', '(3,5)', '3,5', '10:15'
 for a range); AQN also takes 'healthy' (all but the deadzone's layers) and 'srdd' (the layers
 and sigmas found by the SRDD diagnosis, passed in as `srdd_sigmas`). Validation names the field
-and runs before anything compiles.
+and runs before anything compiles. The AQN section and its injection are `aqn_jax/aqn/config.py`;
+`build_plan` places that injection among the faults (`config.aqn.order`).
 """
 
 from __future__ import annotations
 
-import ast
 import dataclasses
-import json
-import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import ml_collections
 
-from aqn_jax.aqn.schedules import SCHEDULES, sigma_at
+from aqn_jax.aqn.config import aqn_injection
 
 from . import ops
+from .fields import check_choice, check_phases, parse_layers
 from .intercept import (
     PHASES,
     Deadzone,
@@ -33,14 +32,11 @@ from .intercept import (
     Injection,
     Noise,
     NoisyLinear,
-    NormWeightNoise,
     Quantize,
     Scale,
 )
 from .sites import LINEAR_KINDS, POINTS, SiteSelector, expand_kinds
 
-AQN_SIGMA = "aqn_sigma"  # the traced value carrying this step's AQN sigma
-AQN_FORMS = ("norm_weight", "activation")
 AQN_ORDERS = ("between", "after_fault", "before_fault")
 
 
@@ -104,124 +100,6 @@ def faults_config() -> ml_collections.ConfigDict:
     return c
 
 
-def aqn_config() -> ml_collections.ConfigDict:
-    """The AQN section (off by default)."""
-    c = ml_collections.ConfigDict()
-    c.enabled = False
-    c.form = "activation"  # activation: y + sigma*randn*|y| at sites | norm_weight: QeRL
-    # 'all' (global) | 'healthy' (all but the deadzone's layers) | ids (targeted), e.g. '(15,)'
-    # | 'located' (the layers the SRDD diagnosis locates) | 'srdd' (every layer, at the sigma
-    # of the SRDD map: layer_sigmas, or the diagnosis run first)
-    c.layers = "all"
-    # {layer: sigma} for layers='srdd', e.g. '{3: 0.075, 4: 0.05}', or the path of an
-    # srdd.json (its sigma map); '' = the diagnosis of this run. The schedule scales every
-    # layer's sigma by sigma(t) / sigma_start.
-    c.layer_sigmas = ""
-    c.sites = ("layer",)  # activation form: module kinds (norm_weight always uses rmsnorm)
-    c.sigma_start = 0.05  # QeRL default
-    c.sigma_end = 0.0005
-    c.num_stages = 10  # schedule intervals (the first is a sigma-0 warm-up)
-    c.num_epochs = 2  # epoch_aware only
-    c.schedule = "qerl"  # qerl | epoch_aware | constant | linear | cosine
-    # Where AQN noise sits relative to a deadzone at the same site: between (deadzone, noise,
-    # deadzone again: the original DeadzoneMatMul) | after_fault | before_fault.
-    c.order = "between"
-    c.phases = ("rollout",)  # QeRL: the rollout model only; validation never gets noise
-    return c
-
-
-def parse_layers(value: Any, field: str, num_layers: int, named=("all",)) -> Any:
-    """'all' / a named selection, or a sorted tuple of layer ids within the model."""
-    given = value
-    if isinstance(value, str):
-        text = value.strip()
-        if text in named:
-            return text
-        if ":" in text and not text.startswith("("):
-            lo, hi = text.split(":")
-            value = range(int(lo), int(hi))
-        else:
-            try:
-                value = ast.literal_eval(text)
-            except (ValueError, SyntaxError) as e:
-                raise ValueError(
-                    f"{field}={text!r}; expected {' | '.join(map(repr, named))}, an int, a tuple"
-                    " of ints or 'lo:hi'"
-                ) from e
-    if isinstance(value, int):
-        value = (value,)
-    try:
-        layers = tuple(sorted({int(i) for i in value}))
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"{field}={value!r}; expected layer ids") from e
-    bad = [i for i in layers if not 0 <= i < num_layers]
-    if bad or not layers:
-        raise ValueError(
-            f"{field}={given!r} but the model has {num_layers} layers (ids 0..{num_layers - 1})"
-        )
-    return layers
-
-
-def _phases(value, field) -> tuple[str, ...]:
-    phases = (value,) if isinstance(value, str) else tuple(value)
-    bad = [p for p in phases if p not in PHASES]
-    if bad or not phases:
-        raise ValueError(f"{field}={phases}; allowed: subsets of {PHASES}")
-    return phases
-
-
-def _choice(value, field, allowed):
-    if value not in allowed:
-        raise ValueError(f"{field}={value!r}; allowed: {tuple(allowed)}")
-    return value
-
-
-def _kinds(value, field):
-    return expand_kinds((value,) if isinstance(value, str) else tuple(value), field)
-
-
-def parse_layer_sigmas(value: Any, num_layers: int) -> dict[int, float] | None:
-    """`config.aqn.layer_sigmas`: '' -> None; a dict literal or the path of an srdd.json ->
-    {layer: sigma} checked against the model."""
-    field = "config.aqn.layer_sigmas"
-    if value is None or (isinstance(value, str) and not value.strip()):
-        return None
-    if isinstance(value, str) and not value.strip().startswith("{"):
-        path = os.path.expanduser(value.strip())
-        if not os.path.isfile(path):
-            raise ValueError(
-                f"{field}={value!r}: neither a {{layer: sigma}} literal nor an existing srdd.json"
-            )
-        with open(path) as f:
-            report = json.load(f)
-        try:
-            value = report["sigma_map"]["sigmas"]
-        except (KeyError, TypeError):
-            raise ValueError(f"{field}={value!r}: that file has no sigma_map.sigmas") from None
-    elif isinstance(value, str):
-        try:
-            value = ast.literal_eval(value.strip())
-        except (ValueError, SyntaxError) as e:
-            raise ValueError(f"{field}={value!r}: not a {{layer: sigma}} literal ({e})") from e
-    if not isinstance(value, Mapping) or not value:
-        raise ValueError(f"{field}={value!r}: expected a non-empty {{layer: sigma}} mapping")
-    out: dict[int, float] = {}
-    for k, v in value.items():
-        try:
-            layer, sigma = int(k), float(v)
-        except (TypeError, ValueError):
-            raise ValueError(f"{field}: entry {k!r}: {v!r} is not layer: sigma") from None
-        if not 0 <= layer < num_layers:
-            raise ValueError(
-                f"{field}: layer {layer} but the model has {num_layers} layers"
-                f" (ids 0..{num_layers - 1})"
-            )
-        if not sigma >= 0:
-            raise ValueError(f"{field}: layer {layer} sigma={sigma}; must be >= 0")
-        out[layer] = sigma
-    return out
-
-
 def needs_srdd(config: Any) -> bool:
     """Whether `build_plan` needs a diagnosis first (aqn.layers 'located', or 'srdd' without a
     given layer_sigmas)."""
@@ -253,11 +131,11 @@ def build_plan(
     if dz.enabled:
         layers = parse_layers(dz.layers, "config.faults.deadzone.layers", num_layers)
         fault_layers = () if layers == "all" else layers
-        kinds = _kinds(dz.site, "config.faults.deadzone.site")
-        point = _choice(dz.point, "config.faults.deadzone.point", POINTS)
-        phases = _phases(dz.phases, "config.faults.deadzone.phases")
+        kinds = expand_kinds(dz.site, "config.faults.deadzone.site")
+        point = check_choice(dz.point, "config.faults.deadzone.point", POINTS)
+        phases = check_phases(dz.phases, "config.faults.deadzone.phases")
 
-        severity = _choice(
+        severity = check_choice(
             dz.get("severity", "amax"), "config.faults.deadzone.severity", ops.DEADZONE_SEVERITIES
         )
         if severity == "quantile" and not 0.0 < float(dz.quantile) < 1.0:
@@ -287,15 +165,15 @@ def build_plan(
 
     nz = faults.noise
     if nz.enabled:
-        _choice(nz.kind, "config.faults.noise.kind", ops.NOISE_KINDS)
+        check_choice(nz.kind, "config.faults.noise.kind", ops.NOISE_KINDS)
         if nz.scale < 0:
             raise ValueError(f"config.faults.noise.scale={nz.scale}; must be >= 0")
         if not (nz.forward or nz.backward):
             raise ValueError("config.faults.noise: forward=False and backward=False inject nothing")
         layers = parse_layers(nz.layers, "config.faults.noise.layers", num_layers)
-        kinds = _kinds(nz.sites, "config.faults.noise.sites")
-        point = _choice(nz.point, "config.faults.noise.point", POINTS)
-        phases = _phases(nz.phases, "config.faults.noise.phases")
+        kinds = expand_kinds(nz.sites, "config.faults.noise.sites")
+        point = check_choice(nz.point, "config.faults.noise.point", POINTS)
+        phases = check_phases(nz.phases, "config.faults.noise.phases")
         scale = Scale(float(nz.scale))
         if nz.backward:
             wrong = [k for k in kinds if k not in LINEAR_KINDS]
@@ -349,113 +227,35 @@ def build_plan(
             Injection(
                 "quant",
                 SiteSelector(
-                    _kinds(qt.sites, "config.faults.quant.sites"),
+                    expand_kinds(qt.sites, "config.faults.quant.sites"),
                     parse_layers(qt.layers, "config.faults.quant.layers", num_layers),
-                    _choice(qt.point, "config.faults.quant.point", POINTS),
+                    check_choice(qt.point, "config.faults.quant.point", POINTS),
                 ),
                 transform,
-                _phases(qt.phases, "config.faults.quant.phases"),
+                check_phases(qt.phases, "config.faults.quant.phases"),
             )
         )
 
     aqn = config.aqn
-    aqn_injection = None
+    aqn_noise = None
     if aqn.enabled:
-        aqn_injection = _aqn_injection(aqn, num_layers, fault_layers, srdd_sigmas, srdd_layers)
+        aqn_noise = aqn_injection(aqn, num_layers, fault_layers, srdd_sigmas, srdd_layers)
     # Composition at a shared site follows list order.
-    order = _choice(aqn.order, "config.aqn.order", AQN_ORDERS)
-    if aqn_injection is None:
+    order = check_choice(aqn.order, "config.aqn.order", AQN_ORDERS)
+    if aqn_noise is None:
         injections = deadzone + injections
     elif order == "before_fault":
-        injections = [aqn_injection] + deadzone + injections
+        injections = [aqn_noise] + deadzone + injections
     elif order == "after_fault" or not deadzone:
-        injections = deadzone + [aqn_injection] + injections
+        injections = deadzone + [aqn_noise] + injections
     else:  # between: deadzone -> AQN noise -> the same deadzone again
         again = Injection(
             "deadzone_after_aqn",
             deadzone[0].sites,
             dataclasses.replace(deadzone[0].transform, reuse_threshold=True),
-            tuple(p for p in deadzone[0].phases if p in aqn_injection.phases),
+            tuple(p for p in deadzone[0].phases if p in aqn_noise.phases),
         )
-        injections = deadzone + [aqn_injection] + ([again] if again.phases else []) + injections
+        injections = deadzone + [aqn_noise] + ([again] if again.phases else []) + injections
     plan = FaultPlan(injections)
     plan.validate(num_layers)
     return plan
-
-
-def _aqn_injection(aqn, num_layers, fault_layers, srdd_sigmas, srdd_layers) -> Injection:
-    form = _choice(aqn.form, "config.aqn.form", AQN_FORMS)
-    _choice(aqn.schedule, "config.aqn.schedule", SCHEDULES)
-    for name in ("sigma_start", "sigma_end"):
-        if aqn[name] < 0:
-            raise ValueError(f"config.aqn.{name}={aqn[name]}; must be >= 0")
-    if aqn.schedule in ("qerl", "epoch_aware") and (aqn.sigma_start <= 0 or aqn.sigma_end <= 0):
-        raise ValueError(
-            f"config.aqn.schedule={aqn.schedule!r} is geometric: sigma_start={aqn.sigma_start} and"
-            f" sigma_end={aqn.sigma_end} must be > 0"
-        )
-    phases = _phases(aqn.phases, "config.aqn.phases")
-    layers = parse_layers(
-        aqn.layers, "config.aqn.layers", num_layers, ("all", "healthy", "srdd", "located")
-    )
-    given = parse_layer_sigmas(aqn.layer_sigmas, num_layers)
-    if given is not None and layers != "srdd":
-        raise ValueError(
-            f"config.aqn.layer_sigmas is set but config.aqn.layers={aqn.layers!r}; the sigma map"
-            " applies with layers='srdd'"
-        )
-    layer_scales = None
-    if layers == "healthy":
-        if not fault_layers:
-            raise ValueError(
-                "config.aqn.layers='healthy' means all layers but the faulty ones; enable"
-                " config.faults.deadzone with explicit layers"
-            )
-        layers = tuple(i for i in range(num_layers) if i not in fault_layers)
-    elif layers == "located":
-        if srdd_layers is None:
-            raise ValueError(
-                "config.aqn.layers='located' targets the layers the SRDD diagnosis locates: run"
-                " the diagnosis first and pass its verdict (srdd_layers)"
-            )
-        if not srdd_layers:
-            raise ValueError(
-                "config.aqn.layers='located': the SRDD diagnosis found no faulty layer, so the"
-                " targeted arm has nothing to target (check config.faults, or use layers='all')"
-            )
-        layers = tuple(sorted(int(i) for i in srdd_layers))
-    elif layers == "srdd":
-        srdd_sigmas = given if given is not None else srdd_sigmas
-        if not srdd_sigmas:
-            raise ValueError(
-                "config.aqn.layers='srdd' targets the layers the SRDD diagnosis finds: run the"
-                " diagnosis first and pass its sigma map (srdd_sigmas)"
-            )
-        layers = tuple(sorted(srdd_sigmas))
-        # The schedule scales sigma over time; the map sets each layer's level relative to
-        # sigma_start.
-        layer_scales = {i: float(s) / aqn.sigma_start for i, s in srdd_sigmas.items()}
-    scale = Scale(1.0, value=AQN_SIGMA, layer_scales=layer_scales)
-    if form == "norm_weight":
-        sites = SiteSelector(("rmsnorm",), layers, "output")
-        transform = NormWeightNoise(scale)
-    else:
-        sites = SiteSelector(_kinds(aqn.sites, "config.aqn.sites"), layers, "output")
-        transform = Noise("relative_gaussian", scale)
-    return Injection("aqn", sites, transform, phases)
-
-
-def aqn_sigma(config: Any, step: int, total_steps: int) -> float:
-    """This step's AQN sigma (0.0 when AQN is off)."""
-    aqn = config.aqn
-    if not aqn.enabled:
-        return 0.0
-    return sigma_at(
-        aqn.schedule,
-        step,
-        total_steps,
-        aqn.sigma_start,
-        aqn.sigma_end,
-        num_stages=aqn.num_stages,
-        num_epochs=aqn.num_epochs,
-    )

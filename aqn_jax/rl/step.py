@@ -36,7 +36,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 
 from aqn_jax import parallel
-from aqn_jax.faults.config import AQN_SIGMA
+from aqn_jax.aqn.config import AQN_SIGMA
 from aqn_jax.faults.intercept import FaultPlan
 from aqn_jax.models.factory import logical_axes
 from aqn_jax.models.qwen2 import Qwen2Config, Qwen2ForCausalLM

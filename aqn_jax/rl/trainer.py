@@ -25,10 +25,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from aqn_jax import parallel
+from aqn_jax.aqn.config import AQN_SIGMA, aqn_sigma
 from aqn_jax.data.gsm8k import Example, PromptBatcher
 from aqn_jax.data.tokenizers import Tokenizer
 from aqn_jax.evaluation import eval_scores
-from aqn_jax.faults.config import AQN_SIGMA, aqn_sigma
 from aqn_jax.faults.intercept import FaultPlan, step_key, summarize_stats
 from aqn_jax.models.qwen2 import Qwen2ForCausalLM
 from aqn_jax.rewards import score_batch

@@ -6,7 +6,7 @@ from __future__ import annotations
 import ml_collections
 
 from aqn_jax.experiment import ARMS, STUDY_ARMS
-from aqn_jax.faults.config import parse_layers
+from aqn_jax.faults.fields import parse_layers
 
 
 def compare_config() -> ml_collections.ConfigDict:
