@@ -5,10 +5,11 @@ No fault, no AQN: the upper bound of the study (the accelerator is healthy).
   python -m aqn_jax.launch --config=configs/clean.py
   python -m aqn_jax.launch --config=configs/clean.py:smoke     # < 1 minute, a wiring check
 
-Expected: val acc holds near the warm start's (0.832 on 256 problems; RL at lr 3e-5 keeps it);
-faulty-device and clean validation are equal (no fault).
-Run time on 2 CPU cores: about 4 minutes (a 30-step run took 227 s on one core of two; the SFT
-warm start ships with the package, aqn_jax/assets, so no SFT runs; WORKSPACE.md issue 14).
+Measured (5 seeds, 30 steps, WORKSPACE.md issue 14, recovery study): validation accuracy
+0.832 -> 0.823 ± 0.006 (256 problems; a small real drop, CI [0.815, 0.830]); the compare
+evaluation's 128 other problems: 0.786 ± 0.012 clean, 0.519 ± 0.026 on the deadzone device.
+Run time on 2 CPU cores: 257-287 s per 30-step run on one core of two, 460-634 s beside other
+work (the SFT warm start ships with the package, aqn_jax/assets, so no SFT runs).
 `:smoke`: about 30 s (it trains its own 8-step SFT).
 """
 

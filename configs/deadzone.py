@@ -7,11 +7,13 @@ bound.
   python -m aqn_jax.launch --config=configs/deadzone.py
   python -m aqn_jax.launch --config=configs/deadzone.py:smoke     # < 1 minute, a wiring check
 
-Expected: the fault costs ~0.31 greedy accuracy at the start (clean 0.797, faulty 0.484 on 128
-problems); RL on the faulty device wins part of it back (12 steps: 0.484 -> 0.516) and the
-printed line says how much.
-Run time on 2 CPU cores: about 4 minutes (a 30-step run took 227 s on one core of two; the SFT
-warm start ships with the package, aqn_jax/assets, so no SFT runs; WORKSPACE.md issue 14).
+Measured (5 seeds, 30 steps, WORKSPACE.md issue 14, recovery study): the fault costs 0.324
+accuracy at the start (clean 0.832, faulty 0.508 on 256 problems); RL on the faulty device wins
+back +0.035 ± 0.020 (CI [+0.010, +0.060], 10.8% of the gap), the printed line says how much;
+clean validation 0.819 ± 0.007. The compare evaluation (128 other problems): 0.527 ± 0.020 on
+the faulty device, 0.791 ± 0.010 clean.
+Run time on 2 CPU cores: 257-287 s per 30-step run on one core of two, 460-634 s beside other
+work (the SFT warm start ships with the package, aqn_jax/assets, so no SFT runs).
 `:smoke`: about 30 s (it trains its own 8-step SFT).
 """
 
