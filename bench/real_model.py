@@ -141,14 +141,12 @@ def main() -> None:
             f" {d['ours_s']:.3f} | {d['torch_s']:.3f} | {d['ours_tok_s']:.1f} |"
             f" {d['torch_tok_s']:.1f} | {d['ours_tok_s'] / d['torch_tok_s']:.2f} |",
         ]
-        intro = (
-            f"SmolLM2-135M-Instruct ({args.hf_path}), f32, median of {args.repeats} calls per"
-            f" side, alternating blocks; load before the run: {load}. Logit parity on"
-            f" {args.batch} chat prompts: max |diff| {diff:.2e}, argmax equal {same_argmax:.4f};"
-            f" decode: same greedy tokens {d['same_tokens']:.3f}.\n\n"
-            + "\n".join(f"`{x}`" for x in lines)
-        )
-        print("recorded in", record("bench/real_model.py", intro, table))
+        parity = f"max |diff| {diff:.2e}, argmax equal {same_argmax:.4f}"
+        how = f"f32, median of {args.repeats} calls per side, alternating blocks, load {load}"
+        same = f"same greedy tokens {d['same_tokens']:.3f}"
+        intro = f"SmolLM2-135M-Instruct ({args.hf_path}); {how}; parity {parity}; decode {same}."
+        record("bench/real_model.py", intro, [*(f"`{x}`" for x in lines), "", *table])
+        print("recorded in WORKSPACE.md")
 
 
 if __name__ == "__main__":

@@ -166,13 +166,12 @@ def main() -> None:
         *rows,
     ]
     if args.record:
-        intro = (
-            f"SmolLM2-135M-Instruct ({args.hf_path}), {ids.shape[0]} calibration prompts"
-            f" ({int(mask.sum())} tokens), SRDD settings of configs/smollm2_135m.py;"
-            f" {len(thresholds) * len(layers)} deadzone diagnoses in {sweep_s:.0f}s.\n\n"
-            + "\n".join(f"`{s}`" for s in summary)
-        )
-        print("recorded in", record("bench/srdd_real.py", intro, table))
+        where = f"SmolLM2-135M-Instruct ({args.hf_path}), SRDD settings of configs/smollm2_135m.py"
+        calib = f"{ids.shape[0]} calibration prompts ({int(mask.sum())} tokens)"
+        timing = f"{len(thresholds) * len(layers)} deadzone diagnoses in {sweep_s:.0f}s"
+        bench_lines = [f"`{s}`" for s in summary]
+        record("bench/srdd_real.py", f"{where}; {calib}; {timing}.", [*bench_lines, "", *table])
+        print("recorded in WORKSPACE.md")
 
 
 def _z_of(report) -> dict:
