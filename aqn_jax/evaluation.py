@@ -177,6 +177,7 @@ def robustness(
             fault_key=fault_key,
             values=values,
             key=jax.random.key(int(config.seed)),
+            method=config.data.reward_method,
         )
         results[cond.name] = {
             "acc": float(np.mean(scores)),
@@ -217,6 +218,7 @@ def eval_scores(
     values=None,
     key=None,
     texts: list[str] | None = None,
+    method: str = "strict",
 ) -> np.ndarray:
     """verl scores (strict `####`) of `sampler`'s completions for every example, in order
     (the last batch padded with repeats of its first prompt, which are dropped); with
@@ -245,7 +247,7 @@ def eval_scores(
         ]
         truths = [ex.ground_truth for ex in chunk[:real] for _ in range(n)]
         decoded = texts_of_batch[: real * n]
-        s = score_batch(decoded, truths).reshape(real, n).mean(axis=1)
+        s = score_batch(decoded, truths, method=method).reshape(real, n).mean(axis=1)
         scores.extend(s.tolist())
         if texts is not None:
             texts.extend(decoded)
@@ -294,16 +296,23 @@ def prompt_dependence(
     )
     bs = int(config.trainer.val_batch_size)
     limit = int(config.rollout.max_prompt_len)
+    method = config.data.reward_method
     out: dict[str, Any] = {"n": size}
     texts: list[str] = []
     examples = task.examples("test", size)
     out["acc"] = float(
-        np.mean(eval_scores(sampler, params, examples, tokenizer, bs, limit, texts=texts))
+        np.mean(
+            eval_scores(sampler, params, examples, tokenizer, bs, limit, texts=texts, method=method)
+        )
     )
     redrawn = task.redrawn("test", size)
     texts_redrawn: list[str] = []
     out["acc_redrawn"] = float(
-        np.mean(eval_scores(sampler, params, redrawn, tokenizer, bs, limit, texts=texts_redrawn))
+        np.mean(
+            eval_scores(
+                sampler, params, redrawn, tokenizer, bs, limit, texts=texts_redrawn, method=method
+            )
+        )
     )
     changed = [
         i
@@ -311,7 +320,9 @@ def prompt_dependence(
         if a.ground_truth != b.ground_truth
     ]
     stale = score_batch(
-        [texts_redrawn[i] for i in changed], [examples[i].ground_truth for i in changed]
+        [texts_redrawn[i] for i in changed],
+        [examples[i].ground_truth for i in changed],
+        method=method,
     )
     out["answered_original"] = float(np.mean(stale)) if changed else 0.0
     answers_of: dict[str, set[str]] = {}

@@ -166,3 +166,43 @@ def test_an_unfinished_run_is_evaluated_as_such(tmp_path):
     (tmp_path / "summary.json").write_text(json.dumps({"steps": 30}))
     assert run_status(str(tmp_path), 10)["finished"] is False  # an older checkpoint
     assert run_status(str(tmp_path), 30) == {"step": 30, "finished": True, "total_steps": 30}
+
+
+def test_eval_scores_reads_answers_with_the_configured_method():
+    """`config.data.reward_method` reaches the score: a prose answer ("... is 12") scores 0
+    strict (no '#### ') and 1 flexible (the last number), a '#### 12' answer 1 under both, a
+    wrong number 0 under both, and "... is 12." 0 under both (verl's flexible pattern takes the
+    trailing period into the number: "12." != "12"). A stub sampler returns fixed completions,
+    so this is the scoring path alone."""
+    import types
+
+    from aqn_jax.data.gsm8k import Example
+    from aqn_jax.data.tokenizers import CharTokenizer
+    from aqn_jax.evaluation import eval_scores
+
+    tok = CharTokenizer()
+    answers = ["So 7 plus 5 is 12", "7 + 5 = 12\n#### 12", "It is 13", "It is 12."]
+    examples = [
+        Example(
+            question=f"q{i}",
+            prompt_messages=[{"role": "user", "content": f"What is 7 plus 5? ({i})"}],
+            ground_truth="12",
+            index=i,
+        )
+        for i in range(len(answers))
+    ]
+    width = max(len(tok.encode(a)) for a in answers)
+
+    def sampler(params, ids, mask, key, fault_key=None, values=None):
+        rows = [tok.encode(answers[i % len(answers)]) for i in range(ids.shape[0])]
+        tokens = np.zeros((ids.shape[0], width), np.int32)
+        resp = np.zeros_like(tokens)
+        for i, r in enumerate(rows):
+            tokens[i, : len(r)], resp[i, : len(r)] = r, 1
+        return types.SimpleNamespace(tokens=tokens, response_mask=resp)
+
+    sampler.sampling = types.SimpleNamespace(n=1)
+    strict = eval_scores(sampler, None, examples, tok, 4, 72, method="strict")
+    flexible = eval_scores(sampler, None, examples, tok, 4, 72, method="flexible")
+    np.testing.assert_array_equal(strict, [0.0, 1.0, 0.0, 0.0])
+    np.testing.assert_array_equal(flexible, [1.0, 1.0, 0.0, 0.0])

@@ -110,6 +110,11 @@ CASES = [
     ("val_bs", ("--config.trainer.val_batch_size=0",), "config.trainer.val_batch_size=0; must"),
     ("lr", ("--config.actor.lr=0",), "config.actor.lr=0.0; must be > 0"),
     (
+        "reward_method",
+        ("--config.data.reward_method=lenient",),
+        "config.data.reward_method='lenient'; allowed: ['strict', 'flexible']",
+    ),
+    (
         "mini_batch",
         ("--config.actor.mini_batch_prompts=3",),
         "config.actor.mini_batch_prompts=3 must divide config.data_batch.prompts=4",

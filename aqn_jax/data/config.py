@@ -14,6 +14,8 @@ from typing import Any
 
 import ml_collections
 
+from aqn_jax.rewards import METHODS
+
 from .arithmetic import ArithmeticTask
 from .gsm8k import Example, load_examples
 
@@ -29,6 +31,10 @@ def data_config() -> ml_collections.ConfigDict:
     # Train prompts longer than config.rollout.max_prompt_len: True = drop them (the train job
     # prints how many at the start); False = refuse to start, naming the count.
     c.drop_long_prompts = True
+    # How the reward reads an answer (aqn_jax/rewards.py, verl's GSM8K semantics): strict = the
+    # number after '#### ' (the trained format) | flexible = the last number in the completion
+    # (a pretrained instruct model that answers in prose, e.g. SmolLM2 without SFT).
+    c.reward_method = "strict"
     c.task = ml_collections.ConfigDict()
     c.task.digits = 2  # embedded task difficulty (aqn_jax/data/arithmetic.py)
     c.task.steps = 2
@@ -45,6 +51,10 @@ def check_data(data: Any) -> None:
             raise ValueError(
                 f"config.data.{field}={path!r}: no such file (verl .parquet or GSM8K .jsonl)"
             )
+    if data.get("reward_method", "strict") not in METHODS:
+        raise ValueError(
+            f"config.data.reward_method={data.reward_method!r}; allowed: {list(METHODS)}"
+        )
     if bool(data.train_path) != bool(data.test_path):
         raise ValueError(
             f"config.data.train_path={data.train_path!r}, test_path={data.test_path!r}: give both"

@@ -94,7 +94,20 @@ def run(config, workdir: str) -> None:
             samplers[repr(plan.injections)] = Sampler(model, sp, plan, buckets, phase="eval")
         sampler = samplers[repr(plan.injections)]
         return float(
-            np.mean(eval_scores(sampler, params, test, tokenizer, bs, limit, key, values, key))
+            np.mean(
+                eval_scores(
+                    sampler,
+                    params,
+                    test,
+                    tokenizer,
+                    bs,
+                    limit,
+                    key,
+                    values,
+                    key,
+                    method=config.data.reward_method,
+                )
+            )
         )
 
     samplers: dict[str, Sampler] = {}

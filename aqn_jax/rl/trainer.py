@@ -141,7 +141,7 @@ class Trainer:
             for t, m in zip(out.tokens, out.response_mask, strict=True)
         ]
         truths = [g for g in batch["ground_truth"] for _ in range(self.static.h.n)]
-        scores = score_batch(texts, truths)
+        scores = score_batch(texts, truths, method=self.config.data.reward_method)
         tb = train_batch(out, scores)
         t0 = time.perf_counter()
         dev = parallel.put_batch({k: v for k, v in tb.items() if k != "scores"}, self.mesh)
@@ -226,6 +226,7 @@ class Trainer:
                 batch_size,
                 int(self.config.rollout.max_prompt_len),
                 fault_key=step_key(self.seed, step, "eval"),
+                method=self.config.data.reward_method,
             )
             by_source: dict[str, list[float]] = {}
             for ex, s in zip(examples, scores, strict=True):
