@@ -239,9 +239,15 @@ def trl_worker(wdir: str, arch: str, steps: int, threads: int, out: str) -> None
         return wrapper
 
     trainer._generate = timed("gen", trainer._generate)
-    trainer._generate_and_score_completions = timed(
-        "gen_score", trainer._generate_and_score_completions
-    )
+    gen_and_score = timed("gen_score", trainer._generate_and_score_completions)
+
+    def gen_score_and_length(*a, **k):
+        out = gen_and_score(*a, **k)
+        # The completion length of this generation (TRL logs it once per generation).
+        clock["len"].append(float(trainer._metrics["train"]["completions/mean_length"][-1]))
+        return out
+
+    trainer._generate_and_score_completions = gen_score_and_length
 
     class StepTimer(transformers.TrainerCallback):
         def on_step_begin(self, *a, **k):
@@ -249,10 +255,6 @@ def trl_worker(wdir: str, arch: str, steps: int, threads: int, out: str) -> None
 
         def on_step_end(self, *a, **k):
             clock["step"].append(time.perf_counter() - self.t0)
-
-        def on_log(self, args, state, control, logs=None, **k):
-            if logs and "completions/mean_length" in logs:
-                clock["len"].append(float(logs["completions/mean_length"]))
 
     trainer.add_callback(StepTimer())
     trainer.train()
@@ -263,7 +265,7 @@ def trl_worker(wdir: str, arch: str, steps: int, threads: int, out: str) -> None
         gen, gs = clock["gen"][i], clock["gen_score"][i]
         rl.append(
             {"step": s, "gen": gen, "logprobs": gs - gen, "update": s - gs,
-             "completion_len": clock["len"][2 * i] if len(clock["len"]) > 2 * i else float("nan")}
+             "completion_len": clock["len"][i]}
         )  # fmt: skip
     Path(out).write_text(json.dumps({"steps": rl, "rows": prompts * n}))
 
