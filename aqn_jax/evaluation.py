@@ -220,9 +220,10 @@ def eval_scores(
     texts: list[str] | None = None,
     method: str = "strict",
 ) -> np.ndarray:
-    """verl scores (strict `####`) of `sampler`'s completions for every example, in order
-    (the last batch padded with repeats of its first prompt, which are dropped); with
-    `sampler.sampling.n > 1` each example's score is the mean over its n samples (mean@n).
+    """verl scores (`method`: strict `####` | flexible) of `sampler`'s completions for every
+    example, in order (the last batch padded with repeats of its first prompt, which are
+    dropped); with `sampler.sampling.n > 1` each example's score is the mean over its n samples
+    (mean@n).
     `texts`, when given, receives the decoded completions (n per example, in order)."""
     n = sampler.sampling.n
     scores = []

@@ -113,13 +113,21 @@ def run(config, workdir: str) -> None:
     print(f"evaluating {what} on {len(test)} test examples; conditions: {names}")
     result = robustness(config, model_cfg, params, tokenizer, test, mesh=mesh)
     result.update(
-        policy=what, run=status, test_size=len(test), fault_config=config.faults.to_dict()
+        policy=what,
+        run=status,
+        test_size=len(test),
+        fault_config=config.faults.to_dict(),
+        reward_method=config.data.reward_method,
     )
     if jax.process_index() == 0:
         with open(os.path.join(workdir, "evaluation.json"), "w") as f:
             json.dump(result, f, indent=2, default=str)
         path = write_evaluation_report(result, workdir)
         print(f"report: {path}")
+
+
+# How the reward read the answers (config.data.reward_method), for the report's header.
+_READING = {"strict": "strict `####`", "flexible": "flexible: the last number"}
 
 
 def write_evaluation_report(result: dict, workdir: str) -> str:
@@ -144,7 +152,8 @@ def write_evaluation_report(result: dict, workdir: str) -> str:
     lines = [
         f"# Robustness evaluation: {result['policy']}",
         "",
-        f"{result['test_size']} test examples; accuracy (strict `####`), mean@"
+        f"{result['test_size']} test examples; accuracy"
+        f" ({_READING[result.get('reward_method', 'strict')]}), mean@"
         f"{next(iter(conds.values()))['samples']}; {result['wall_time_s']:.0f}s.",
         "",
         "| device | " + " | ".join(cols) + " |",
