@@ -30,10 +30,10 @@ from aqn_jax.rl.sampler import Sampler, SamplingParams
 
 from conftest import load_config, random_params
 
+THRESHOLD = 0.3  # of amax: flushes a good part of layer 0's output of this random model
 CONFIG = Qwen2Config.tiny(num_hidden_layers=2)
 MODEL = Qwen2ForCausalLM(CONFIG)
 PARAMS = random_params(CONFIG, seed=0)
-THRESHOLD = 0.3  # of amax: flushes a good part of layer 0's output of this random model
 _rs = np.random.RandomState(0)
 IDS = _rs.randint(3, 200, size=(3, 9)).astype(np.int32)
 MASK = np.ones_like(IDS)
