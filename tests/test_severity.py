@@ -33,6 +33,27 @@ def test_severity_curve_smoke(tmp_path):
     assert "| quantile 0.5 |" in table and "/ 50% |" in table
 
 
+def test_severity_without_accuracy_decodes_nothing(tmp_path, monkeypatch):
+    """`severity.accuracy=False`: loss and flushed fraction only; no greedy decode, the
+    prompt-dependence control included (it decodes too)."""
+    from aqn_jax.jobs import severity
+    from aqn_jax.launch import run
+
+    def no_decoding(*a, **k):
+        raise AssertionError("decoded with config.severity.accuracy=False")
+
+    monkeypatch.setattr(severity, "prompt_dependence", no_decoding)
+    monkeypatch.setattr(severity, "eval_scores", no_decoding)
+    config = load_config("severity", "smoke")
+    config.sft.cache_dir = str(tmp_path / "cache")
+    config.severity.accuracy = False
+    config.severity.quantile = ()
+    run(config, str(tmp_path / "sev"))
+    out = json.loads((tmp_path / "sev" / "severity.json").read_text())
+    assert "prompt_dependence" not in out and out["clean"]["acc"] is None
+    assert out["points"] and all(p["acc"] is None and p["loss"] > 0 for p in out["points"])
+
+
 @pytest.mark.parametrize(
     "field, value, message",
     [

@@ -2,7 +2,8 @@
 x each severity (fractions of amax, the original's statement, and quantiles, the flushed
 fraction): the fraction of the layer's output flushed, the held-out loss of the worked
 solutions and the greedy accuracy on the faulty device; plus the clean baseline and, on the
-embedded task, the prompt-dependence control (`evaluation.prompt_dependence`).
+embedded task, the prompt-dependence control (`evaluation.prompt_dependence`). With
+`config.severity.accuracy=False` nothing is decoded: loss and flushed fraction only.
 
   python -m aqn_jax.launch --config=configs/severity.py
   python -m aqn_jax.launch --config=configs/severity.py --config.severity.accuracy=False \
@@ -114,7 +115,7 @@ def run(config, workdir: str) -> None:
     clean = {"loss": heldout_loss(model, params, FaultPlan(), test, tokenizer, bs, key)}
     clean["acc"] = accuracy(FaultPlan(), {})
     out = {"model": config.model.to_dict(), "n": len(test), "clean": clean, "points": []}
-    if not config.data.train_path:
+    if config.severity.accuracy and not config.data.train_path:  # greedy decoding, as accuracy
         out["prompt_dependence"] = prompt_dependence(config, model_cfg, params, tokenizer, size)
     print(_clean_line(out))
 
