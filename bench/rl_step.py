@@ -65,12 +65,14 @@ def weights_dir(arch: str, tmp: str) -> str:
         return str(assets[-1])
     from common import random_params
 
+    from aqn_jax.data.tokenizers import CharTokenizer
     from aqn_jax.models.hf import save_hf_checkpoint
     from aqn_jax.models.qwen2 import Qwen2Config
 
     cfg = Qwen2Config.preset(arch)
     out = os.path.join(tmp, arch)
     save_hf_checkpoint(out, cfg, random_params(cfg))
+    CharTokenizer().save(out)  # our side reads the snapshot's tokenizer: the same ids as TRL's
     return out
 
 
