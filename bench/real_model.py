@@ -47,19 +47,16 @@ from generate import BLOCKS, bench_batch  # noqa: E402
 from torch_ref import setup_torch  # noqa: E402
 
 from aqn_jax.data.arithmetic import ArithmeticTask  # noqa: E402
+from aqn_jax.data.gsm8k import left_pad  # noqa: E402
 from aqn_jax.data.tokenizers import load_tokenizer  # noqa: E402
 from aqn_jax.models.hf import load_hf_checkpoint  # noqa: E402
 from aqn_jax.models.qwen2 import Qwen2ForCausalLM  # noqa: E402
 
 
 def chat_batch(tok, batch: int) -> tuple[np.ndarray, np.ndarray]:
-    rows = [tok.encode_chat(ex.prompt_messages) for ex in ArithmeticTask().examples("test", batch)]
-    width = max(len(r) for r in rows)
-    ids = np.full((batch, width), tok.pad_id, np.int32)
-    mask = np.zeros((batch, width), np.int32)
-    for i, r in enumerate(rows):
-        ids[i, width - len(r) :], mask[i, width - len(r) :] = r, 1
-    return ids, mask
+    """`batch` test prompts of the embedded task in the model's chat format, left-padded."""
+    examples = ArithmeticTask().examples("test", batch)
+    return left_pad([tok.encode_chat(ex.prompt_messages) for ex in examples], tok.pad_id)
 
 
 def alternate(ours, theirs, repeats: int) -> tuple[float, float]:

@@ -273,7 +273,7 @@ def trl_worker(wdir: str, arch: str, steps: int, threads: int, out: str) -> None
 
 
 # -- report ----------------------------------------------------------------------------------------
-def summarise(res: dict, new_tokens: int) -> dict:
+def summarise(res: dict) -> dict:
     steps = res["steps"]
     tail = steps[2:] or steps
     med = {k: statistics.median(s[k] for s in tail) for k in ("step", "gen", "logprobs", "update")}
@@ -318,7 +318,7 @@ def main() -> None:
         for s in settings:
             run = run_ours if s.startswith("ours") else run_trl
             res = run(s, args.arch, wdir, steps, tmp)
-            results[s] = summarise(res, new)
+            results[s] = summarise(res)
             r = results[s]
             print(
                 f"{s}: step {r['step']:.2f}s (gen {r['gen']:.2f}, log-probs {r['logprobs']:.2f},"

@@ -59,7 +59,7 @@ def _verdict(scans, diag):
     )
 
 
-def _misled(scans, v, layer: int | None) -> str:
+def _misled(v, layer: int | None) -> str:
     """Why a wrong verdict was wrong: the metrics that declared the top suspect, and how the
     faulty layer's own z-scores compare."""
     if not v["suspects"]:
@@ -120,7 +120,7 @@ def main() -> None:
             rows.append(
                 f"| deadzone {thr:g} x max | {layer} | {v['message']} | {v['confidence']:.3f} |"
                 f" {scans['dead'][layer]:.3f} | {scans['gain'][layer]:.3f} |"
-                f" {'' if ok else _misled(scans, v, layer)} |"
+                f" {'' if ok else _misled(v, layer)} |"
             )
             print(rows[-1], flush=True)
     sweep_s = time.perf_counter() - t0
@@ -136,7 +136,7 @@ def main() -> None:
     rows.append(
         f"| noise {args.noise_scale:g} (linear outputs) | {args.noise_layer} |"
         f" {r['verdict']['message']} | {r['verdict']['confidence']:.3f} | {lay['dead']:.3f} |"
-        f" {lay['gain']:.3f} | {'' if noise_ok else _misled(None, v_noise, args.noise_layer)} |"
+        f" {lay['gain']:.3f} | {'' if noise_ok else _misled(v_noise, args.noise_layer)} |"
     )
     print(rows[-1], flush=True)
     config.faults.noise.enabled = False
@@ -145,7 +145,7 @@ def main() -> None:
     v_clean = {"suspects": clean["suspects"], "z": _z_of(clean)}
     rows.append(
         f"| none | - | {clean['verdict']['message']} | {clean['verdict']['confidence']:.3f} |"
-        f" | | {'' if clean_ok else _misled(None, v_clean, None)} |"
+        f" | | {'' if clean_ok else _misled(v_clean, None)} |"
     )
     print(rows[-1], flush=True)
 
