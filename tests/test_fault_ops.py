@@ -172,6 +172,31 @@ class QuantileDeadzoneTest(chex.TestCase):
         )(jnp.asarray(X_HAND), 0.5)
         np.testing.assert_array_equal(g, [[1.0, 0.0, 1.0], [0.0, 1.0, 0.0]])
 
+    def test_kth_smallest_is_the_sorts_element_bit_for_bit(self):
+        # The bit-pattern search against jnp.sort, every k of each row: ties, zeros (+0 and
+        # the |.| of -0), denormals, huge values, +inf and NaN (ranked last, as sort does).
+        rng = np.random.default_rng(0)
+        rows = [
+            np.abs(rng.standard_normal(37)).astype(np.float32),
+            np.float32([0.0, 0.0, 1.0, 1.0, 1.0, 2.0, 0.5, 0.5]),
+            np.abs(np.float32([-0.0, 1e-45, 3e-39, 1e38, np.inf, np.nan, 7.0, 1e-45])),
+            np.abs(rng.standard_normal(5) * 1e4).astype(np.float32),
+        ]
+        kth = jax.jit(ops.kth_smallest_nonneg)
+        for row in rows:
+            ranked = np.sort(row)
+            for k in range(row.size):
+                got = np.asarray(kth(row[None], k))[0, 0]
+                np.testing.assert_array_equal(
+                    np.float32(got).view(np.int32), ranked[k].view(np.int32), err_msg=f"{row} {k}"
+                )
+        # Per row of a [..., D] array, k broadcast over the rows: each row's own k-th.
+        x = np.abs(rng.standard_normal((3, 4, 16))).astype(np.float32)
+        got = np.asarray(kth(x, 5))
+        np.testing.assert_array_equal(got, np.sort(x, axis=-1)[..., 5:6])
+        # Negative control: a different k gives a different value.
+        self.assertFalse(np.array_equal(got, np.asarray(kth(x, 6))))
+
     def test_traced_quantile_does_not_retrace(self):
         traces = []
 

@@ -128,12 +128,31 @@ def _quantile_threshold(abs_x: jax.Array, q, granularity: str) -> jax.Array:
         raise ValueError("severity='quantile' takes granularity 'tensor' or 'token', not 'block'")
     flat = abs_x.reshape(1, -1) if granularity == "tensor" else abs_x
     n = flat.shape[-1]
-    ranked = jnp.sort(flat, axis=-1)
     # q may be traced (a per-layer 0/1 factor times q): k is computed, not a Python int.
     k = jnp.clip(jnp.floor(jnp.asarray(q, jnp.float32) * n).astype(jnp.int32), 0, n - 1)
-    thr = jax.lax.dynamic_index_in_dim(ranked, k, axis=-1, keepdims=True)
+    thr = kth_smallest_nonneg(flat, k)
     # k = 0 flushes nothing: the smallest value is never below itself.
     return thr.reshape((1,) * abs_x.ndim) if granularity == "tensor" else thr
+
+
+def kth_smallest_nonneg(values: jax.Array, k) -> jax.Array:
+    """The k-th smallest (0-based) of each row (last axis) of non-negative float32 `values`,
+    shape [..., 1]: exactly `jnp.sort(values, axis=-1)[..., k]`, bit for bit (NaNs rank last).
+
+    A binary search on the bit pattern instead of a sort: a non-negative float32 orders as its
+    int32 bits, so the answer is the largest pattern t with at most k values below it, built
+    from the top bit down in 31 passes of compare-and-count. On a [40, 96, 128] activation
+    that is ~30x faster than XLA:CPU's sort (WORKSPACE.md, issue 17)."""
+    bits = jax.lax.bitcast_convert_type(values.astype(jnp.float32), jnp.int32)
+    k = jnp.asarray(k, jnp.int32)
+
+    def bit(i, ans):
+        cand = ans | jnp.left_shift(jnp.int32(1), 30 - i)
+        below = jnp.sum(bits < cand, axis=-1, keepdims=True, dtype=jnp.int32)
+        return jnp.where(below <= k, cand, ans)
+
+    ans = jax.lax.fori_loop(0, 31, bit, jnp.zeros((*values.shape[:-1], 1), jnp.int32))
+    return jax.lax.bitcast_convert_type(ans, jnp.float32)
 
 
 def deadzone_flush_mask(
