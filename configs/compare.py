@@ -38,8 +38,11 @@ evaluation on 128 problems with the fault:
   0.05); on a clean device with 0 / 5 / 10 / 20% noise 0.77 / 0.76 / 0.69 / 0.41 for every arm.
 - noise_study_5pct: smoke-run only (5% costs the warm start 0.016 before RL, inside the noise of
   256 problems: a study there is null by construction).
-- default (6 arms x 5 seeds): not yet run end to end at this operating point; from the per-run
-  times above (~290 s quiet, 2 workers) about 75 min, over the 60-minute goal.
+- default (6 arms x 5 seeds): 48 min on an idle machine (2 workers, 152-272 s per run; before
+  the 1.7x faster deadzone step of issue 17). RL on the faulty device wins back +0.035 (deadzone,
+  CI [+0.010, +0.060]) / +0.036 (global_aqn) / +0.018 (targeted) / +0.030 (healthy) / +0.037
+  (srdd_guided) of the 0.324 gap (256 problems); evaluation with the fault: targeted -
+  global_aqn -0.025, p = 0.15, MDD 0.051; healthy - global_aqn -0.003, p = 0.82: no AQN effect.
 """
 
 from aqn_jax.experiment import base_config

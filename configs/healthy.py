@@ -6,10 +6,13 @@ is targeted AQN's gain only 'not hurting the healthy layers'?).
   python -m aqn_jax.launch --config=configs/healthy.py
   python -m aqn_jax.launch --config=configs/healthy.py:smoke     # < 1 minute, a wiring check
 
-Measured (2 seeds, 30 steps, WORKSPACE.md issue 14): 0.539 ± 0.011 on the faulty device and
-0.797 clean (128 problems), within one SD of global_aqn (0.526 ± 0.024) and no AQN (0.527 ± 0.020).
-Run time on 2 CPU cores: 257-287 s per 30-step run on one core of two, 440-540 s beside other
-work (the SFT warm start ships with the package, aqn_jax/assets, so no SFT runs).
+Measured (the default study: 5 seeds, 30 steps; WORKSPACE.md issue 14): validation on the faulty
+device 0.508 -> 0.538 ± 0.020 (+0.030, CI [+0.006, +0.055]; 256 problems), clean
+0.822 ± 0.009; the compare evaluation (128 other problems) 0.523 ± 0.023 with the fault;
+healthy - global_aqn -0.003, p = 0.82 (MDD 0.043).
+Run time on 2 CPU cores (the default study, 6 arms x 5 seeds in 48 min, WORKSPACE.md issue 14):
+176-191 s per 30-step run on one core of two, before this code's 1.7x faster deadzone step
+(the SFT warm start ships with the package, aqn_jax/assets, so no SFT runs).
 `:smoke`: about 30 s (it trains its own 8-step SFT).
 """
 
