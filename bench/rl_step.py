@@ -83,7 +83,9 @@ def run_ours(setting: str, arch: str, wdir: str, steps: int, tmp: str) -> dict:
     cmd = [
         sys.executable, "-m", "aqn_jax.launch", "--config=configs/clean.py",
         f"--workdir={workdir}", f"--config.trainer.total_steps={steps}",
-        "--config.trainer.val_every=0", "--config.checkpoint.every=0",
+        # Validation (steps 0 and last, outside the timed steps) on 16 problems, not 256.
+        "--config.trainer.val_every=0", "--config.trainer.val_size=16",
+        "--config.checkpoint.every=0",
         f"--config.data_batch.prompts={prompts}", f"--config.rollout.n={n}",
         f"--config.rollout.max_new_tokens={new}", f"--config.actor.lr={LR}",
         f"--config.actor.mini_batch_prompts={prompts // 2}",

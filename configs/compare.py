@@ -24,6 +24,20 @@ default (75% flushed) 0.508; threshold_0.01 0.832 (5% flushed: no cost); thresho
 layers 1 and 6). The RL study of each variant is recorded in WORKSPACE.md where it was run;
 the old default (threshold 0.01, issue 8: ~53 min for 6 arms x 5 seeds) moved nothing.
 
+Measured RL at each fault variant (WORKSPACE.md issue 14; arm targeted, seeds 0 and 1, 30 steps,
+`--config.compare.arms='("targeted",)' --config.compare.seeds='(0,1)'`, idle machine, each
+invocation 253-273 s with its own cold XLA cache); faulty-device validation (256 problems)
+step 0 -> 30 per seed, and the share of the gap won back:
+- threshold_0.01: no gap (0.832 at step 0); 0.824 / 0.816; SRDD still locates layer 4.
+- threshold_0.1: gap 0.004: nothing to win back; 0.828 -> 0.801 / 0.816.
+- threshold_0.2: gap 0.176; 0.656 -> 0.668 / 0.727 (7% / 40%).
+- threshold_0.5 and seed_regime: gap 0.81-0.83, faulty accuracy 0.004-0.020, no reward, no
+  recovery (0.008 / 0.035 and 0.004 / 0.004).
+- layer_early (layer 1): gap 0.445; 0.387 -> 0.488 / 0.484 (23% / 22%): RL wins back most here.
+- layer_middle: the default (layer 4), below.
+- layer_late (layer 6): gap 0.121; 0.711 -> 0.695 / 0.656 (RL loses ground on this device).
+- two_layers (2 and 5): gap 0.508; SRDD locates [2, 5]; 0.324 -> 0.398 / 0.395 (15% / 14%).
+
 Measured (2 cores shared with other work, so upper bounds; WORKSPACE.md issue 14), 3 seeds,
 evaluation on 128 problems with the fault:
 - aqn_before_fault: 33 min for 2 arms x 3 seeds; targeted 0.521 ± 0.016, global_aqn
