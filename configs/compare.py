@@ -50,8 +50,11 @@ evaluation on 128 problems with the fault:
   load); no AQN 0.695 ± 0.031, global_qerl 0.692 ± 0.028, global_aqn (epoch-aware)
   0.684 ± 0.035 on the noisy device (p >= 0.62, MDD 0.061-0.068; 7-9 seeds per arm would detect
   0.05); on a clean device with 0 / 5 / 10 / 20% noise 0.77 / 0.76 / 0.69 / 0.41 for every arm.
-- noise_study_5pct: smoke-run only (5% costs the warm start 0.016 before RL, inside the noise of
-  256 problems: a study there is null by construction).
+- noise_study_5pct: 5% costs the warm start 0.016 before RL (0.832 -> 0.816 / 0.820 on the noisy
+  device), inside the noise of 256 problems: a study there is null by construction. Measured
+  with its no-AQN arm only (`--config.compare.arms='("deadzone",)' --config.compare.seeds='(0,1)'`,
+  550 s): 30 RL steps on the noisy device take it to 0.793 / 0.797 and the clean device to
+  0.816 / 0.820; evaluated at 0 / 5 / 10 / 20% noise 0.77 / 0.75 / 0.69 / 0.43.
 - default (6 arms x 5 seeds): 48 min on an idle machine (2 workers, 152-272 s per run; before
   the 1.7x faster deadzone step of issue 17). RL on the faulty device wins back +0.035 (deadzone,
   CI [+0.010, +0.060]) / +0.036 (global_aqn) / +0.018 (targeted) / +0.030 (healthy) / +0.037
