@@ -26,8 +26,12 @@ residual stream's per-layer profile (max 24,900 in channel 507 at the first toke
 Measured on 2 shared CPU cores (WORKSPACE.md, issue 15; upper bounds): the import ~110 s;
 `:severity` 82 min (15 points x 64 problems): the seed's 0.01 flushes 95% / 35% / 100% at
 layers 5 / 10 / 15 and takes the answer loss 1.55 -> 5.13 / 1.49 / 14.58 (the PyTorch-hook
-measurement: 96.5% / 33% / 100%, 1.30 -> 4.57 / 1.27 / 14.5); `:targeted,smoke` 24 min (SRDD
-locates layer 15 at confidence 1.000; the first RL step's compile is most of it). Greedy
+measurement: 96.5% / 33% / 100%, 1.30 -> 4.57 / 1.27 / 14.5). `,smoke` runs every stage once
+at the smallest shapes (2 SFT steps of 2 examples, one GRPO step of 1 prompt x 2 samples, 4 new
+tokens): `:deadzone,smoke` about 100 s on 2 quiet cores with a cold XLA cache, most of it the
+compile of the 30-layer programs (CI runs it: tests/test_gguf.py). The earlier, larger smoke
+(`:targeted,smoke` with 2 SFT steps of 4, GRPO steps of 4 prompts x 5 samples) took 24 min under
+load ~7, SRDD locating layer 15 at confidence 1.000. Greedy
 accuracy is 0 without a real SFT: the instruct model does not write '#### N' on its own.
 """
 
@@ -61,9 +65,9 @@ def get_config(arg: str | None = None):
     config.trainer.val_batch_size = 32
 
     # A short SFT teaches the answer format ("#### N"; the instruct model rarely writes it).
-    config.sft.steps = 60 if not smoke else 2
-    config.sft.batch_size = 16 if not smoke else 4
-    config.sft.examples = 1024 if not smoke else 16
+    config.sft.steps = 60
+    config.sft.batch_size = 16
+    config.sft.examples = 1024
     config.sft.lr = 1e-4
     config.actor.lr = 1e-6
 
@@ -72,6 +76,19 @@ def get_config(arg: str | None = None):
     config.faults.deadzone.severity = "amax"
     config.faults.deadzone.threshold = 0.01
     config.diagnosis.max_prompt_len = 80
+
+    if smoke:  # every stage once, at the smallest shapes: CI's run (tests/test_gguf.py)
+        config.sft.steps = 2
+        config.sft.batch_size = 2
+        config.sft.examples = 16
+        config.data_batch.prompts = 1
+        config.rollout.n = 2
+        config.rollout.max_new_tokens = 4
+        config.actor.mini_batch_prompts = 1
+        config.actor.micro_batch_rows = 2
+        config.trainer.total_steps = 1
+        config.trainer.val_size = 2
+        config.trainer.val_batch_size = 2
 
     if name == "severity":
         config.job = "severity"
