@@ -126,6 +126,21 @@ def random_params(config, seed: int = 0):
 
 
 @pytest.fixture(scope="session")
+def smoke_sft_cache(tmp_path_factory):
+    """One `config.sft.cache_dir` for the whole test session, both xdist workers included: the
+    smoke configs share one SFT warm start (one cache key), so it trains once, not once per
+    test module. Concurrent writers are safe (warm_start publishes by rename; the first wins).
+    Tests that check what the cache holds (a miss, an entry count, nothing written) keep their
+    own directory."""
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # .../pytest-N/popen-gwK: pytest-N is the run's
+        base = base.parent
+    path = base / "smoke_sft_cache"
+    path.mkdir(exist_ok=True)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
 def sft_tiny():
     """The embedded tiny model after a short SFT on the arithmetic task (shared by the tests
     that need a trained-like model): (Qwen2Config, params, CharTokenizer, ArithmeticTask)."""

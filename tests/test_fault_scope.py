@@ -257,8 +257,8 @@ def test_bad_scope_is_a_one_line_field_error(section, over, match):
 
 # --- the trainer's drift metric, on a smoke run ---------------------------------------------------
 @pytest.fixture(scope="module")
-def sft_cache(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("sft_cache"))
+def sft_cache(smoke_sft_cache):
+    return smoke_sft_cache
 
 
 @pytest.mark.parametrize("scope", ["causal", "call"])

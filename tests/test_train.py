@@ -18,8 +18,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module")
-def sft_cache(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("sft_cache"))
+def sft_cache(smoke_sft_cache):
+    return smoke_sft_cache
 
 
 def smoke(name, sft_cache, **over):
