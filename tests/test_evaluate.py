@@ -1,5 +1,5 @@
 """The robustness evaluation: condition names and plans, agreement with the trainer's own
-validation, noise level 0 adding exactly nothing, mean@n, the held-out loss against a direct
+validation, noise level 0 adding nothing, mean@n, the held-out loss against a direct
 computation, and the job's outputs and bad input."""
 
 import json
@@ -8,7 +8,9 @@ import jax
 import numpy as np
 import pytest
 
+from aqn_jax.data.gsm8k import left_pad
 from aqn_jax.evaluation import (
+    EVAL_NOISE,
     check_evaluate,
     condition_plan,
     conditions,
@@ -63,13 +65,17 @@ def test_condition_names_and_plans():
 
 def test_matrix_agrees_with_validation_and_noise_zero_is_exact(sft_tiny):
     cfg, params, tok, task = sft_tiny
-    # Noise level 0 only (the traced-noise program at 0), fault off and on: 2 programs here,
-    # 2 references below; the other conditions are exercised by the job test.
+    # Noise level 0 only, fault off and on: the unperturbed programs (kind 'none').
     config = _config(size=16, batch_size=8, loss=False, noise_levels=(0.0,), mxfp4=False)
+    assert [(c.name, c.kind) for c in conditions(config.evaluate)] == [
+        ("clean", "none"),
+        ("fault", "none"),
+    ]
     examples = task.examples("test", 16)
     out = robustness(config, cfg, params, tok, examples, log=lambda *_: None)
     conds = out["conditions"]
     assert list(conds) == ["clean", "fault"] and all(c["n"] == 16 for c in conds.values())
+    assert conds["clean"]["perturbation"] == "none" and conds["fault"]["fault"]
 
     # The trainer's greedy validation programs, built independently: clean and faulty device.
     greedy = SamplingParams(
@@ -78,12 +84,33 @@ def test_matrix_agrees_with_validation_and_noise_zero_is_exact(sft_tiny):
     model = Qwen2ForCausalLM(cfg)
     key = step_key(0, 0, "eval")
     hw = hardware_plan(config, cfg.num_hidden_layers)
+    refs = {}
     for name, plan in (("clean", FaultPlan()), ("fault", hw)):
-        sampler = Sampler(model, greedy, plan, (128,), phase="eval")
-        ref = eval_scores(sampler, params, examples, tok, 8, 128, fault_key=key)
-        # noise level 0 through the traced-noise program equals no perturbation exactly.
+        refs[name] = Sampler(model, greedy, plan, (128,), phase="eval")
+        ref = eval_scores(refs[name], params, examples, tok, 8, 128, fault_key=key)
         assert conds[name]["acc"] == pytest.approx(float(np.mean(ref)), abs=0)
-    assert conds["clean"]["perturbation"] == "none" and conds["fault"]["fault"]
+
+    # Why level 0 may skip the noise program: the traced noise at level 0 adds nothing (the same
+    # greedy tokens on the faulty device; log-probs within float32 rounding, since the noise
+    # program fuses differently), while a nonzero level through the same program changes them
+    # (negative control).
+    ids, mask = _prompts(tok, examples[:8])
+    noisy = Sampler(model, greedy, condition_plan(hw, True, "noise"), (128,), phase="eval")
+    run = lambda sampler, level: sampler(  # noqa: E731
+        params, ids, mask, jax.random.key(0), fault_key=key, values=level
+    )
+    plain = run(refs["fault"], {})
+    at_zero = run(noisy, {EVAL_NOISE: np.float32(0.0)})
+    np.testing.assert_array_equal(at_zero.tokens, plain.tokens)
+    np.testing.assert_allclose(at_zero.logprobs, plain.logprobs, rtol=0, atol=2e-6)
+    at_30 = run(noisy, {EVAL_NOISE: np.float32(0.3)})
+    assert np.abs(at_30.logprobs - plain.logprobs).max() > 1e-2
+
+
+def _prompts(tok, examples):
+    """Left-padded chat prompts of `examples`, as eval_scores builds them."""
+    ids = [tok.encode_chat(ex.prompt_messages) for ex in examples]
+    return left_pad(ids, tok.pad_id, max(map(len, ids)))
 
 
 def test_mean_at_n(sft_tiny):
