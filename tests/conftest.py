@@ -125,6 +125,13 @@ def random_params(config, seed: int = 0):
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
+def _session_dir(tmp_path_factory):
+    """A directory of this test session shared by both xdist workers (`.../pytest-N`; each
+    worker's own base temp is `pytest-N/popen-gwK`)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
 @pytest.fixture(scope="session")
 def smoke_sft_cache(tmp_path_factory):
     """One `config.sft.cache_dir` for the whole test session, both xdist workers included: the
@@ -132,18 +139,22 @@ def smoke_sft_cache(tmp_path_factory):
     test module. Concurrent writers are safe (warm_start publishes by rename; the first wins).
     Tests that check what the cache holds (a miss, an entry count, nothing written) keep their
     own directory."""
-    base = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):  # .../pytest-N/popen-gwK: pytest-N is the run's
-        base = base.parent
-    path = base / "smoke_sft_cache"
+    path = _session_dir(tmp_path_factory) / "smoke_sft_cache"
     path.mkdir(exist_ok=True)
     return str(path)
 
 
 @pytest.fixture(scope="session")
-def sft_tiny():
+def sft_tiny(tmp_path_factory):
     """The embedded tiny model after a short SFT on the arithmetic task (shared by the tests
-    that need a trained-like model): (Qwen2Config, params, CharTokenizer, ArithmeticTask)."""
+    that need a trained-like model): (Qwen2Config, params, CharTokenizer, ArithmeticTask).
+
+    Trained once per test session: the first xdist worker to need it trains it under a file
+    lock and saves the params; the other waits on the lock and loads them (the same bits)."""
+    import fcntl
+
+    import jax
+
     from aqn_jax.data.arithmetic import ArithmeticTask
     from aqn_jax.data.tokenizers import CharTokenizer
     from aqn_jax.models.factory import init_params
@@ -152,17 +163,31 @@ def sft_tiny():
 
     tok, task = CharTokenizer(), ArithmeticTask()
     cfg = Qwen2Config.preset("tiny")
-    data = sft_sequences(task.examples("train", 256), tok)
-    params, hist = sft_train(
-        Qwen2ForCausalLM(cfg),
-        init_params(cfg, 0),
-        data,
-        steps=30,
-        batch_size=16,
-        lr=3e-3,
-        warmup_steps=5,
-    )
-    assert hist["loss"][-1] < 0.6 * hist["loss"][0], hist["loss"]
+    init = init_params(cfg, 0)
+    shared = _session_dir(tmp_path_factory)
+    saved = shared / "sft_tiny.npz"
+    with open(shared / "sft_tiny.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if saved.is_file():
+            with np.load(saved) as f:
+                leaves = [jax.device_put(f[f"leaf{i}"]) for i in range(len(f.files))]
+            params = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(init), leaves)
+            return cfg, params, tok, task
+        data = sft_sequences(task.examples("train", 256), tok)
+        params, hist = sft_train(
+            Qwen2ForCausalLM(cfg),
+            init,
+            data,
+            steps=30,
+            batch_size=16,
+            lr=3e-3,
+            warmup_steps=5,
+        )
+        assert hist["loss"][-1] < 0.6 * hist["loss"][0], hist["loss"]
+        leaves = jax.tree_util.tree_leaves(params)
+        tmp = shared / f"sft_tiny.{os.getpid()}.npz"
+        np.savez(tmp, **{f"leaf{i}": np.asarray(x) for i, x in enumerate(leaves)})
+        os.replace(tmp, saved)
     return cfg, params, tok, task
 
 
