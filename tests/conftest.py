@@ -133,13 +133,13 @@ def _session_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def smoke_sft_cache(tmp_path_factory):
+def sft_cache(tmp_path_factory):
     """One `config.sft.cache_dir` for the whole test session, both xdist workers included: the
     smoke configs share one SFT warm start (one cache key), so it trains once, not once per
     test module. Concurrent writers are safe (warm_start publishes by rename; the first wins).
     Tests that check what the cache holds (a miss, an entry count, nothing written) keep their
     own directory."""
-    path = _session_dir(tmp_path_factory) / "smoke_sft_cache"
+    path = _session_dir(tmp_path_factory) / "sft_cache"
     path.mkdir(exist_ok=True)
     return str(path)
 

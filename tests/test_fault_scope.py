@@ -256,11 +256,6 @@ def test_bad_scope_is_a_one_line_field_error(section, over, match):
 
 
 # --- the trainer's drift metric, on a smoke run ---------------------------------------------------
-@pytest.fixture(scope="module")
-def sft_cache(smoke_sft_cache):
-    return smoke_sft_cache
-
-
 @pytest.mark.parametrize("scope", ["causal", "call"])
 def test_sampler_trainer_drift_is_near_zero_for_causal_and_positive_for_call(
     scope, sft_cache, tmp_path

@@ -504,7 +504,8 @@ def test_smollm2_sft_then_grpo_with_the_seeds_fault(smollm2, tmp_path):
     """RL end to end on the real model, `configs/smollm2_135m.py:deadzone,smoke` as it is: an SFT
     on the task's chat format, then a GRPO step (1 prompt x 2 samples, 4 new tokens) with the
     seed's deadzone at layer 15 in rollout and training, and a checkpoint in the snapshot's
-    layout. ~90 s on 2 quiet cores, most of it the 30-layer programs' compile."""
+    layout. 100-125 s of one worker with a cold XLA cache, most of it the 30-layer programs'
+    compile."""
     import orbax.checkpoint as ocp
 
     from aqn_jax.launch import run

@@ -48,11 +48,11 @@ def _kill_at_first_step(self, state, step):
     raise _Killed(step)
 
 
-def test_kill_and_resume_equals_uninterrupted(tmp_path, monkeypatch, smoke_sft_cache):
+def test_kill_and_resume_equals_uninterrupted(tmp_path, monkeypatch, sft_cache):
     from aqn_jax.launch import run
     from aqn_jax.rl.trainer import Trainer
 
-    cache = smoke_sft_cache
+    cache = sft_cache
     straight = tmp_path / "straight"
     run(_config(cache), str(straight))
 

@@ -9,11 +9,11 @@ import pytest
 from conftest import load_config
 
 
-def test_severity_curve_smoke(tmp_path, smoke_sft_cache):
+def test_severity_curve_smoke(tmp_path, sft_cache):
     from aqn_jax.launch import run
 
     config = load_config("severity", "smoke")
-    config.sft.cache_dir = smoke_sft_cache
+    config.sft.cache_dir = sft_cache
     run(config, str(tmp_path / "sev"))
     out = json.loads((tmp_path / "sev" / "severity.json").read_text())
     assert out["n"] == 8 and out["clean"]["loss"] > 0
@@ -33,7 +33,7 @@ def test_severity_curve_smoke(tmp_path, smoke_sft_cache):
     assert "| quantile 0.5 |" in table and "/ 50% |" in table
 
 
-def test_severity_without_accuracy_decodes_nothing(tmp_path, monkeypatch, smoke_sft_cache):
+def test_severity_without_accuracy_decodes_nothing(tmp_path, monkeypatch, sft_cache):
     """`severity.accuracy=False`: loss and flushed fraction only; no greedy decode, the
     prompt-dependence control included (it decodes too)."""
     from aqn_jax.jobs import severity
@@ -45,7 +45,7 @@ def test_severity_without_accuracy_decodes_nothing(tmp_path, monkeypatch, smoke_
     monkeypatch.setattr(severity, "prompt_dependence", no_decoding)
     monkeypatch.setattr(severity, "eval_scores", no_decoding)
     config = load_config("severity", "smoke")
-    config.sft.cache_dir = smoke_sft_cache
+    config.sft.cache_dir = sft_cache
     config.severity.accuracy = False
     config.severity.quantile = ()
     run(config, str(tmp_path / "sev"))

@@ -17,11 +17,6 @@ from conftest import launch_cli, load_config
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.fixture(scope="module")
-def sft_cache(smoke_sft_cache):
-    return smoke_sft_cache
-
-
 def smoke(name, sft_cache, **over):
     config = load_config(name, "smoke")
     config.sft.cache_dir = sft_cache
