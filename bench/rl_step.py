@@ -53,6 +53,9 @@ SHAPES = {  # arch -> (prompts per step, samples per prompt, max new tokens)
     "tiny": (16, 5, 24),
     "qwen2p5_0p5b": (4, 4, 64),
 }
+# --smoke (CI: both sides run, nothing timed): the same programs and settings at a smaller batch,
+# 4 prompts x 2 samples, at most 8 new tokens.
+SMOKE_SHAPE = (4, 2, 8)
 SETTINGS = ("ours1", "trl1", "ours2", "trl2", "trl2p")
 LR, KL = 3e-5, 0.001
 
@@ -77,8 +80,8 @@ def weights_dir(arch: str, tmp: str) -> str:
 
 
 # -- ours ------------------------------------------------------------------------------------------
-def run_ours(setting: str, arch: str, wdir: str, steps: int, tmp: str) -> dict:
-    prompts, n, new = SHAPES[arch]
+def run_ours(setting: str, arch: str, wdir: str, steps: int, tmp: str, shape) -> dict:
+    prompts, n, new = shape
     workdir = tempfile.mkdtemp(prefix=f"ours_{setting}_", dir=tmp)
     cmd = [
         sys.executable, "-m", "aqn_jax.launch", "--config=configs/clean.py",
@@ -148,13 +151,15 @@ def hf_char_tokenizer(tok):
     return fast
 
 
-def run_trl(setting: str, arch: str, wdir: str, steps: int, tmp: str) -> dict:
+def run_trl(setting: str, arch: str, wdir: str, steps: int, tmp: str, shape) -> dict:
     env = dict(os.environ)
     threads = 1 if setting == "trl1" else 2
     if setting == "trl2p":
         env["OMP_WAIT_POLICY"] = "PASSIVE"
     cmd = [sys.executable, __file__, "--_trl-worker", wdir, "--arch", arch, "--steps", str(steps)]
     cmd += ["--threads", str(threads)]
+    if shape != SHAPES[arch]:
+        cmd += ["--smoke"]
     if setting == "trl1":
         cmd = ["taskset", "-c", "0", *cmd]
     out = os.path.join(tmp, f"{setting}.json")
@@ -168,7 +173,7 @@ def run_trl(setting: str, arch: str, wdir: str, steps: int, tmp: str) -> dict:
     return res
 
 
-def trl_worker(wdir: str, arch: str, steps: int, threads: int, out: str) -> None:
+def trl_worker(wdir: str, arch: str, steps: int, threads: int, out: str, shape) -> None:
     os.environ["HF_HUB_OFFLINE"] = "1"
     import torch
 
@@ -181,7 +186,7 @@ def trl_worker(wdir: str, arch: str, steps: int, threads: int, out: str) -> None
     from aqn_jax.data.tokenizers import CharTokenizer
     from aqn_jax.rewards import compute_score
 
-    prompts, n, new = SHAPES[arch]
+    prompts, n, new = shape
     tok = CharTokenizer()
     fast = hf_char_tokenizer(tok)
     examples = ArithmeticTask().examples("train", prompts * steps)
@@ -295,14 +300,17 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--settings", default=",".join(SETTINGS))
     ap.add_argument("--arch", default="tiny", choices=sorted(SHAPES))
-    ap.add_argument("--smoke", action="store_true", help="1 step per side, one setting each")
+    ap.add_argument(
+        "--smoke", action="store_true", help="1 step per side, one setting each, SMOKE_SHAPE"
+    )
     ap.add_argument("--record", action="store_true")
     ap.add_argument("--_trl-worker", dest="trl_worker", default=None)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.trl_worker:
-        trl_worker(args.trl_worker, args.arch, args.steps, args.threads, args.out)
+        shape = SMOKE_SHAPE if args.smoke else SHAPES[args.arch]
+        trl_worker(args.trl_worker, args.arch, args.steps, args.threads, args.out, shape)
         return
     from common import check_load, cpu_description, record
 
@@ -313,13 +321,14 @@ def main() -> None:
     steps = 1 if args.smoke else args.steps
     load = check_load()
     print(cpu_description(), load)
-    prompts, n, new = SHAPES[args.arch]
+    shape = SMOKE_SHAPE if args.smoke else SHAPES[args.arch]
+    prompts, n, new = shape
     results = {}
     with tempfile.TemporaryDirectory(prefix="bench_rl_step_") as tmp:
         wdir = weights_dir(args.arch, tmp)
         for s in settings:
             run = run_ours if s.startswith("ours") else run_trl
-            res = run(s, args.arch, wdir, steps, tmp)
+            res = run(s, args.arch, wdir, steps, tmp, shape)
             results[s] = summarise(res)
             r = results[s]
             print(

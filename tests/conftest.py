@@ -24,6 +24,15 @@ import transformers
 transformers.utils.logging.disable_progress_bar()
 
 
+def pytest_collection_modifyitems(config, items):
+    """The `slow` tests (each ~40-200 s of one worker with a cold XLA cache) run first, in file
+    order, and the short ones after them. xdist hands out tests one at a time in collection
+    order, so the long ones start early and the short ones even out the two workers' ends
+    (longest first): in file order, the 90 s learning test in test_train.py started near the
+    end and one worker ran on alone."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
 def randomize_hf_weights(model, seed: int) -> None:
     """Replace HF's init (zero biases, unit norms, std 0.02) by weights that make logits O(10).
 

@@ -26,6 +26,7 @@ FLAGS = [
 ]
 
 
+@pytest.mark.slow
 def test_compare_resumes_and_reports(tmp_path):
     work = tmp_path / "study"
     cmd = [sys.executable, "-m", "aqn_jax.launch", *FLAGS, f"--workdir={work}"]

@@ -63,6 +63,7 @@ def test_condition_names_and_plans():
     assert off.injections[0].sites.layers == "all" and on.injections[1].sites.point == "input"
 
 
+@pytest.mark.slow
 def test_matrix_agrees_with_validation_and_noise_zero_is_exact(sft_tiny):
     cfg, params, tok, task = sft_tiny
     # Noise level 0 only, fault off and on: the unperturbed programs (kind 'none').
@@ -156,6 +157,7 @@ def test_bad_evaluate_config_is_refused():
             check_evaluate(config.evaluate)
 
 
+@pytest.mark.slow
 def test_evaluate_job(tmp_path):
     work = tmp_path / "eval"
     # The faulty device only (fault off/on is covered above): 2 programs, noise and MXFP4.

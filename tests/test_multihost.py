@@ -43,6 +43,7 @@ def _rows(workdir):
     return [{k: v for k, v in r.items() if not k.startswith("timing_s/")} for r in rows]
 
 
+@pytest.mark.slow
 def test_two_processes_agree_with_one(tmp_path):
     cache = tmp_path / "cache"
     single, multi = tmp_path / "single", tmp_path / "multi"

@@ -78,6 +78,7 @@ def shrunk(snapshot, arm="targeted"):
     ]
 
 
+@pytest.mark.slow
 def test_real_scale_config_runs_end_to_end(snapshot, tmp_path):
     work = tmp_path / "run"
     out = launch_cli(*shrunk(snapshot), workdir=work)

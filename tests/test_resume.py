@@ -1,4 +1,4 @@
-"""Resume after a kill: a run SIGKILLed after its step-3 checkpoint and restarted in the same
+"""Resume after a kill: a run SIGKILLed after its step-2 checkpoint and restarted in the same
 workdir ends with exactly the params and metrics of an uninterrupted run. So does a run killed
 before its first checkpoint, and one whose checkpoints are all unreadable: both start afresh
 with the earlier outputs moved aside, never appended to."""
@@ -17,7 +17,7 @@ import pytest
 from conftest import load_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-STEPS = 6
+STEPS = 4
 OVERRIDES = {"trainer.total_steps": STEPS, "checkpoint.every": 1, "trainer.val_every": 2}
 
 
@@ -48,6 +48,7 @@ def _kill_at_first_step(self, state, step):
     raise _Killed(step)
 
 
+@pytest.mark.slow
 def test_kill_and_resume_equals_uninterrupted(tmp_path, monkeypatch, sft_cache):
     from aqn_jax.launch import run
     from aqn_jax.rl.trainer import Trainer
@@ -84,19 +85,19 @@ def test_kill_and_resume_equals_uninterrupted(tmp_path, monkeypatch, sft_cache):
         stderr=subprocess.PIPE,
     )
     deadline = time.time() + 300
-    while not (killed / "checkpoints" / "3").is_dir():
+    while not (killed / "checkpoints" / "2").is_dir():
         assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
-        assert time.time() < deadline, "no step-3 checkpoint within 300 s"
+        assert time.time() < deadline, "no step-2 checkpoint within 300 s"
         time.sleep(0.05)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     done = sorted(int(p.name) for p in (killed / "checkpoints").iterdir() if p.name.isdigit())
-    assert 3 in done and STEPS not in done  # killed mid-run
+    assert 2 in done and STEPS not in done  # killed mid-run
     # It started afresh: the early run's outputs moved aside, one row per step so far.
     (aside,) = (killed / "previous").iterdir()
     assert _rows(aside) == early
     steps = [r["step"] for r in _rows(killed)]
-    assert steps == list(range(len(steps))) and len(steps) >= 4
+    assert steps == list(range(len(steps))) and len(steps) >= 3
 
     run(_config(cache), str(killed))  # restarted: resumes from the latest checkpoint
     assert _rows(killed) == _rows(straight)
@@ -108,8 +109,8 @@ def test_kill_and_resume_equals_uninterrupted(tmp_path, monkeypatch, sft_cache):
     summary = json.loads((killed / "summary.json").read_text())
     assert summary["steps"] == STEPS
 
-    # A corrupted latest checkpoint is reported and skipped: the run falls back to step 5,
-    # recomputes step 6 and again equals the uninterrupted run.
+    # A corrupted latest checkpoint is reported and skipped: the run falls back to step 3,
+    # recomputes step 4 and again equals the uninterrupted run.
     for f in (killed / "checkpoints" / str(STEPS) / "state").rglob("*"):
         if f.is_file():
             f.write_bytes(b"\x00garbage" * 7)
@@ -121,7 +122,7 @@ def test_kill_and_resume_equals_uninterrupted(tmp_path, monkeypatch, sft_cache):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
     # Every checkpoint unreadable: each is set aside, and the run starts afresh with the old
-    # outputs moved aside (before, a second rerun appended steps 0..6 again).
+    # outputs moved aside (before, a second rerun appended steps 0..4 again).
     for f in (killed / "checkpoints").rglob("*"):
         if f.is_file() and "state" in f.parts:
             f.write_bytes(b"\x00garbage" * 7)

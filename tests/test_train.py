@@ -104,6 +104,7 @@ def test_every_arm_runs_on_smoke(arm, sft_cache, tmp_path):
         assert summary["aqn_layer_sigmas"]["4"] == pytest.approx(0.05 * 1.5 * 1.5)
 
 
+@pytest.mark.slow
 def test_ppo_with_critic_runs(sft_cache, tmp_path):
     from aqn_jax.launch import run
 
@@ -257,6 +258,7 @@ def assert_same_gradient(a, b):
         np.testing.assert_allclose(a[k], b[k], rtol=1e-3, atol=1e-4 * np.abs(b[k]).max(), err_msg=k)
 
 
+@pytest.mark.slow
 def test_sharded_step_equals_single_device(tmp_path):
     """The actor gradient of one mini-batch (the warm start's, on one rollout) on 1 device and
     on a 2x2x2 (data, fsdp, tensor) mesh agree (`assert_same_gradient`); the negative control,
@@ -287,6 +289,7 @@ def test_sharded_step_equals_single_device(tmp_path):
         assert_same_gradient(wrong, one)
 
 
+@pytest.mark.slow
 def test_grpo_wins_back_part_of_the_fault_on_the_faulty_device(tmp_path, sft_cache):
     """GRPO of the deadzone arm from the shipped warm start (fixed seed): the default fault costs
     accuracy at the start, RL on the faulty device wins part of it back, and the policy's
