@@ -101,3 +101,29 @@ def test_bf16_kl_to_f32_reference(hf_factory):
     print(f"bf16 vs f32 reference: max per-token KL {kl.max():.2e}, mean {kl.mean():.2e}")
     assert kl.max() <= 1e-2
     assert kl.mean() > 0  # bf16 really is in use
+
+
+def test_apply_checks_param_shapes_without_tracing_the_initializers(monkeypatch):
+    """`qwen2._param`: at apply, a param of the wrong shape still raises Flax's shape error
+    naming it, but the initializers are no longer traced (`jax.eval_shape`) on every access.
+    Only `nn.Embed`'s own check is left: 1 call, where Flax's `param` made one per param."""
+    import flax
+    import jax
+
+    from aqn_jax.models.factory import init_params
+    from aqn_jax.models.qwen2 import Qwen2Config
+
+    cfg = Qwen2Config.preset("tiny", num_hidden_layers=2)
+    model, params = Qwen2ForCausalLM(cfg), init_params(cfg, 0)
+    ids = np.ones((1, 5), np.int32)
+    calls = []
+    real = jax.eval_shape
+    monkeypatch.setattr(jax, "eval_shape", lambda *a, **k: calls.append(1) or real(*a, **k))
+    logits = model.apply({"params": params}, ids)
+    assert len(jax.tree_util.tree_leaves(params)) > 20 and len(calls) == 1
+    assert logits.shape == (1, 5, cfg.vocab_size)
+
+    bad = jax.tree_util.tree_map(lambda x: x, params)
+    bad["layers_1"]["mlp"]["down_proj"]["kernel"] = np.zeros((3, 3), np.float32)
+    with pytest.raises(flax.errors.ScopeParamShapeError, match=r"layers_1/mlp/down_proj.*\(3, 3\)"):
+        model.apply({"params": bad}, ids)
