@@ -28,8 +28,8 @@ def pytest_collection_modifyitems(config, items):
     """The `slow` tests (each ~40-200 s of one worker with a cold XLA cache) run first, in file
     order, and the short ones after them. xdist hands out tests one at a time in collection
     order, so the long ones start early and the short ones even out the two workers' ends
-    (longest first): in file order, the 90 s learning test in test_train.py started near the
-    end and one worker ran on alone."""
+    (longest first); in file order the 90 s learning test in test_train.py came near the end,
+    where it could leave one worker running alone."""
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
