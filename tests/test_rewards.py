@@ -2,7 +2,8 @@
 
 A hand-worked table (each expected value derived from the regexes, derivation in the comment),
 Hypothesis properties on arbitrary text, and a cross-check against an independent re-statement
-of verl's function on strings drawn from a number-heavy grammar.
+of verl's function on strings drawn from a number-heavy grammar. The same three for the boxed
+reading (not verl's; aqn_jax/rewards.py says where it departs from verl's `math` reward).
 """
 
 import random
@@ -13,7 +14,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from aqn_jax.rewards import METHODS, compute_score, extract_solution, score_batch
+from aqn_jax.rewards import (
+    GSM8K_METHODS,
+    METHODS,
+    compute_score,
+    extract_solution,
+    normalize_answer,
+    score_batch,
+)
 
 
 def _verl_reference(solution_str, method="strict", ground_truth=None, format_score=0.0, score=1.0):
@@ -214,7 +222,7 @@ any_text = st.one_of(st.text(), long_text)
 
 
 @settings(max_examples=300, deadline=None)
-@given(any_text, st.sampled_from(METHODS))
+@given(any_text, st.sampled_from(GSM8K_METHODS))
 def test_extract_never_raises_and_matches_reference(text, method):
     got = extract_solution(text, method)
     assert got is None or isinstance(got, str)
@@ -225,7 +233,7 @@ def test_extract_never_raises_and_matches_reference(text, method):
 @given(
     any_text,
     st.text(max_size=8),
-    st.sampled_from(METHODS),
+    st.sampled_from(GSM8K_METHODS),
     st.floats(-10, 10, allow_nan=False),
     st.floats(-10, 10, allow_nan=False),
 )
@@ -282,7 +290,7 @@ def test_cross_check_against_reference_on_grammar_strings():
     for _ in range(2000):
         s = _grammar_string(rng)
         n_long += len(s) > 300
-        for method in METHODS:
+        for method in GSM8K_METHODS:
             ref = _verl_reference(s, method)
             assert extract_solution(s, method) == ref, (s, method)
             n_found += ref is not None
@@ -293,3 +301,159 @@ def test_cross_check_against_reference_on_grammar_strings():
                 )
     # The grammar really exercises the window and both outcomes.
     assert n_long > 500 and 2000 < n_found < 4000
+
+
+# --- the boxed reading ---------------------------------------------------------------------------
+BOXED_CASES = [
+    # The last box wins over an earlier one and over a later "####".
+    case(r"first \boxed{5}, then \boxed{7}", "7", "boxed", "7", 1.0),
+    case(r"\boxed{7} #### 5", "7", "boxed", "7", 1.0),
+    # No box: the strict reading ("####" plus exactly one space).
+    case("so #### 1,234", "1234", "boxed", "1234", 1.0),
+    case("so ####1234", "1234", "boxed", None, 0.0),
+    # A box left open (token limit) is skipped for the earlier closed one.
+    case(r"\boxed{12} and \boxed{13", "12", "boxed", "12", 1.0),
+    # Open and nothing else: no answer at all, even with a "####" before it? No: strict reads it.
+    case(r"#### 4 \boxed{13", "4", "boxed", "4", 1.0),
+    # Nested braces are kept whole.
+    case(r"\boxed{\frac{1}{2}}", "0.5", "boxed", r"\frac{1}{2}", 0.0),
+    case(r"\boxed{\frac{1}{2}}", r"\frac{1}{2}", "boxed", r"\frac{1}{2}", 1.0),
+    # Dollars, escaped or not, and percent signs are dropped.
+    case(r"\boxed{\$18}", "18", "boxed", "18", 1.0),
+    case(r"\boxed{$18$}", "18", "boxed", "18", 1.0),
+    case(r"\boxed{25\%}", "25", "boxed", "25", 1.0),
+    case(r"\boxed{25%}", "25", "boxed", "25", 1.0),
+    # Thousands commas (also LaTeX's {,}), but not a comma elsewhere.
+    case(r"\boxed{1,234,567}", "1234567", "boxed", "1234567", 1.0),
+    case(r"\boxed{1{,}000}", "1000", "boxed", "1000", 1.0),
+    case(r"\boxed{1,23}", "123", "boxed", "1,23", 0.0),
+    case(r"\boxed{3, 4}", "3", "boxed", "3, 4", 0.0),
+    # A trailing "." and surrounding whitespace.
+    case(r"\boxed{ 42. }", "42", "boxed", "42", 1.0),
+    # A \text unit after the number; a \text that is the whole answer stays.
+    case(r"\boxed{18 \text{ dollars}}", "18", "boxed", "18", 1.0),
+    case(r"\boxed{18\mbox{km}}", "18", "boxed", "18", 1.0),
+    case(r"\boxed{\text{yes}}", "yes", "boxed", r"\text{yes}", 0.0),
+    # Numbers compare numerically (verl's string equality would give 0 for both).
+    case(r"\boxed{3.50}", "3.5", "boxed", "3.50", 1.0),
+    case(r"\boxed{42.0}", "42", "boxed", "42.0", 1.0),
+    case(r"\boxed{-7}", "-7", "boxed", "-7", 1.0),
+    case(r"\boxed{-7}", "7", "boxed", "-7", 0.0),
+    # Not plain decimals: compared as strings ("1e2" is not 100; "inf" is not a number here).
+    case(r"\boxed{1e2}", "100", "boxed", "1e2", 0.0),
+    case(r"\boxed{inf}", "inf", "boxed", "inf", 1.0),
+    # The ground truth is normalised too.
+    case(r"\boxed{1234}", "1,234", "boxed", "1234", 1.0),
+    # Scores: format_score for a wrong answer, 0 for none.
+    case(r"\boxed{8}", "7", "boxed", "8", 0.25, format_score=0.25, score=2.0),
+    case(r"\boxed{7}", "7", "boxed", "7", 2.0, format_score=0.25, score=2.0),
+    case(r"\boxed{}", "7", "boxed", "", 0.25, format_score=0.25, score=2.0),
+    case("no answer", "7", "boxed", None, 0.0, format_score=0.25, score=2.0),
+]
+
+
+@pytest.mark.parametrize("solution,ground_truth,method,extracted,expected,kw", BOXED_CASES)
+def test_boxed_table(solution, ground_truth, method, extracted, expected, kw):
+    assert extract_solution(solution, method) == extracted
+    got = compute_score(solution, ground_truth, method=method, **kw)
+    assert isinstance(got, float) and got == expected
+
+
+def test_boxed_is_a_method_and_the_gsm8k_methods_are_verls():
+    assert METHODS == ("strict", "flexible", "boxed") and GSM8K_METHODS == ("strict", "flexible")
+    # Negative control: the strict and flexible readings of the same boxed answer.
+    assert compute_score(r"\boxed{1,234}", "1234", "strict") == 0.0
+    assert compute_score(r"\boxed{1,234}", "1234", "flexible") == 0.0
+    assert compute_score(r"\boxed{1,234}", "1234", "boxed") == 1.0
+
+
+def _box_reference(s: str) -> str | None:
+    """An independent statement of the boxed reading: one left-to-right pass with a stack of
+    open braces; the completed box that starts last wins; else verl's strict regex."""
+    stack, done, i = [], [], 0
+    while i < len(s):
+        if s.startswith("\\boxed{", i):
+            stack.append(("box", i + 7))
+            i += 7
+            continue
+        if s[i] == "{":
+            stack.append(("brace", i))
+        elif s[i] == "}" and stack:
+            kind, start = stack.pop()
+            if kind == "box":
+                done.append((start, s[start:i]))
+        i += 1
+    if done:
+        answer = max(done)[1]
+    else:
+        found = re.findall("#### (\\-?[0-9\\.\\,]+)", s[-300:])
+        if not found:
+            return None
+        answer = found[-1].replace(",", "")
+    prev = None
+    while answer != prev:
+        prev, a = answer, answer.strip()
+        a = re.sub(r"^(.*\d)\s*\\(text|mbox|mathrm)\{[^{}]*\}$", r"\1", a)
+        a = re.sub(r"\\?[$%]", "", a).replace("{,}", ",").strip()
+        a = a[:-1].rstrip() if a.endswith(".") else a
+        if re.fullmatch(r"-?\d{1,3}(,\d{3})+(\.\d+)?", a):
+            a = a.replace(",", "")
+        answer = a
+    return answer
+
+
+_BOX_TOKENS = [
+    *"0123456789",
+    *[",", ".", "-", " ", "{", "}", "{,}", "$", "\\$", "%", "\\%", "####", "#### "],
+    *["\\boxed{", "\\boxed{", "\\text{ apples}", "\\frac{", "answer", "\n"],
+]
+
+
+def test_boxed_cross_check_on_grammar_strings():
+    rng = random.Random(1)
+    n_box = n_found = n_hit = 0
+    for _ in range(2000):
+        s = "".join(rng.choice(_BOX_TOKENS) for _ in range(rng.randint(0, 120)))
+        ref = _box_reference(s)
+        assert extract_solution(s, "boxed") == ref, s
+        assert ref is None or normalize_answer(ref) == ref  # a fixed point
+        n_box += "\\boxed{" in s
+        n_found += ref is not None
+        for gt in {ref or "", "5"}:
+            got = compute_score(s, gt, "boxed", 0.5, 2.0)
+            assert got in {0.0, 0.5, 2.0}
+            assert (got == 2.0) == (
+                ref is not None
+                and normalize_answer(gt) == ref
+                or (
+                    ref is not None
+                    and re.fullmatch(r"-?(\d+(\.\d*)?|\.\d+)", ref) is not None
+                    and re.fullmatch(r"-?(\d+(\.\d*)?|\.\d+)", normalize_answer(gt)) is not None
+                    and float(ref) == float(normalize_answer(gt))
+                )
+            ), (s, gt)
+            n_hit += got == 2.0
+    # Every path is exercised: boxes, no boxes, answers read, hits.
+    assert n_box > 1000 and 1000 < n_found < 2000 and n_hit > 1000
+
+
+def _formatted(n: int, rng: random.Random) -> str:
+    """str(n) written as a model writes it in a box: signs, commas, units, dots, spaces."""
+    body = rng.choice([f"{n}", f"{n:,}", f"{n:,}".replace(",", "{,}"), f"{n}.0", f"{n}.00"])
+    body = rng.choice(["", "\\$", "$"]) + body
+    body += rng.choice(["", "\\%", "%", " \\text{ dollars}", "\\text{cm}", "."])
+    return rng.choice(["", " "]) + body + rng.choice(["", " "])
+
+
+def test_boxed_generated_answers_score_and_a_wrong_one_does_not():
+    """800 generated completions: prose, maybe an earlier box or a `####`, then the boxed answer
+    in one of many spellings; it scores against str(n), and str(n + 1) is a negative control."""
+    rng = random.Random(2)
+    prose = ["Step 1: 3 + 4 = 7.", "We get $1,200 per month.", "So #### 99 was wrong.", ""]
+    for _ in range(800):
+        n = rng.choice([rng.randint(-50, 50), rng.randint(1000, 10**7)])
+        s = rng.choice(prose) + rng.choice(["", "\\boxed{13} ", "#### 5 "])
+        s += "Final: \\boxed{" + _formatted(n, rng) + "}" + rng.choice(["", ".", " \\boxed{9"])
+        assert compute_score(s, str(n), "boxed") == 1.0, s
+        assert compute_score(s, str(n + 1), "boxed") == 0.0, s
+        assert compute_score(s, str(n), "strict") == 0.0 or "#### " in s

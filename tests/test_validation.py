@@ -112,7 +112,7 @@ CASES = [
     (
         "reward_method",
         ("--config.data.reward_method=lenient",),
-        "config.data.reward_method='lenient'; allowed: ['strict', 'flexible']",
+        "config.data.reward_method='lenient'; allowed: ['strict', 'flexible', 'boxed']",
     ),
     (
         "mini_batch",
@@ -123,6 +123,21 @@ CASES = [
         "typo",
         ("--config.trainer.totl_steps=3",),
         "--config.trainer.totl_steps: no such field; did you mean config.trainer.total_steps?",
+    ),
+    (
+        "rollout_is",
+        ("--config.algo.rollout_is=tok",),
+        "config.algo.rollout_is='tok'; allowed: ('none', 'token', 'sequence')",
+    ),
+    (
+        "rs_lower_above_upper",
+        ("--config.algo.rollout_rs=token", "--config.algo.rollout_rs_threshold_lower=3"),
+        "config.algo.rollout_rs_threshold_lower=3.0 > config.algo.rollout_rs_threshold=2.0",
+    ),
+    (
+        "is_greedy_rollout",
+        ("--config.algo.rollout_is=token", "--config.rollout.temperature=0"),
+        "config.rollout.temperature=0 samples greedily",
     ),
     ("cache_read_only", read_only_cache, "config.sft.cache_dir="),
     ("cache_under_file", cache_under_a_file, "config.sft.cache_dir="),

@@ -33,7 +33,8 @@ def data_config() -> ml_collections.ConfigDict:
     c.drop_long_prompts = True
     # How the reward reads an answer (aqn_jax/rewards.py, verl's GSM8K semantics): strict = the
     # number after '#### ' (the trained format) | flexible = the last number in the completion
-    # (a pretrained instruct model that answers in prose, e.g. SmolLM2 without SFT).
+    # (a pretrained instruct model that answers in prose, e.g. SmolLM2 without SFT) | boxed =
+    # the last \boxed{...}, else '#### N', normalised, numbers compared as numbers (Qwen2.5).
     c.reward_method = "strict"
     c.task = ml_collections.ConfigDict()
     c.task.digits = 2  # embedded task difficulty (aqn_jax/data/arithmetic.py)

@@ -127,7 +127,11 @@ def run(config, workdir: str) -> None:
 
 
 # How the reward read the answers (config.data.reward_method), for the report's header.
-_READING = {"strict": "strict `####`", "flexible": "flexible: the last number"}
+_READING = {
+    "strict": "strict `####`",
+    "flexible": "flexible: the last number",
+    "boxed": "boxed: the last `\\boxed{}`, else `####`",
+}
 
 
 def write_evaluation_report(result: dict, workdir: str) -> str:
