@@ -12,6 +12,25 @@ fault the arms share: `deadzone` by default, `noise` for the original design not
   targeted     the fault, AQN only on the layers SRDD locates (aqn.layers='located')
   healthy      the fault, AQN on every layer but the faulty one (the original notes' control)
   srdd_guided  the fault, AQN on every layer at SRDD's per-layer sigma map (aqn.layers='srdd')
+
+The mismatch study's arms (issue 29; aqn_jax/rl/rollout_correction.py), each the fault plus:
+  uncorrected   nothing (RL off-policy as it is)
+  tis           verl's / tunix's token TIS, cap 2 (PRESETS['token_tis'])
+  trl_mask      TRL's default sequence mask, cap 3 (PRESETS['trl_sequence_mask'])
+  geo_rs        verl's geometric rejection [0.999, 1.001] (PRESETS['geometric_rs'])
+  aqn_qerl      AQN in QeRL's form: RMSNorm-weight noise on the rollout model, every layer,
+                QeRL's schedule (itself a rollout-only perturbation)
+  aqn_qerl_tis  both
+
+Scenarios (`apply_scenario`; DESIGN.md "Two devices, one policy"): which device runs which fault.
+  lowprec_rollout  (a) rollout and evaluation on a low-precision device (MXFP4 on every linear
+                   input), training clean: verl's FP8 / QeRL's FP4 rollout
+  deadzone_rollout (a') the study's deadzone (layer 4, 75% flushed) on the rollout and evaluation
+                   device only, training clean
+  both_call        (b) the study's deadzone on every phase, its statistic per module call: the
+                   seed's setting; sampler and trainer differ by ~0.5 nats per token
+  both_causal      (c) a deadzone on every phase with a causal statistic (each row's tokens so
+                   far): sampler and trainer agree to float noise, the negative control
 """
 
 import ml_collections
@@ -24,6 +43,7 @@ from aqn_jax.faults.config import faults_config
 from aqn_jax.models.factory import model_section
 from aqn_jax.parallel import distributed_config, mesh_config
 from aqn_jax.planner import planner_config
+from aqn_jax.rl.rollout_correction import PRESETS, correction_config
 from aqn_jax.warm_start import sft_config
 
 FAULT_LAYER = 4  # the middle of the tiny model's 8 layers
@@ -89,6 +109,8 @@ def base_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.algo.entropy_coeff = 0.0  # entropy bonus weight (0 = none)
     config.algo.gamma = 1.0  # GAE discount per token (1.0)
     config.algo.lam = 1.0  # GAE lambda (1.0)
+    # Rollout correction (aqn_jax/rl/rollout_correction.py): sampler vs trainer log-probs.
+    correction_config(config.algo)
 
     config.actor = ml_collections.ConfigDict()  # the policy's optimizer and PPO batching
     # 3e-5: from the shipped warm start, 1e-4 lowered the clean device's greedy accuracy
@@ -128,6 +150,9 @@ def base_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.checkpoint = ml_collections.ConfigDict()  # Orbax checkpoints under <workdir>/checkpoints
     config.checkpoint.every = 0  # 0 = only at the end
     config.checkpoint.keep = 2  # the latest N kept
+    # What the last step saves: state (resumable) | params (params only, a third of the state's
+    # bytes under AdamW: an evaluation-sized run) | none (no checkpoint at the end).
+    config.checkpoint.final = "state"
 
     config.mesh = mesh_config()  # devices as (data, fsdp, tensor) (aqn_jax/parallel.py)
     config.distributed = distributed_config()  # several hosts (launch/*.py set it)
@@ -173,9 +198,50 @@ def shrink(config: ml_collections.ConfigDict) -> None:
 
 
 STUDY_ARMS = ("clean", "deadzone", "global_aqn", "targeted", "healthy", "srdd_guided")
+# arm -> (AQN in QeRL's form on, the rollout-correction preset)
+CORRECTION_ARMS = {
+    "uncorrected": (False, "none"),
+    "tis": (False, "token_tis"),
+    "trl_mask": (False, "trl_sequence_mask"),
+    "geo_rs": (False, "geometric_rs"),
+    "aqn_qerl": (True, "none"),
+    "aqn_qerl_tis": (True, "token_tis"),
+}
 # global_qerl: the baseline of the original design notes (configs/compare.py)
-ARMS = (*STUDY_ARMS, "global_qerl")
-STUDY_FAULTS = ("deadzone", "noise")
+ARMS = (*STUDY_ARMS, "global_qerl", *CORRECTION_ARMS)
+STUDY_FAULTS = ("deadzone", "noise", "quant")
+SCENARIOS = ("lowprec_rollout", "deadzone_rollout", "both_call", "both_causal")
+# (c)'s deadzone: the causal statistic needs amax severity; 0.2 of the max costs the warm start
+# 0.176 accuracy at layer 4 under scope call (configs/compare.py threshold_0.2).
+CAUSAL_THRESHOLD = 0.2
+
+
+def apply_scenario(config: ml_collections.ConfigDict, name: str) -> ml_collections.ConfigDict:
+    """Set `config.study_fault` and its fault section to scenario `name` (SCENARIOS): which
+    phases (rollout / train / eval devices) run which fault."""
+    if name not in SCENARIOS:
+        raise ValueError(f"scenario={name!r}; allowed: {SCENARIOS}")
+    f = config.faults
+    if name == "lowprec_rollout":
+        config.study_fault = "quant"
+        f.quant.format = "mxfp4"
+        f.quant.sites = ("linear",)
+        f.quant.layers = "all"
+        f.quant.point = "input"
+        f.quant.phases = ("rollout", "eval")  # the inference device; the trainer is clean
+    elif name == "deadzone_rollout":
+        config.study_fault = "deadzone"
+        f.deadzone.phases = ("rollout", "eval")
+    else:
+        config.study_fault = "deadzone"
+        f.deadzone.phases = ("rollout", "train", "eval")
+        if name == "both_call":
+            f.deadzone.scope = "call"
+        else:
+            f.deadzone.scope = "causal"
+            f.deadzone.severity = "amax"
+            f.deadzone.threshold = CAUSAL_THRESHOLD
+    return config
 
 
 def apply_arm(config: ml_collections.ConfigDict, arm: str) -> ml_collections.ConfigDict:
@@ -191,6 +257,19 @@ def apply_arm(config: ml_collections.ConfigDict, arm: str) -> ml_collections.Con
         )
     config.arm = arm
     config.faults[fault].enabled = arm != "clean"
+    if arm in CORRECTION_ARMS:
+        qerl, preset = CORRECTION_ARMS[arm]
+        config.aqn.enabled = qerl
+        if qerl:  # QeRL: noise on every RMSNorm weight of the rollout model, its decay
+            config.aqn.form, config.aqn.order, config.aqn.schedule = (
+                "norm_weight",
+                "after_fault",
+                "qerl",
+            )
+            config.aqn.layers = "all"
+        for key, value in PRESETS[preset].items():
+            config.algo[key] = value
+        return config
     config.aqn.enabled = arm in ("global_aqn", "targeted", "healthy", "srdd_guided", "global_qerl")
     if arm == "global_qerl":
         config.aqn.schedule = "qerl"

@@ -62,7 +62,7 @@ evaluation on 128 problems with the fault:
   global_aqn -0.025, p = 0.15, MDD 0.051; healthy - global_aqn -0.003, p = 0.82: no AQN effect.
 """
 
-from aqn_jax.experiment import base_config
+from aqn_jax.experiment import apply_scenario, base_config
 from aqn_jax.study.config import compare_config
 
 VARIANTS = {
@@ -90,7 +90,14 @@ VARIANTS = {
     # the study runs at 10%; noise_study_5pct keeps the notes' number.
     "noise_study": {"study_fault": "noise", "noise_scale": "0.10"},
     "noise_study_5pct": {"study_fault": "noise", "noise_scale": "0.05"},
+    # Issue 29: the rollout corrections against AQN when the sampler's device is not the
+    # trainer's (aqn_jax/rl/rollout_correction.py; scenarios in aqn_jax/experiment.py).
+    "mismatch_study": {"scenario": "lowprec_rollout"},  # (a) MXFP4 rollout, clean trainer
+    "mismatch_study_deadzone": {"scenario": "deadzone_rollout"},  # (a') deadzone rollout only
+    "mismatch_study_call": {"scenario": "both_call"},  # (b) the study's deadzone, per call
+    "mismatch_study_causal": {"scenario": "both_causal"},  # (c) the negative control
 }
+MISMATCH_ARMS = ("clean", "uncorrected", "tis", "trl_mask", "geo_rs", "aqn_qerl", "aqn_qerl_tis")
 
 
 def get_config(arg=None):
@@ -135,12 +142,32 @@ def get_config(arg=None):
         )
         config.evaluate.noise_levels = (0.0, 0.05, 0.10, 0.20)
         config.evaluate.mxfp4 = False
+    if "scenario" in spec:
+        apply_scenario(config, spec["scenario"])
+        control = spec["scenario"] == "both_causal"
+        # The control needs no clean or AQN arm: every correction must do nothing there.
+        config.compare.arms = MISMATCH_ARMS[1:5] if control else MISMATCH_ARMS
+        config.compare.seeds = (0, 1, 2) if control else (0, 1, 2, 3, 4)
+        config.compare.reference_arm = "uncorrected"
+        config.compare.comparisons = (
+            (("tis", "uncorrected"), ("trl_mask", "uncorrected"), ("geo_rs", "uncorrected"))
+            if control
+            else (("tis", "uncorrected"), ("aqn_qerl", "tis"), ("aqn_qerl_tis", "tis"))
+        )
+        # The study's budget (60 minutes on 2 cores): 20 RL steps, the evaluation on the
+        # faulty and the clean device only.
+        config.trainer.total_steps = 2 if smoke else 20
+        config.evaluate.noise_levels = (0.0,)
+        config.evaluate.mxfp4 = False
     config.sft.seed = 0  # one warm start for every seed
     config.checkpoint.every = 10  # an interrupted run resumes (the job reuses finished ones)
     config.trainer.val_every = 0  # validation at the start and the end; evaluate does the rest
     config.evaluate.size = 128
     if smoke:
-        if "study_fault" not in spec:
+        if "scenario" in spec:
+            config.compare.arms = ("uncorrected", "tis")
+            config.compare.comparisons = (("tis", "uncorrected"),)
+        elif "study_fault" not in spec:
             config.compare.arms = ("global_aqn", "targeted")
             config.compare.comparisons = (("targeted", "global_aqn"),)
         config.compare.seeds = (0, 1)

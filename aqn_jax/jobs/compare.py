@@ -62,7 +62,20 @@ from aqn_jax.study.config import check_compare
 from aqn_jax.study.report import write_report
 from aqn_jax.warm_start import sft_seed, tokenizer_for, warm_start
 
-CURVE_KEYS = ("val-core/acc", "val-clean/acc", "critic/score/mean")
+CURVE_KEYS = (
+    "val-core/acc",
+    "val-clean/acc",
+    "critic/score/mean",
+    "rollout_corr/kl",
+    "rollout_corr/rollout_is_eff_sample_size",
+)
+# Means over a run's RL steps, in its results.json telemetry (the sampler-trainer mismatch).
+MISMATCH_TELEMETRY = {
+    "mismatch_kl": "rollout_corr/kl",
+    "mismatch_k3_kl": "rollout_corr/k3_kl",
+    "is_ess": "rollout_corr/rollout_is_eff_sample_size",
+    "rs_masked": "rollout_corr/rollout_rs_masked_fraction",
+}
 
 
 def worker_count(cmp, pending: int) -> int:
@@ -353,6 +366,11 @@ def _collect(run_dir: str) -> dict:
         ]
         return float(np.mean(vals)) if vals else 0.0
 
+    telemetry = {"flushed": mean_of(".flushed"), "rescued": mean_of(".rescued")}
+    for name, key in MISMATCH_TELEMETRY.items():
+        vals = [r[key] for r in rows[1:] if key in r]
+        if vals:
+            telemetry[name] = float(np.mean(vals))
     return {
         "final": {
             "acc_fault": conds.get("fault", {}).get("acc"),
@@ -361,6 +379,6 @@ def _collect(run_dir: str) -> dict:
         },
         "curve": curve,
         "robustness": {name: c["acc"] for name, c in conds.items()},
-        "telemetry": {"flushed": mean_of(".flushed"), "rescued": mean_of(".rescued")},
+        "telemetry": telemetry,
         "wall_time_s": ev.get("wall_time_s"),
     }

@@ -62,6 +62,7 @@ def policy_loss(
     clip_ratio_c: float = 3.0,
     agg: str = "token-mean",
     denom=None,
+    weights_NT=None,
 ):
     """Clipped surrogate with dual-clip (verl `compute_policy_loss`, 'vanilla'):
 
@@ -69,6 +70,9 @@ def policy_loss(
         l1 = -A * ratio;  l2 = -A * clip(ratio, 1 - clip_low, 1 + clip_high)
         clipped = max(l1, l2)
         for A < 0 the loss is also capped at -A * clip_ratio_c (dual-clip): min(clipped, -A*c)
+
+    `weights_NT` (optional, detached): the rollout correction's truncated IS weights; they
+    multiply the per-token loss after the clips (verl: `pg_losses * rollout_is_weights`).
 
     Returns (loss, {pg_clipfrac, pg_clipfrac_lower, ppo_kl}) with the metrics as token means.
     """
@@ -87,6 +91,8 @@ def policy_loss(
         ((clipped > l3) & (advantages_NT < 0)).astype(jnp.float32), mask_NT
     )
     losses = jnp.where(advantages_NT < 0, dual, clipped)
+    if weights_NT is not None:
+        losses = losses * jax.lax.stop_gradient(weights_NT)
     loss = agg_loss(losses, mask_NT, agg, denom)
     return loss, {"pg_clipfrac": clipfrac, "pg_clipfrac_lower": clipfrac_lower, "ppo_kl": ppo_kl}
 

@@ -44,6 +44,7 @@ from aqn_jax.models.qwen2 import Qwen2Config, Qwen2ForCausalLM
 from . import advantages as adv_lib
 from . import losses
 from .optim import optimizer_of
+from .rollout_correction import RolloutCorrection, correction_from
 
 
 @flax.struct.dataclass
@@ -79,6 +80,7 @@ class Hyper:
     micro_batches: int
     vf_clip: float
     critic_warmup: int
+    correction: RolloutCorrection = RolloutCorrection()  # config.algo.rollout_* / bypass_mode
 
 
 def hyper_from(config) -> Hyper:
@@ -139,6 +141,7 @@ def hyper_from(config) -> Hyper:
         micro_batches=rows // int(actor.micro_batch_rows),
         vf_clip=float(config.critic.cliprange_value),
         critic_warmup=int(config.critic.warmup_steps),
+        correction=correction_from(algo, config.rollout),
     )
 
 
@@ -401,6 +404,7 @@ def actor_loss(static: Static, params, mic, denom, key, values):
         clip_ratio_c=h.clip_ratio_c,
         agg=h.agg,
         denom=denom,
+        weights_NT=mic.get("is_weights"),  # the rollout correction's IS weights, when on
     )
     ent = losses.agg_loss(losses.entropy_from_logits(logits), mask, h.agg, denom)
     loss = pg - h.entropy_coeff * ent

@@ -4,7 +4,9 @@ One step (DESIGN.md's data path):
 
   prompts -> rollout (phase `rollout`: hardware faults + AQN at this step's sigma)
           -> rewards (verl GSM8K scorer) -> `prepare` (old / reference log-probs and values,
-             advantages; phase `train`) -> `update` (PPO epochs over mini-batches)
+             advantages; phase `train`) -> rollout correction (sampler vs trainer log-probs:
+             IS weights, rejection, bypass; `rollout_corr/*` metrics) -> `update` (PPO epochs
+             over mini-batches)
           -> metrics (verl names); validation every `val_every` steps (the job's loop).
 
 `Trainer` only orchestrates: it draws the batches, samples, scores, calls the jitted programs
@@ -33,6 +35,7 @@ from aqn_jax.faults.intercept import FaultPlan, step_key, summarize_stats
 from aqn_jax.models.qwen2 import Qwen2ForCausalLM
 from aqn_jax.rewards import score_batch
 
+from .rollout_correction import correct
 from .sampler import Sampler, SamplingParams
 from .step import RLState, Shardings, Static
 
@@ -157,6 +160,17 @@ class Trainer:
             upd["ref_logp"] = prep["ref_logp"]
         if self.static.use_critic:
             upd.update(values=prep["values"], returns=prep["returns"])
+        # Rollout correction (rl/rollout_correction.py): the sampler's log-probs against the
+        # trainer's; IS weights, the loss mask without rejected tokens, bypass's old policy.
+        old_logp = parallel.to_host(prep["old_logp"])
+        corr = correct(old_logp, tb["sampler_logp"], tb["rmask"], self.static.h.correction)
+        for key, value in (
+            ("is_weights", corr.is_weights),
+            ("rmask", corr.loss_mask),
+            ("old_logp", corr.old_logp),
+        ):
+            if value is not None:
+                upd[key] = parallel.put_batch(value, self.mesh)
         t0 = time.perf_counter()
         state, mets = self.update(state, upd, train_key, sig)
         mets = {k: float(parallel.to_host(v)) for k, v in mets.items()}
@@ -164,7 +178,6 @@ class Trainer:
 
         rmask = tb["rmask"]
         lengths = rmask.sum(1)
-        old_logp = parallel.to_host(prep["old_logp"])
         drift = np.abs(old_logp - tb["sampler_logp"])[rmask > 0]
         adv = parallel.to_host(prep["advantages"])
         rewards = parallel.to_host(prep["token_rewards"]).sum(1)
@@ -182,9 +195,6 @@ class Trainer:
             "response_length/max": float(lengths.max()),
             "response_length/clip_ratio": float(np.mean(~eos)),
             "prompt_length/mean": float(batch["prompt_len"].mean()),
-            "training/rollout_probs_diff_mean": float(
-                np.mean(np.abs(np.exp(old_logp) - np.exp(tb["sampler_logp"]))[rmask > 0])
-            ),
             "training/rollout_logprob_diff_mean": float(drift.mean()),
             "training/rollout_logprob_diff_max": float(drift.max()),
             "aqn/sigma": float(sigma),
@@ -198,6 +208,7 @@ class Trainer:
             vals = parallel.to_host(prep["values"])
             m["critic/values/mean"] = float(vals[rmask > 0].mean())
             m["critic/returns/mean"] = float(parallel.to_host(prep["returns"])[rmask > 0].mean())
+        m.update(corr.metrics)
         m.update(mets)
         for name, v in summarize_stats(out.fault_stats).items():
             if name.endswith("/mean"):

@@ -87,10 +87,14 @@ METRIC_TITLES = {
     "heldout_loss": "held-out loss (lower is better)",
 }
 CURVE_KEYS = ("val-core/acc", "val-clean/acc", "critic/score/mean")
+# The sampler-trainer mismatch (verl's rollout_corr/ names): plotted when the runs logged it.
+MISMATCH_KEYS = ("rollout_corr/kl", "rollout_corr/rollout_is_eff_sample_size")
 CURVE_TITLES = {
     "val-core/acc": "validation accuracy, faulty device",
     "val-clean/acc": "validation accuracy, clean device",
     "critic/score/mean": "rollout reward (mean score)",
+    "rollout_corr/kl": "mismatch KL(rollout || train) per token",
+    "rollout_corr/rollout_is_eff_sample_size": "IS effective sample size (fraction)",
 }
 TELEMETRY_KEYS = ("flushed", "rescued")
 
@@ -386,14 +390,24 @@ def _arm_colors(summary: Mapping[str, Any]):
 def plot_curves(results: Mapping[str, Any], summary: Mapping[str, Any], path: str) -> str:
     """Validation accuracies and the reward vs step: per arm the mean over seeds, ±1 std band."""
     plt, arms, colors = _arm_colors(summary)
-    fig, axes = plt.subplots(1, len(CURVE_KEYS), figsize=(5 * len(CURVE_KEYS), 4.2))
-    for ax, key in zip(axes, CURVE_KEYS, strict=True):
+    logged = [
+        k
+        for k in MISMATCH_KEYS
+        if any(
+            any(v is not None for v in (r.get("curve") or {}).get(k) or [])
+            for arm in arms
+            for r in _arm_runs(results, arm).values()
+        )
+    ]
+    keys = (*CURVE_KEYS, *logged)
+    fig, axes = plt.subplots(1, len(keys), figsize=(5 * len(keys), 4.2))
+    for ax, key in zip(axes, keys, strict=True):
         for arm in arms:
             runs = list(_arm_runs(results, arm).values())
             steps, mean, std, n = curve_band(runs, key)
             if not len(steps):
                 continue
-            style = "-" if key == "critic/score/mean" else "o-"
+            style = "o-" if key.startswith("val-") else "-"
             ax.plot(
                 steps, mean, style, ms=3, lw=1.2, color=colors[arm], label=f"{arm} (n={len(runs)})"
             )
