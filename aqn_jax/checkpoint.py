@@ -22,10 +22,24 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 CHECKPOINT_DIR = "checkpoints"
+# What the end of a run saves (config.checkpoint.final): the whole train state (resumable), the
+# params only (what evaluation and the study read: a third of the bytes under AdamW), or nothing.
+FINAL = ("state", "params", "none")
+
+
+def check_final(final: str) -> None:
+    """`config.checkpoint.final`, before anything is written."""
+    if final not in FINAL:
+        raise ValueError(
+            f"config.checkpoint.final={final!r}; allowed: {list(FINAL)} (state: resumable;"
+            " params: params only; none: no checkpoint at the end)"
+        )
 
 
 class Checkpointer:
-    def __init__(self, workdir: str, every: int, keep: int):
+    def __init__(self, workdir: str, every: int, keep: int, final: str = "state"):
+        check_final(final)
+        self.final = final
         if every < 0:
             raise ValueError(f"config.checkpoint.every={every}; must be >= 0 (0 = only at the end)")
         if keep < 1:
@@ -40,7 +54,13 @@ class Checkpointer:
     def due(self, step: int) -> bool:
         return self.every > 0 and step % self.every == 0
 
-    def save(self, step: int, state: Any, meta: dict) -> None:
+    def save(self, step: int, state: Any, meta: dict, final: bool = False) -> None:
+        """Save `state` and `meta` as checkpoint `step`. `final` (the run's last step): as
+        `self.final` says; a params-only final checkpoint is marked in its meta."""
+        if final and self.final == "none":
+            return
+        if final and self.final == "params":
+            state, meta = {"params": state.params}, {**meta, "final": "params"}
         self.manager.save(
             int(step),
             args=ocp.args.Composite(
@@ -82,12 +102,28 @@ class Checkpointer:
         )
         return jax.device_get(out["state"]), out["meta"]
 
+    def meta(self, step: int) -> dict:
+        """Checkpoint `step`'s JSON metadata alone ({} when unreadable)."""
+        try:
+            out = self.manager.restore(
+                int(step), args=ocp.args.Composite(meta=ocp.args.JsonRestore())
+            )
+        except Exception:  # noqa: BLE001 - an unreadable one is restore_latest's to report
+            return {}
+        return dict(out["meta"] or {})
+
     def restore_latest(self, abstract_state: Any, log=print) -> tuple[int, Any, dict] | None:
         """(step, state, meta) of the newest checkpoint that reads back; an unreadable one
         (corrupted files) is reported, set aside (never deleted) and the previous one tried.
         None when there is none: the run starts afresh, and `metrics.open_run` moves the
         outputs of the earlier start aside."""
         steps = sorted(self.manager.all_steps(), reverse=True)
+        if steps and self.meta(steps[0]).get("final") == "params":
+            raise ValueError(
+                f"{self.directory}/{steps[0]} is the params-only final checkpoint of a finished"
+                " run (config.checkpoint.final='params'): nothing to resume; evaluate it with"
+                " --config.evaluate.run, or choose another --workdir"
+            )
         errors = []
         for step in steps:
             try:
@@ -121,7 +157,13 @@ class Checkpointer:
 
 # Fields a resumed run may change: where things go and how often they are saved or reported,
 # never what is trained. Anything else changed against the workdir's config.json is refused.
-RESUME_FREE = ("checkpoint.every", "checkpoint.keep", "sft.cache_dir", "resume_override")
+RESUME_FREE = (
+    "checkpoint.every",
+    "checkpoint.keep",
+    "checkpoint.final",
+    "sft.cache_dir",
+    "resume_override",
+)
 RESUME_FREE_SECTIONS = ("distributed.", "planner.", "compare.", "evaluate.")
 
 

@@ -88,6 +88,36 @@ def make_hf_model(path, seed: int = 0, family: str = "qwen2", **overrides):
     return model
 
 
+def make_qwen_snapshot(path, texts, vocab_size: int, **model_overrides) -> str:
+    """A Qwen-like local snapshot in `path`: a byte-level BPE tokenizer trained on `texts` to
+    `vocab_size` tokens plus Qwen's control tokens and Qwen2.5's chat template, and a random
+    transformers Qwen2 over that vocabulary (`make_hf_model`, with `model_overrides`)."""
+    import transformers
+    from tokenizers import Tokenizer as RustTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    from test_tokenizers import QWEN25_CHAT_TEMPLATE, SPECIALS
+
+    rust = RustTokenizer(models.BPE())
+    rust.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    rust.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    rust.train_from_iterator(texts, trainer)
+    rust.add_special_tokens(SPECIALS)
+    make_hf_model(path, vocab_size=rust.get_vocab_size(), **model_overrides)
+    transformers.PreTrainedTokenizerFast(
+        tokenizer_object=rust,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        chat_template=QWEN25_CHAT_TEMPLATE,
+    ).save_pretrained(str(path))
+    return str(path)
+
+
 @pytest.fixture
 def hf_factory(tmp_path):
     counter = iter(range(1000))

@@ -12,7 +12,7 @@ import pytest
 
 from aqn_jax.data.arithmetic import ArithmeticTask
 
-from conftest import launch_cli, load_config, make_hf_model
+from conftest import launch_cli, load_config, make_qwen_snapshot
 
 LAYERS, FAULT = 4, 2
 
@@ -20,38 +20,14 @@ LAYERS, FAULT = 4, 2
 @pytest.fixture(scope="module")
 def snapshot(tmp_path_factory):
     """A Qwen-like local snapshot: tokenizer.json + chat template + config.json + safetensors."""
-    import transformers
-    from tokenizers import Tokenizer as RustTokenizer
-    from tokenizers import decoders, models, pre_tokenizers, trainers
-
-    from test_tokenizers import QWEN25_CHAT_TEMPLATE, SPECIALS
-
     root = tmp_path_factory.mktemp("real_scale")
     task = ArithmeticTask(1, 1, 0)
     texts = [e["question"] + "\n" + e["answer"] for e in task.dataset("train", 256)] + [
         'Let\'s think step by step and output the final answer after "####".'
     ]
-    rust = RustTokenizer(models.BPE())
-    rust.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    rust.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
-    )
-    rust.train_from_iterator(texts, trainer)
-    rust.add_special_tokens(SPECIALS)
     model_dir = root / "Qwen-tiny-Instruct"
-    make_hf_model(
-        model_dir,
-        vocab_size=rust.get_vocab_size(),
-        num_hidden_layers=LAYERS,
-        tie_word_embeddings=True,  # as Qwen2.5-1.5B
-    )
-    transformers.PreTrainedTokenizerFast(
-        tokenizer_object=rust,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        chat_template=QWEN25_CHAT_TEMPLATE,
-    ).save_pretrained(str(model_dir))
+    # Tied embeddings, as Qwen2.5-1.5B.
+    make_qwen_snapshot(model_dir, texts, 300, num_hidden_layers=LAYERS, tie_word_embeddings=True)
     train = task.write_parquet(root / "train.parquet", "train", 8)
     test = task.write_parquet(root / "test.parquet", "test", 4)
     return {"model": str(model_dir), "train": str(train), "test": str(test)}

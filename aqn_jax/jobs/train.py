@@ -20,6 +20,7 @@ from aqn_jax import parallel
 from aqn_jax.checkpoint import (
     Checkpointer,
     Preemption,
+    check_final,
     check_resume_config,
     check_sane,
     record_override,
@@ -44,6 +45,7 @@ def run(config, workdir: str) -> None:
     # Check the config (every field, no compile) and record it
     # ---------------------------------------------------------------------------------------
     checked = check_train(config, workdir)
+    check_final(config.checkpoint.get("final", "state"))
     model_cfg, tokenizer, hw_plan, memory = checked
     print(memory.table())
     n_layers = model_cfg.num_hidden_layers
@@ -117,7 +119,8 @@ def run(config, workdir: str) -> None:
     loop = Trainer(
         config, static, sh, prepare, update, ref_params, batcher, tokenizer, test_examples, hw_plan
     )
-    ckpt = Checkpointer(workdir, int(config.checkpoint.every), int(config.checkpoint.keep))
+    ck = config.checkpoint
+    ckpt = Checkpointer(workdir, int(ck.every), int(ck.keep), ck.get("final", "state"))
     val_size = min(int(config.trainer.val_size), len(test_examples))
     val_bs = int(config.trainer.val_batch_size)
 
@@ -177,7 +180,7 @@ def run(config, workdir: str) -> None:
             )
             if ckpt.due(step) or step == total or stop.requested:
                 check_sane(step, state, m, config.trainer)  # else nothing is saved
-                ckpt.save(step, state, {"step": step, "data": batcher.state()})
+                ckpt.save(step, state, {"step": step, "data": batcher.state()}, step == total)
             if stop.requested and step < total:
                 print(f"SIGTERM: saved RL step {step} to {ckpt.directory}; rerun to resume")
                 raise SystemExit(143)

