@@ -65,6 +65,12 @@ with compiled programs of the tiny model. XLA:CPU does not honour remat (its tem
 same with and without `nn.remat`), so the remat formula is the stated model, not a
 measurement. Not counted: XLA's scratch and fragmentation (the reason for `headroom`), the
 host-side batch and the sampler's small per-token outputs.
+
+On a CPU backend the devices are the host: a process's peak RSS is then every device's plan plus
+what only the host holds, `cpu_rss` = devices x total + host_params + RUNTIME_BYTES: the job's
+host copy of the loaded params (the warm start's tree stays referenced for the whole run) and
+the runtime (jax/XLA, the compiled programs, torch and the tokenizer, the data). Measured at
+0.5B (WORKSPACE.md, issue 30): the device plan alone was 5 GiB short of the peak RSS.
 """
 
 from __future__ import annotations
@@ -90,6 +96,11 @@ from aqn_jax.models.qwen2 import Qwen2Config, Qwen2ForCausalLM, init_cache
 from aqn_jax.rl.optim import optimizer_of
 
 GIB = 2**30
+# What a CPU run's process holds besides the arrays of the plan: jax/XLA and the compiled
+# programs, torch, the tokenizer and the data: peak RSS - (total + host_params) at 0.5B
+# (Qwen2.5-Coder, GSM8K; WORKSPACE.md, issue 30) was >= 3.2 GiB (the process was OOM-killed at
+# 19.7 GiB, so that is a lower bound) and 2.8 GiB in the issue's own run; 5 GiB keeps a margin.
+RUNTIME_BYTES = 5 * GIB
 RESIDENT = (
     "params",
     "optimizer",
@@ -158,6 +169,12 @@ class MemoryPlan:
     micro_batch_rows: int
     capacity: int | None = None
     headroom: float = 0.9
+    host_params: int = 0  # the job's host copy of the whole params tree (bytes)
+
+    @property
+    def cpu_rss(self) -> int:
+        """Peak RSS of one CPU process holding every device of the mesh (module docstring)."""
+        return math.prod(self.mesh) * self.total + self.host_params + RUNTIME_BYTES
 
     @property
     def budget(self) -> int | None:
@@ -197,6 +214,11 @@ class MemoryPlan:
         lines.append(
             f"  {'total':16s} {self.total / GIB:9.2f}  always + {self.peak_phase}"
             f" ({self.phase_bytes(self.peak_phase) / GIB:.2f})"
+        )
+        lines.append(
+            f"  {'CPU process RSS':16s} {self.cpu_rss / GIB:9.2f}  on a CPU backend: every device +"
+            f" the host's params ({self.host_params / GIB:.2f}) + runtime"
+            f" ({RUNTIME_BYTES / GIB:.2f})"
         )
         if self.capacity is None:
             lines.append("  capacity unknown (the backend reports no memory limit): not checked")
@@ -480,6 +502,7 @@ def _plan(
         micro_batch_rows=micro_batch_rows,
         capacity=capacity,
         headroom=headroom,
+        host_params=_shard_bytes(job.params, dict.fromkeys(parallel.AXES, 1)),
     )
 
 

@@ -4,6 +4,9 @@ verdict, top-1 hit rate and confidence, and the metric that misled it where it i
   python -m aqn_jax.models.gguf --out=/tmp/smollm2          # once (needs '.[gguf]')
   python bench/srdd_real.py --hf-path=/tmp/smollm2 [--layers 3,5,10,15,20,25]
       [--thresholds 0.01,0.1] [--noise-layer 15] [--prompts 4] [--record]
+  # Qwen2.5-Coder-0.5B on GSM8K prompts (configs/qwen2p5_coder_0p5b_gsm8k.py's diagnosis):
+  python bench/srdd_real.py --hf-path=/tmp/qwen05 --config=qwen2p5_coder_0p5b_gsm8k \
+      --gsm8k=../shared/datasets/gsm8k --layers 3,5,9,15,18,20
 
 The calibration prompts are the embedded task's train prompts in the model's chat format
 (`configs/smollm2_135m.py`), SRDD's settings are that config's `diagnosis` section. Placements:
@@ -39,12 +42,17 @@ from aqn_jax.models.qwen2 import Qwen2ForCausalLM  # noqa: E402
 from aqn_jax.warm_start import tokenizer_for  # noqa: E402
 
 
-def _config(hf_path: str):
-    from configs import smollm2_135m
+def _config(hf_path: str, name: str = "smollm2_135m", gsm8k: str = ""):
+    """`configs/<name>.py:deadzone` on the snapshot; `gsm8k`: the directory of GSM8K's
+    train/test.jsonl, for a config that requires data paths (its prompts then calibrate)."""
+    import importlib
 
-    config = smollm2_135m.get_config("deadzone")
+    config = importlib.import_module(f"configs.{name}").get_config("deadzone")
     config.model.hf_path = hf_path
     config.tokenizer_path = ""
+    if gsm8k:
+        config.data.train_path = str(Path(gsm8k) / "train.jsonl")
+        config.data.test_path = str(Path(gsm8k) / "test.jsonl")
     return config
 
 
@@ -77,6 +85,8 @@ def _misled(v, layer: int | None) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--hf-path", required=True)
+    ap.add_argument("--config", default="smollm2_135m", help="configs/<name>.py (diagnosis, data)")
+    ap.add_argument("--gsm8k", default="", help="GSM8K jsonl directory (Qwen2.5 + GSM8K config)")
     ap.add_argument("--layers", default="3,5,10,15,20,25")
     ap.add_argument("--thresholds", default="0.01,0.1")
     ap.add_argument("--noise-layer", type=int, default=15)
@@ -88,7 +98,7 @@ def main() -> None:
     layers = [int(x) for x in args.layers.split(",")]
     thresholds = [float(x) for x in args.thresholds.split(",")]
 
-    config = _config(args.hf_path)
+    config = _config(args.hf_path, args.config, args.gsm8k)
     diag = config.diagnosis
     tok = tokenizer_for(config)
     ids, mask = srdd.calibration_batch(

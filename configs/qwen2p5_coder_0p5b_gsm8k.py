@@ -41,8 +41,10 @@ Settings and why:
   tokens, so 320 new tokens in evaluation and 256 in RL (the issue's GRPO shape).
 - reward_method 'boxed': the model writes `\\boxed{N}` (24 of 32), never `####` (strict 0.000).
 - memory on a 24 GB machine: 4 prompts x 4 samples per step, micro-batches of 2 rows, remat,
-  float32 master weights and compute (CPU: bfloat16 matmuls are not faster under XLA:CPU),
-  the final checkpoint params-only (`checkpoint.final`).
+  float32 master weights and compute, no reference model (use_kl_loss=False), the final
+  checkpoint params-only (`checkpoint.final`). The train job prints the planner's CPU estimate
+  ('CPU process RSS': 20.0 GiB at these shapes); f32 params + AdamW + gradients alone are
+  9.4 GiB, so RL at 0.5B does not fit in less than ~16 GiB of host memory.
 - the fault: the seed's deadzone at layer 15 stated as the seed states it (0.01 of the tensor
   max) flushes >= 99.9% here (a massive activation, channel 62 at token 0, ~2,180 against a
   median below 1), so the faulty device earns nothing; the operating point below is the
@@ -91,6 +93,9 @@ def get_config(arg: str | None = None):
     config.actor.mini_batch_prompts = 4  # one optimizer update per step
     config.actor.micro_batch_rows = 2  # gradient-accumulation chunk (rows of 512 tokens)
     config.actor.lr = 1e-6  # a pretrained instruct model: small steps
+    # No reference model (its 2.35 GiB f32 copy): the planner's CPU estimate is then 20.0 GiB at
+    # 4 x 4 x 256, 22.3 with it; at 2 x 2 x 64 with it a process passed 19.7 GiB (OOM-killed).
+    config.algo.use_kl_loss = False
 
     config.trainer.total_steps = 5
     config.trainer.val_every = 0  # only at the start and the end
