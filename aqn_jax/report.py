@@ -29,7 +29,7 @@ def plot_training(rows: Sequence[Mapping[str, Any]], path: str, title: str = "")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 2, figsize=(11, 7))
+    fig, axes = plt.subplots(2, 3, figsize=(16, 7))
     ax = axes[0, 0]
     for key, label in (("val-core/acc", "val (faulty device)"), ("val-clean/acc", "val (clean)")):
         x, y = _series(rows, key)
@@ -41,6 +41,8 @@ def plot_training(rows: Sequence[Mapping[str, Any]], path: str, title: str = "")
         (axes[0, 1], "critic/score/mean", "rollout reward (mean score)"),
         (axes[1, 0], "actor/kl_loss", "KL to reference"),
         (axes[1, 1], "aqn/sigma", "AQN sigma"),
+        (axes[0, 2], "rollout_corr/kl", "sampler-trainer mismatch KL per token"),
+        (axes[1, 2], "rollout_corr/rollout_is_eff_sample_size", "IS effective sample size"),
     ]
     for ax, key, name in panels:
         x, y = _series(rows, key)
@@ -77,6 +79,7 @@ def write_run_report(workdir: str, summary: Mapping[str, Any], rows) -> str:
         f"| clean device | {pct(summary.get('val_acc_clean_start'))} |"
         f" {pct(summary['val_acc_clean_end'])} |",
         "",
+        *_mismatch_lines(summary.get("mismatch") or {}, summary.get("rollout_correction")),
         "![training curves](training_curves.png)",
         "",
         "Files: `metrics.jsonl` (a row per step, verl metric names), `tensorboard/`,"
@@ -91,6 +94,43 @@ def write_run_report(workdir: str, summary: Mapping[str, Any], rows) -> str:
         f.write("\n".join(lines))
     del png
     return path
+
+
+# The sampler-trainer mismatch of a run (verl's rollout_corr/ names), its means over the steps.
+MISMATCH_KEYS = (
+    "rollout_corr/kl",
+    "rollout_corr/k3_kl",
+    "rollout_corr/chi2_token",
+    "rollout_corr/rollout_is_mean",
+    "rollout_corr/rollout_is_eff_sample_size",
+    "rollout_corr/rollout_rs_masked_fraction",
+    "training/rollout_probs_diff_mean",
+)
+
+
+def _mismatch_lines(mismatch: Mapping[str, float], correction: Mapping[str, Any] | None):
+    if not mismatch:
+        return []
+    lines = [
+        "| sampler vs trainer (mean over the RL steps) | value |",
+        "|---|---|",
+        *(f"| `{k}` | {v:.4g} |" for k, v in mismatch.items()),
+        "",
+    ]
+    if correction:
+        on = ", ".join(f"{k}={v}" for k, v in correction.items())
+        lines += [f"Rollout correction: {on}.", ""]
+    return lines
+
+
+def mismatch_summary(history: Sequence[Mapping[str, Any]]) -> dict[str, float]:
+    """Means over the RL steps of MISMATCH_KEYS (those the run logged)."""
+    out = {}
+    for key in MISMATCH_KEYS:
+        vals = [h[key] for h in history if isinstance(h.get(key), (int, float))]
+        if vals:
+            out[key] = float(np.mean(vals))
+    return out
 
 
 def run_summary(
@@ -131,6 +171,18 @@ def run_summary(
         "recovered": recovered(val0, last_val),
         "val_size": val_size,
         "steps": steps,
+        "mismatch": mismatch_summary(history),
+        "rollout_correction": {
+            k: config.algo.get(k)
+            for k in (
+                "rollout_is",
+                "rollout_is_threshold",
+                "rollout_rs",
+                "rollout_rs_threshold",
+                "rollout_rs_threshold_lower",
+                "bypass_mode",
+            )
+        },
         "final_reward_mean": float(
             np.mean([h["critic/score/mean"] for h in history[-5:] if "critic/score/mean" in h])
         ),

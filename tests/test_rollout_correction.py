@@ -273,41 +273,55 @@ def test_defaults_and_lower_bound():
     assert correction_from(_algo(), _rollout(temperature=0.0)).active == ()
 
 
-# -- end to end: the scenarios ---------------------------------------------------------------------
-def _scenario_run(scenario, tmp_path, **algo):
-    """A short run of configs/mismatch.py on the shipped warm start (its SFT settings kept, so
-    the warm start is the shipped one: the model reads its prompt), with token TIS and
-    geometric rejection on."""
+# -- end to end: the negative-control scenario ----------------------------------------------------
+@pytest.mark.slow
+def test_causal_scenario_corrects_nothing_and_the_update_reads_the_correction(
+    tmp_path, monkeypatch
+):
+    """Scenario (c), both phases faulty under a causal statistic, on the shipped warm start
+    (its SFT settings kept: the model reads its prompt), token TIS and geometric rejection on:
+    the sampler and the trainer agree to float noise, so every weight is ~1 and nothing is
+    rejected. The update really reads what the correction returns: step 2's IS weights and step
+    3's loss mask are replaced by zeros (the metrics stay the real ones), which zeroes the
+    policy-gradient loss, and with the mask also the KL and entropy terms (step 1, unchanged,
+    moves the policy off the reference, so its KL term is not 0 by itself).
+    (Scenario (b)'s drift, rollout_corr/kl > 1e-3: test_train.py's learning test.)"""
     from aqn_jax.launch import run
+    from aqn_jax.rl import trainer
 
-    config = load_config("mismatch", f"{scenario},geo_rs")
+    calls = []
+
+    def zeroing(*args):
+        out = correct(*args)
+        calls.append(out)
+        if len(calls) == 2:
+            return out._replace(is_weights=np.zeros_like(out.is_weights))
+        if len(calls) == 3:
+            return out._replace(loss_mask=np.zeros_like(out.loss_mask))
+        return out
+
+    monkeypatch.setattr(trainer, "correct", zeroing)
+    config = load_config("mismatch", "both_causal,geo_rs")
     config.algo.rollout_is = "token"
     config.data_batch.prompts = 4
     config.actor.mini_batch_prompts = 2
     config.actor.micro_batch_rows = 10
-    config.trainer.total_steps = 1
+    config.trainer.total_steps = 3
     config.trainer.val_every = 0
     config.trainer.val_size = 8
     config.trainer.val_batch_size = 8
-    for k, v in algo.items():
-        config.algo[k] = v
     run(config, str(tmp_path))
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    return rows[1]
-
-
-@pytest.mark.slow
-def test_scenarios_end_to_end(tmp_path):
-    """(c) both phases faulty, causal statistic: the sampler and the trainer agree to float
-    noise, so every correction does nothing; (b) the per-call statistic: they disagree, the
-    weights move and the geometric preset rejects."""
-    c = _scenario_run("both_causal", tmp_path / "c")
-    assert abs(c["rollout_corr/kl"]) < 1e-5
-    assert abs(c["rollout_corr/rollout_is_mean"] - 1.0) < 1e-4
-    assert c["rollout_corr/rollout_rs_masked_fraction"] == 0.0
-    assert c["faults/train/deadzone.flushed"] > 0.01  # the fault is there, in training too
-    b = _scenario_run("both_call", tmp_path / "b")
-    assert b["rollout_corr/kl"] > 1e-3
-    assert b["rollout_corr/rollout_rs_masked_fraction"] > 0.0
-    assert b["rollout_corr/rollout_is_max"] > 1.01 or b["rollout_corr/rollout_is_min"] < 0.99
-    assert math.isfinite(b["actor/pg_loss"]) and math.isfinite(b["actor/grad_norm"])
+    assert len(calls) == 3
+    for r in rows[1:]:
+        assert abs(r["rollout_corr/kl"]) < 1e-5
+        assert abs(r["rollout_corr/rollout_is_mean"] - 1.0) < 1e-4
+        assert r["rollout_corr/rollout_rs_masked_fraction"] == 0.0
+        assert r["faults/train/deadzone.flushed"] > 0.01  # the fault is there, in training too
+    for out in calls:  # the real weights: ~1 on every response token
+        assert np.all(np.abs(out.is_weights[out.loss_mask > 0] - 1.0) < 1e-3)
+    step1, step2, step3 = rows[1:4]
+    assert step1["actor/pg_loss"] != 0.0  # negative control: the real correction
+    assert step2["actor/pg_loss"] == 0.0 and step2["actor/kl_loss"] != 0.0  # weights read
+    assert step3["actor/pg_loss"] == 0.0 and step3["actor/kl_loss"] == 0.0  # mask read
+    assert step3["actor/entropy"] == 0.0

@@ -349,6 +349,23 @@ def test_write_report(study):
     assert json.dumps(again, sort_keys=True) == json.dumps(stored["summary"], sort_keys=True)
 
 
+def test_mismatch_curves_and_telemetry_when_logged(study):
+    """The sampler-trainer mismatch (rollout_corr/*) gets its plot panels and telemetry
+    columns only when runs logged it (older results.json files have none)."""
+    results, workdir = study
+    arms = ["clean", "targeted"]
+    assert report.curve_keys(results, arms) == report.CURVE_KEYS  # negative control
+    run = results["runs"]["targeted"]["0"]
+    run["curve"]["rollout_corr/kl"] = [None, 0.47, 0.45]
+    run["telemetry"]["mismatch_kl"] = 0.46
+    assert report.curve_keys(results, arms) == (*report.CURVE_KEYS, "rollout_corr/kl")
+    with open(report.write_report(results, workdir)) as f:
+        text = f.read()
+    header = [line for line in text.splitlines() if "| flushed | rescued |" in line]
+    assert header and header[0].rstrip().endswith("| mismatch_kl |")
+    assert any(line.startswith("| targeted |") and "0.4600" in line for line in text.splitlines())
+
+
 def test_write_report_empty_and_significant(tmp_path):
     # No runs at all: a report with notes, no crash.
     empty = {"name": "compare", "variant": "default", "arms": ["clean"], "seeds": [0], "runs": {}}

@@ -309,6 +309,12 @@ def test_grpo_wins_back_part_of_the_fault_on_the_faulty_device(tmp_path, sft_cac
     assert summary["val_acc_end"] >= summary["val_acc_start"] + LEARN_MARGIN, summary
     assert summary["recovered"] > 0
     assert summary["val_acc_clean_end"] >= summary["val_acc_clean_start"] - 0.03, summary
+    # Issue 29's scenario (b): the deadzone's per-call statistic makes the sampler and the
+    # trainer disagree (~0.5 nats per token measured); no correction is on, nothing rejected.
+    mismatch = summary["mismatch"]
+    assert mismatch["rollout_corr/kl"] > 1e-3, mismatch
+    assert mismatch["rollout_corr/rollout_rs_masked_fraction"] == 0.0
+    assert summary["rollout_correction"]["rollout_is"] == "none"
 
 
 LEARN_STEPS = 12

@@ -387,19 +387,21 @@ def _arm_colors(summary: Mapping[str, Any]):
     return plt, arms, {arm: cycle(i % 10) for i, arm in enumerate(arms)}
 
 
-def plot_curves(results: Mapping[str, Any], summary: Mapping[str, Any], path: str) -> str:
-    """Validation accuracies and the reward vs step: per arm the mean over seeds, ±1 std band."""
-    plt, arms, colors = _arm_colors(summary)
+def curve_keys(results: Mapping[str, Any], arms: Sequence[str]) -> tuple[str, ...]:
+    """The curves to plot: CURVE_KEYS, then each of MISMATCH_KEYS some run logged."""
+    runs = [r for arm in arms for r in _arm_runs(results, arm).values()]
     logged = [
         k
         for k in MISMATCH_KEYS
-        if any(
-            any(v is not None for v in (r.get("curve") or {}).get(k) or [])
-            for arm in arms
-            for r in _arm_runs(results, arm).values()
-        )
+        if any(v is not None for r in runs for v in (r.get("curve") or {}).get(k) or [])
     ]
-    keys = (*CURVE_KEYS, *logged)
+    return (*CURVE_KEYS, *logged)
+
+
+def plot_curves(results: Mapping[str, Any], summary: Mapping[str, Any], path: str) -> str:
+    """Validation accuracies and the reward vs step: per arm the mean over seeds, ±1 std band."""
+    plt, arms, colors = _arm_colors(summary)
+    keys = curve_keys(results, arms)
     fig, axes = plt.subplots(1, len(keys), figsize=(5 * len(keys), 4.2))
     for ax, key in zip(axes, keys, strict=True):
         for arm in arms:
