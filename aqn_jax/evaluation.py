@@ -37,7 +37,7 @@ from aqn_jax.faults.hardware import hardware_plan
 from aqn_jax.faults.intercept import FaultPlan, Injection, Noise, Quantize, Scale, step_key
 from aqn_jax.faults.sites import LINEAR_KINDS, SiteSelector
 from aqn_jax.models.qwen2 import Qwen2Config, Qwen2ForCausalLM
-from aqn_jax.rewards import score_batch
+from aqn_jax.rewards import METHODS, score_batch
 from aqn_jax.rl.sampler import Sampler, SamplingParams
 from aqn_jax.rl.sft import sft_sequences
 
@@ -178,6 +178,7 @@ def robustness(
                 lambda plan=plan: Sampler(gen, sp, plan, buckets, phase="eval", mesh=mesh),
             )
         values = {EVAL_NOISE: np.float32(cond.level)} if cond.kind == "noise" else {}
+        texts: list[str] = []
         scores = eval_scores(
             samplers[key],
             params,
@@ -188,10 +189,16 @@ def robustness(
             fault_key=fault_key,
             values=values,
             key=jax.random.key(int(config.seed)),
+            texts=texts,
             method=config.data.reward_method,
         )
+        truths = [ex.ground_truth for ex in examples for _ in range(samples)]
         results[cond.name] = {
             "acc": float(np.mean(scores)),
+            # The same completions under every reading (strict, flexible, boxed).
+            "acc_by_reading": {
+                m: float(np.mean(score_batch(texts, truths, method=m))) for m in METHODS
+            },
             "n": len(scores),
             "samples": samples,
             "fault": cond.fault,

@@ -90,6 +90,12 @@ def test_matrix_agrees_with_validation_and_noise_zero_is_exact(sft_tiny):
         refs[name] = Sampler(model, greedy, plan, (128,), phase="eval")
         ref = eval_scores(refs[name], params, examples, tok, 8, 128, fault_key=key)
         assert conds[name]["acc"] == pytest.approx(float(np.mean(ref)), abs=0)
+        # Every reading of the same completions; the config's own (strict) is `acc`, and boxed
+        # reads '#### N' as strict does when there is no box (tests/test_rewards.py).
+        readings = conds[name]["acc_by_reading"]
+        assert set(readings) == {"strict", "flexible", "boxed"}
+        assert readings["strict"] == conds[name]["acc"] == readings["boxed"]
+        assert readings["flexible"] == pytest.approx(readings["strict"], abs=0.07)
 
     # Why level 0 may skip the noise program: the traced noise at level 0 adds nothing (the same
     # greedy tokens on the faulty device; log-probs within float32 rounding, since the noise
