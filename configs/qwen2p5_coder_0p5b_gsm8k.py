@@ -49,7 +49,15 @@ Settings and why:
   max) flushes >= 99.9% here (a massive activation, channel 62 at token 0, ~2,180 against a
   median below 1), so the faulty device earns nothing; the operating point below is the
   per-token form (0.01 of each token's own max), which keeps the massive token from setting
-  everyone's threshold. Measured tables: WORKSPACE.md (issue 30).
+  everyone's threshold. It is a choice by that argument, NOT yet calibrated: the severity
+  sweep that would calibrate it (`:severity`, and with `granularity=token`) was started and cut
+  for time on 2 shared cores (no point finished in 10 min after the clean loss).
+
+Measured (WORKSPACE.md, issue 30; 2 shared CPU cores): the import 88 s, 8.0 GB peak RSS, logits
+within 6.4e-5 of transformers; the residual stream's max ~2,180 (channel 62, token 0) from layer
+3 to 20 against a median of 0.2-1.0; clean answer loss 1.148 on the first 32 test problems;
+a GRPO step at 2 x 2 x 64 with the reference model passed 19.7 GiB of RSS (OOM-killed), which
+the planner's 'CPU process RSS' (20.5 GiB there) now bounds.
 """
 
 from aqn_jax.experiment import ARMS, apply_arm, base_config
