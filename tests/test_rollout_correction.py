@@ -325,3 +325,43 @@ def test_causal_scenario_corrects_nothing_and_the_update_reads_the_correction(
     assert step2["actor/pg_loss"] == 0.0 and step2["actor/kl_loss"] != 0.0  # weights read
     assert step3["actor/pg_loss"] == 0.0 and step3["actor/kl_loss"] == 0.0  # mask read
     assert step3["actor/entropy"] == 0.0
+
+
+@pytest.mark.parametrize(
+    "variant,phases,arms",
+    [
+        # (a): the deadzone, or MXFP4, on the rollout (and evaluation) device; a clean trainer
+        ("mismatch_study", {"deadzone": ("rollout", "eval")}, 7),
+        ("mismatch_study_mxfp4", {"quant": ("rollout", "eval")}, 7),
+        ("mismatch_study_call", {"deadzone": ("rollout", "train", "eval")}, 6),
+        ("mismatch_study_causal", {"deadzone": ("rollout", "train", "eval")}, 4),
+    ],
+)
+def test_mismatch_study_variants_place_each_fault_on_its_devices(variant, phases, arms, tmp_path):
+    """Each scenario's device plan, per arm: the fault on exactly the scenario's phases, AQN
+    (QeRL's RMSNorm-weight form) only on the rollout, the correction preset on config.algo; and
+    every arm's train config passes the compare job's checks (no compile)."""
+    from aqn_jax.faults.config import build_plan
+    from aqn_jax.jobs.compare import check_config, run_config
+
+    config = load_config("compare", variant)
+    assert len(config.compare.arms) == arms and config.compare.reference_arm == "uncorrected"
+    check_config(config, str(tmp_path))
+    for arm in config.compare.arms:
+        rc_ = run_config(config, arm, 0, str(tmp_path), None)
+        plan = build_plan(rc_, 8)
+        got = {inj.name: inj.phases for inj in plan.injections}
+        if arm == "clean":
+            assert got == {}
+            continue
+        aqn = got.pop("aqn", None)
+        assert got == phases, (arm, got)
+        assert (aqn == ("rollout",)) == arm.startswith("aqn_qerl"), (arm, aqn)
+        if arm.startswith("aqn_qerl"):
+            assert rc_.aqn.form == "norm_weight" and rc_.aqn.schedule == "qerl"
+        corr = correction_from(rc_.algo, rc_.rollout)
+        expected = {"tis": ("rollout_is",), "aqn_qerl_tis": ("rollout_is",)}.get(arm, ())
+        expected = {"trl_mask": ("rollout_is", "rollout_rs"), "geo_rs": ("rollout_rs",)}.get(
+            arm, expected
+        )
+        assert corr.active == expected, (arm, corr)
