@@ -10,9 +10,11 @@ critic modules, the fault plans and the optimizers. The job then jits, with expl
   update_step(static, state, batch, key, sigma)         -> (RLState, metrics)
 
 `prepare_step` computes the old and reference log-probs (and values), the token rewards and
-the advantages; `update_step` runs the PPO epochs over mini-batches (lax.scan) with gradient
-accumulation over micro-batches. `sigma` is AQN's traced noise level of this step (a new
-sigma does not recompile). A batch row is the left-padded prompt `[bucket]` followed by the
+the advantages; between the two the trainer applies the rollout correction
+(rl/rollout_correction.py: `is_weights` added to the batch, `rmask` without rejected tokens,
+`old_logp` = the sampler's in bypass mode); `update_step` runs the PPO epochs over
+mini-batches (lax.scan) with gradient accumulation over micro-batches. `sigma` is AQN's
+traced noise level of this step (a new sigma does not recompile). A batch row is the left-padded prompt `[bucket]` followed by the
 `max_new_tokens` response slots; the prompt length is read from the shapes, so each program
 compiles once per prompt bucket. Log-probs use logits / rollout temperature, as the sampler's
 do (verl).

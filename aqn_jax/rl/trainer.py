@@ -162,6 +162,7 @@ class Trainer:
             upd.update(values=prep["values"], returns=prep["returns"])
         # Rollout correction (rl/rollout_correction.py): the sampler's log-probs against the
         # trainer's; IS weights, the loss mask without rejected tokens, bypass's old policy.
+        t0 = time.perf_counter()
         old_logp = parallel.to_host(prep["old_logp"])
         corr = correct(old_logp, tb["sampler_logp"], tb["rmask"], self.static.h.correction)
         for key, value in (
@@ -171,6 +172,7 @@ class Trainer:
         ):
             if value is not None:
                 upd[key] = parallel.put_batch(value, self.mesh)
+        t_corr = time.perf_counter() - t0
         t0 = time.perf_counter()
         state, mets = self.update(state, upd, train_key, sig)
         mets = {k: float(parallel.to_host(v)) for k, v in mets.items()}
@@ -201,6 +203,7 @@ class Trainer:
             "timing_s/gen": t_gen,
             "timing_s/old_log_prob": t_prep,
             "timing_s/update": t_upd,
+            "timing_s/rollout_corr": t_corr,
             "timing_s/step": time.perf_counter() - t_step,
             "data/epoch": float(batch["epoch"]),
         }
