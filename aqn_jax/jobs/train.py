@@ -20,7 +20,6 @@ from aqn_jax import parallel
 from aqn_jax.checkpoint import (
     Checkpointer,
     Preemption,
-    check_final,
     check_resume_config,
     check_sane,
     record_override,
@@ -45,7 +44,6 @@ def run(config, workdir: str) -> None:
     # Check the config (every field, no compile) and record it
     # ---------------------------------------------------------------------------------------
     checked = check_train(config, workdir)
-    check_final(config.checkpoint.get("final", "state"))
     model_cfg, tokenizer, hw_plan, memory = checked
     print(memory.table())
     n_layers = model_cfg.num_hidden_layers

@@ -11,6 +11,7 @@ import jax
 import numpy as np
 
 from aqn_jax import parallel, planner
+from aqn_jax.checkpoint import check_final
 from aqn_jax.data.config import check_data, load_split
 from aqn_jax.data.gsm8k import tokenize_prompts
 from aqn_jax.diagnosis.srdd import check_config as check_diagnosis
@@ -135,6 +136,7 @@ def check_trainer(config) -> None:
         raise ValueError(f"config.checkpoint.every={ck.every}; must be >= 0 (0 = only at the end)")
     if ck.keep < 1:
         raise ValueError(f"config.checkpoint.keep={ck.keep}; must be >= 1")
+    check_final(ck.get("final", "state"))
 
 
 class Checked(tuple):

@@ -9,15 +9,15 @@ critic modules, the fault plans and the optimizers. The job then jits, with expl
                                                         -> (per-row arrays, fault statistics)
   update_step(static, state, batch, key, sigma)         -> (RLState, metrics)
 
-`prepare_step` computes the old and reference log-probs (and values), the token rewards and
-the advantages; between the two the trainer applies the rollout correction
+`prepare_step` computes the old and reference log-probs (and values), the token rewards and the
+advantages; between the two the trainer applies the rollout correction
 (rl/rollout_correction.py: `is_weights` added to the batch, `rmask` without rejected tokens,
-`old_logp` = the sampler's in bypass mode); `update_step` runs the PPO epochs over
-mini-batches (lax.scan) with gradient accumulation over micro-batches. `sigma` is AQN's
-traced noise level of this step (a new sigma does not recompile). A batch row is the left-padded prompt `[bucket]` followed by the
-`max_new_tokens` response slots; the prompt length is read from the shapes, so each program
-compiles once per prompt bucket. Log-probs use logits / rollout temperature, as the sampler's
-do (verl).
+`old_logp` = the sampler's in bypass mode); `update_step` runs the PPO epochs over mini-batches
+(lax.scan) with gradient accumulation over micro-batches. `sigma` is AQN's traced noise level of
+this step (a new sigma does not recompile). A batch row is the left-padded prompt `[bucket]`
+followed by the `max_new_tokens` response slots; the prompt length is read from the shapes, so
+each program compiles once per prompt bucket. Log-probs use logits / rollout temperature, as the
+sampler's do (verl).
 
 Fault randomness: each forward pass draws its own fault noise (a noisy device never repeats its
 error), keyed by the step's 'train' key folded with the pass index; the deterministic faults
