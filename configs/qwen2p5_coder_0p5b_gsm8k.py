@@ -84,7 +84,7 @@ def get_config(arg: str | None = None):
     config.model.preset = "qwen2p5_0p5b"  # the architecture; hf_path's config.json is used
     config.model.hf_path = ""  # required: the snapshot `python -m aqn_jax.models.gguf` wrote
     config.model.param_dtype = "float32"  # master weights and optimizer state
-    config.model.dtype = "float32"  # activations and matmuls (bf16 is no faster on XLA:CPU)
+    config.model.dtype = "float32"  # activations and matmuls (bf16 on CPU: not yet measured)
     config.model.remat = True  # the update's activations: one layer at a time
     config.tokenizer_path = ""  # the snapshot's tokenizer and ChatML template
 
