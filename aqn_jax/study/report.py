@@ -565,7 +565,13 @@ def _markdown(results: Mapping[str, Any], s: Mapping[str, Any]) -> str:
         + [_pm(s["telemetry"][arm][k], 4) if k in s["telemetry"][arm] else "n/a" for k in keys]
         for arm in arms
     ]
-    lines += ["Mean deadzone fractions per run (0 without a fault), mean ± std over seeds.", ""]
+    lines += [
+        "Per run, means over its RL steps: the deadzone's flushed and rescued fractions (0"
+        " without a fault) and, where logged, the sampler-trainer mismatch (`mismatch_kl`,"
+        " `mismatch_k3_kl`: rollout_corr/kl, k3_kl; `is_ess`: the IS effective sample size;"
+        " `rs_masked`: the rejected fraction); mean ± std over seeds.",
+        "",
+    ]
     lines += _table(["arm", *keys], rows)
     lines += ["", "## Timing", ""]
     rows = [
