@@ -16,6 +16,14 @@ global; report.md with plots and results.json.
       trainer's; arms uncorrected / tis / trl_mask / geo_rs / aqn_qerl / aqn_qerl_tis (+ clean);
       scenario (a) the deadzone, or MXFP4, on the rollout device only, (b) the deadzone on
       every phase with its per-call statistic, (c) the causal statistic: the negative control)
+      Measured (WORKSPACE.md issue 29; 12 RL steps, 5 seeds, evaluation on 128 problems):
+      mismatch_study (a): faulty-device accuracy clean-rollout RL 0.503, uncorrected 0.539,
+      tis 0.506, trl_mask 0.492, geo_rs 0.494 (rejects 98.9% of tokens), aqn_qerl 0.530,
+      aqn_qerl_tis 0.506; the mismatch (0.21 nats per token) costs nothing, the corrections
+      cost up to 0.047 of RL's gain, AQN adds nothing beyond TIS (MDD 0.042). 69 min for
+      7 x 5 runs on 2 cores shared with other runs (not timed on a quiet machine).
+      mismatch_study_causal (c): every arm
+      identical per seed (kl < 5e-8): the corrections do nothing, as they must.
   python -m aqn_jax.launch --config=configs/compare.py:smoke           # 2 arms x 2 seeds, tiny
   python -m aqn_jax.launch --config=configs/compare.py:layer_late,smoke
 
