@@ -2,6 +2,7 @@
 an arm (which rollout correction, with or without AQN), on the embedded model.
 
   python -m aqn_jax.launch --config=configs/mismatch.py:<scenario>,<arm>[,smoke]
+  (no argument: both_call,tis)
 
 Scenarios (aqn_jax/experiment.py `apply_scenario`):
   lowprec_rollout  (a) MXFP4 on every linear input of the rollout (and evaluation) device, a
@@ -23,11 +24,13 @@ whether a correction is on or not. The study over arms and seeds: configs/compar
 
 from aqn_jax.experiment import ARMS, SCENARIOS, apply_arm, apply_scenario, base_config
 
+DEFAULT = ("both_call", "tis")  # with no argument (or just ',smoke'): the seed's setting, TIS
+
 
 def get_config(arg=None):
     parts = [p for p in (arg or "").split(",") if p]
     smoke = "smoke" in parts
-    names = [p for p in parts if p != "smoke"]
+    names = [p for p in parts if p != "smoke"] or list(DEFAULT)
     if len(names) != 2 or names[0] not in SCENARIOS or names[1] not in ARMS:
         raise ValueError(
             f"--config=configs/mismatch.py:{arg}; expected <scenario>,<arm>[,smoke] with a"
