@@ -160,8 +160,7 @@ def test_identical_log_probs_correct_nothing_bit_for_bit():
     for name, preset in PRESETS.items():
         if name == "bypass":
             continue
-        fields = {**preset}
-        out = correct(logp, logp, mask, RolloutCorrection(**fields))
+        out = correct(logp, logp, mask, RolloutCorrection(**preset))
         if out.is_weights is not None:
             np.testing.assert_array_equal(out.is_weights, mask.astype(np.float32))
         if out.loss_mask is not None:

@@ -58,17 +58,13 @@ from aqn_jax.jobs import run_job
 from aqn_jax.metrics import read_metrics
 from aqn_jax.models.factory import logical_axes, model_config
 from aqn_jax.rl.checks import check_train
+from aqn_jax.study import report as study_report
 from aqn_jax.study.config import check_compare
 from aqn_jax.study.report import write_report
 from aqn_jax.warm_start import sft_seed, tokenizer_for, warm_start
 
-CURVE_KEYS = (
-    "val-core/acc",
-    "val-clean/acc",
-    "critic/score/mean",
-    "rollout_corr/kl",
-    "rollout_corr/rollout_is_eff_sample_size",
-)
+# The curves results.json keeps per run: those the study report plots.
+CURVE_KEYS = (*study_report.CURVE_KEYS, *study_report.MISMATCH_KEYS)
 # Means over a run's RL steps, in its results.json telemetry (the sampler-trainer mismatch).
 MISMATCH_TELEMETRY = {
     "mismatch_kl": "rollout_corr/kl",
