@@ -6,12 +6,13 @@ verdict, top-1 hit rate and confidence, and the metric that misled it where it i
       [--thresholds 0.01,0.1] [--noise-layer 15] [--prompts 4] [--record]
   # Qwen2.5-Coder-0.5B on GSM8K prompts (configs/qwen2p5_coder_0p5b_gsm8k.py's diagnosis):
   python bench/srdd_real.py --hf-path=/tmp/qwen05 --config=qwen2p5_coder_0p5b_gsm8k \
-      --gsm8k=../shared/datasets/gsm8k --layers 3,5,9,15,18,20
+      --gsm8k=../shared/datasets/gsm8k --layers 3,5,9,15,18,20 [--granularity token]
 
 The calibration prompts are the embedded task's train prompts in the model's chat format
 (`configs/smollm2_135m.py`), SRDD's settings are that config's `diagnosis` section. Placements:
 the seed's deadzone (`|h| < t * max|h|`, tensor-wide, on the residual stream after the layer) at
-each layer x threshold (one compiled scan: the threshold is a traced per-layer vector), 5%
+each layer x threshold (one compiled scan: the threshold is a traced per-layer vector;
+`--granularity token|block` takes each token's or 32-lane block's own max instead), 5%
 relative Gaussian noise on one layer's linear outputs, and the clean device. A placement is a
 hit when the verdict names exactly the faulty layer (and the clean device's is "no fault
 found"). Prints `BENCH srdd_real_<kind> ratio=<hit rate>` (ratio = hit rate: there is no
@@ -92,6 +93,7 @@ def main() -> None:
     ap.add_argument("--noise-layer", type=int, default=15)
     ap.add_argument("--noise-scale", type=float, default=0.05)
     ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--granularity", default="tensor", choices=("tensor", "token", "block"))
     ap.add_argument("--record", action="store_true")
     args = ap.parse_args()
     print(cpu_description(), check_load())
@@ -112,7 +114,7 @@ def main() -> None:
 
     # The seed's deadzone at every placement through one compiled scan: Deadzone(0.5) scaled by
     # a traced per-layer vector (0 = off; an amax threshold of 0 flushes nothing).
-    plan = swept_deadzone_plan("dz")
+    plan = swept_deadzone_plan("dz", granularity=args.granularity)
     scan = make_scan(model, plan, srdd.settings_from(diag))
     rows, hits, conf = [], {}, {}
     t0 = time.perf_counter()
@@ -128,7 +130,8 @@ def main() -> None:
             hits[thr] += ok
             conf[thr].append(v["confidence"] if ok else 0.0)
             rows.append(
-                f"| deadzone {thr:g} x max | {layer} | {v['message']} | {v['confidence']:.3f} |"
+                f"| deadzone {thr:g} x {args.granularity} max | {layer} | {v['message']} |"
+                f" {v['confidence']:.3f} |"
                 f" {scans['dead'][layer]:.3f} | {scans['gain'][layer]:.3f} |"
                 f" {'' if ok else _misled(v, layer)} |"
             )
@@ -176,7 +179,7 @@ def main() -> None:
         *rows,
     ]
     if args.record:
-        where = f"SmolLM2-135M-Instruct ({args.hf_path}), SRDD settings of configs/smollm2_135m.py"
+        where = f"{qcfg.model_type} ({args.hf_path}), SRDD settings of configs/{args.config}.py"
         calib = f"{ids.shape[0]} calibration prompts ({int(mask.sum())} tokens)"
         timing = f"{len(thresholds) * len(layers)} deadzone diagnoses in {sweep_s:.0f}s"
         bench_lines = [f"`{s}`" for s in summary]

@@ -229,6 +229,35 @@ def test_localises_deadzone_at_every_layer(calibrated):
     assert hits / len(rows) >= 0.9, rows
 
 
+def test_swept_deadzone_takes_the_granularity(calibrated):
+    """bench/srdd_real.py --granularity token: the swept plan at one placement is the static
+    per-token deadzone exactly, and (negative control) not the tensor-wide one."""
+    model, params, ids, mask = calibrated
+    keys = (step_key(0, 0, "eval"), jax.random.key(1))
+    scan = make_scan(
+        model,
+        swept_deadzone_plan("dz", granularity="token"),
+        srdd.settings_from(srdd.diagnosis_config()),
+    )
+    vec = np.zeros(8, np.float32)
+    vec[3] = 0.1 / 0.5
+    swept = {
+        m: np.asarray(v, np.float64) for m, v in scan(params, ids, mask, *keys, {"dz": vec}).items()
+    }
+
+    def static(granularity):
+        c = fault_config("deadzone", "3", 0.1)
+        c.faults.deadzone.granularity = granularity
+        return scan_layers(
+            model, params, ids, mask, plan=build_plan(c, 8), fault_key=keys[0], probe_key=keys[1]
+        )
+
+    token, tensor = static("token"), static("tensor")
+    for m in token:
+        np.testing.assert_allclose(swept[m], token[m], rtol=1e-6, atol=1e-9)
+    assert abs(swept["dead"][3] - tensor["dead"][3]) > 0.05, (swept["dead"][3], tensor["dead"][3])
+
+
 def test_no_fault_found_on_a_clean_device(calibrated):
     model, params, ids, mask = calibrated
     report = srdd.diagnose(

@@ -207,11 +207,14 @@ def make_scan(
     return scan
 
 
-def swept_deadzone_plan(value: str, threshold: float = 0.5) -> FaultPlan:
+def swept_deadzone_plan(
+    value: str, threshold: float = 0.5, granularity: str = "tensor"
+) -> FaultPlan:
     """A deadzone at the output of every layer with its threshold multiplied by the traced
     per-layer vector `values[value]` (0 = a healthy layer): one compiled scan serves every
-    fault placement and severity of a sweep (each is the single-layer fault exactly)."""
-    deadzone = Deadzone(threshold, threshold_value=value)
+    fault placement and severity of a sweep (each is the single-layer fault exactly). Its
+    amax is taken over `granularity`: tensor (the seed's) | token | block (32 lanes)."""
+    deadzone = Deadzone(threshold, threshold_value=value, granularity=granularity)
     return FaultPlan([Injection("deadzone", SiteSelector(("layer",), "all", "output"), deadzone)])
 
 
