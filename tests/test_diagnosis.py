@@ -258,6 +258,23 @@ def test_swept_deadzone_takes_the_granularity(calibrated):
     assert abs(swept["dead"][3] - tensor["dead"][3]) > 0.05, (swept["dead"][3], tensor["dead"][3])
 
 
+def test_scan_of_a_remat_config(calibrated):
+    """A training config (remat=True, as configs/qwen2p5_coder_0p5b_gsm8k.py) is probed as the
+    same model without remat: the probe's results used to leak out of the remat trace
+    (UnexpectedTracerError); the metrics equal the remat=False scan's."""
+    import dataclasses
+
+    model, params, ids, mask = calibrated
+    remat = Qwen2ForCausalLM(dataclasses.replace(model.config, remat=True))
+    plan = build_plan(fault_config("deadzone", "3", 0.1), 8)
+    keys = {"fault_key": step_key(0, 0, "eval"), "probe_key": jax.random.key(1)}
+    a = scan_layers(remat, params, ids, mask, plan=plan, **keys)
+    b = scan_layers(model, params, ids, mask, plan=plan, **keys)
+    for m in b:
+        np.testing.assert_array_equal(a[m], b[m])
+    assert b["dead"][3] > 0.3 and np.count_nonzero(b["dead"]) == 1, b["dead"]
+
+
 def test_no_fault_found_on_a_clean_device(calibrated):
     model, params, ids, mask = calibrated
     report = srdd.diagnose(

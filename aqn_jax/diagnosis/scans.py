@@ -194,6 +194,10 @@ def make_scan(
     forward with every layer's probes (see the module docstring)."""
     plan = plan or FaultPlan()
     num_layers = model.config.num_hidden_layers
+    # Forward only: the probe's per-layer results would leak out of a remat (jax.checkpoint)
+    # trace, and remat changes no forward value, so a training config (remat=True) probes
+    # the same model without it.
+    model = type(model)(dataclasses.replace(model.config, remat=False))
 
     @jax.jit
     def scan(params, ids, mask, fault_key, probe_key, values):
