@@ -244,11 +244,10 @@ def gsm8k_greedy(args, cfg, model, weights, hf, tok, load: str) -> None:
             "| side | s | generated tokens | tok/s | " + " | ".join(METHODS) + " |",
             "|---|---|---|---|" + "---|" * len(METHODS),
         ]
-        for side, s, n in (("ours", ours_s, n_ours), ("transformers", torch_s, n_torch)):
-            a = acc["ours" if side == "ours" else "torch"]
+        for side, s, n in (("ours", ours_s, n_ours), ("torch", torch_s, n_torch)):
             table.append(
                 f"| {side} | {s:.1f} | {n} | {n / s:.1f} | "
-                + " | ".join(f"{a[m]:.3f}" for m in METHODS)
+                + " | ".join(f"{acc[side][m]:.3f}" for m in METHODS)
                 + " |"
             )
         intro = (

@@ -2,6 +2,7 @@
 per-layer loop, localisation of deadzone and noise faults on the warm-started tiny model, the
 diagnose job's outputs and the AQN fragment round trip."""
 
+import dataclasses
 import json
 
 import jax
@@ -262,8 +263,6 @@ def test_scan_of_a_remat_config(calibrated):
     """A training config (remat=True, as configs/qwen2p5_coder_0p5b_gsm8k.py) is probed as the
     same model without remat: the probe's results used to leak out of the remat trace
     (UnexpectedTracerError); the metrics equal the remat=False scan's."""
-    import dataclasses
-
     model, params, ids, mask = calibrated
     remat = Qwen2ForCausalLM(dataclasses.replace(model.config, remat=True))
     plan = build_plan(fault_config("deadzone", "3", 0.1), 8)
