@@ -1,6 +1,7 @@
 """Fault operators: deadzone, noise kinds, noisy linear, against hand-computed numbers."""
 
 import functools
+from unittest import mock
 
 import chex
 import jax
@@ -288,6 +289,34 @@ class NoiseTest(chex.TestCase):
             )
             # Without stop_gradient, relative noise would give 1 + randn * sign(x) * 0.5.
             np.testing.assert_array_equal(fn(self.x, 0.5, self.key), np.ones((2, 3)))
+
+    def test_draw_waits_for_its_input(self):
+        # A key that depends on no data let XLA:CPU draw every site's counters at the program's
+        # start and hold them all (the 0.5B noise sampler asked for 40 GB). The compiled temp
+        # buffer of a chain of noisy layers must not grow with its length.
+        def temp(n):
+            def f(x, w, key):
+                for i in range(n):
+                    x = jnp.tanh(x @ w)
+                    k = jax.random.fold_in(key, i)
+                    x = x + ops.noise_error("relative_gaussian", x, 0.05, k)
+                return x
+
+            x = jnp.ones((256, 256), jnp.float32)
+            compiled = jax.jit(f).lower(x, x, self.key).compile()
+            return compiled.memory_analysis().temp_size_in_bytes
+
+        self.assertLess(temp(8), 1.1 * temp(2))
+        with mock.patch.object(ops, "_after", lambda key, x: key):  # the negative control
+            self.assertGreater(temp(8), 2.5 * temp(2))
+
+    def test_nan_input_keeps_a_deterministic_draw(self):
+        # The data dependence is a select on x's first element: the same key unless it is NaN.
+        x = self.x.at[0, 0].set(jnp.nan)
+        e1 = ops.noise_error("relative_gaussian", x, 0.05, self.key)
+        e2 = jax.jit(lambda x: ops.noise_error("relative_gaussian", x, 0.05, self.key))(x)
+        np.testing.assert_allclose(e1, e2, rtol=1e-6)
+        self.assertTrue(np.isnan(e1[0, 0]) and np.isfinite(e1[1:]).all())
 
     def test_new_scale_does_not_retrace(self):
         traces = []
