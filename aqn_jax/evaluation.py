@@ -31,14 +31,16 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from aqn_jax.data.gsm8k import Example, left_pad
+from aqn_jax.data.gsm8k import Example
 from aqn_jax.data.tokenizers import Tokenizer
-from aqn_jax.faults.hardware import hardware_plan
-from aqn_jax.faults.intercept import FaultPlan, Injection, Noise, Quantize, Scale, step_key
+from aqn_jax.faults.config import fault_plan
+from aqn_jax.faults.intercept import FaultPlan, Injection, step_key
 from aqn_jax.faults.sites import LINEAR_KINDS, SiteSelector
+from aqn_jax.faults.transforms import Noise, Quantize, Scale
 from aqn_jax.models.qwen2 import Qwen2Config, Qwen2ForCausalLM
 from aqn_jax.rewards import METHODS, score_batch
 from aqn_jax.rl.sampler import Sampler, SamplingParams
+from aqn_jax.rl.scoring import eval_scores
 from aqn_jax.rl.sft import sft_sequences
 
 EVAL_NOISE = "eval_noise"  # the traced relative-noise level of the noise conditions
@@ -150,7 +152,7 @@ def robustness(
     check_evaluate(ev)
     t0 = time.perf_counter()
     n_layers = model_cfg.num_hidden_layers
-    hw = hardware_plan(config, n_layers)
+    hw = fault_plan(config.faults, n_layers)
     gen = Qwen2ForCausalLM(dataclasses.replace(model_cfg, remat=False))
     if jnp.dtype(model_cfg.dtype) != jnp.dtype(model_cfg.param_dtype):
         params = jax.tree_util.tree_map(lambda x: x.astype(model_cfg.dtype), params)
@@ -223,54 +225,6 @@ def robustness(
         }
     out["wall_time_s"] = time.perf_counter() - t0
     return out
-
-
-def eval_scores(
-    sampler: Sampler,
-    params,
-    examples: Sequence[Example],
-    tokenizer: Tokenizer,
-    batch_size: int,
-    max_prompt_len: int,
-    fault_key=None,
-    values=None,
-    key=None,
-    texts: list[str] | None = None,
-    method: str = "strict",
-) -> np.ndarray:
-    """verl scores (`method`: strict `####` | flexible) of `sampler`'s completions for every
-    example, in order (the last batch padded with repeats of its first prompt, which are
-    dropped); with `sampler.sampling.n > 1` each example's score is the mean over its n samples
-    (mean@n).
-    `texts`, when given, receives the decoded completions (n per example, in order)."""
-    n = sampler.sampling.n
-    scores = []
-    for start in range(0, len(examples), batch_size):
-        chunk = list(examples[start : start + batch_size])
-        real = len(chunk)
-        chunk += [chunk[0]] * (batch_size - real)
-        ids = [tokenizer.encode_chat(ex.prompt_messages) for ex in chunk]
-        width = max(len(i) for i in ids)
-        if width > max_prompt_len:
-            raise ValueError(
-                f"a validation prompt has {width} tokens > config.rollout.max_prompt_len="
-                f"{max_prompt_len}"
-            )
-        arr, mask = left_pad(ids, tokenizer.pad_id, width)
-        k = jax.random.key(0) if key is None else jax.random.fold_in(key, start)
-        out = sampler(
-            params, arr, mask, k, fault_key=k if fault_key is None else fault_key, values=values
-        )
-        texts_of_batch = [
-            tokenizer.decode(t[m > 0]) for t, m in zip(out.tokens, out.response_mask, strict=True)
-        ]
-        truths = [ex.ground_truth for ex in chunk[:real] for _ in range(n)]
-        decoded = texts_of_batch[: real * n]
-        s = score_batch(decoded, truths, method=method).reshape(real, n).mean(axis=1)
-        scores.extend(s.tolist())
-        if texts is not None:
-            texts.extend(decoded)
-    return np.asarray(scores, np.float32)
 
 
 def greedy_sampling(config, tokenizer: Tokenizer) -> SamplingParams:

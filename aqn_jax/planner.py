@@ -91,8 +91,9 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from aqn_jax import parallel
-from aqn_jax.faults.hardware import hardware_plan
+from aqn_jax.faults.config import fault_plan
 from aqn_jax.models.qwen2 import Qwen2Config, Qwen2ForCausalLM, init_cache
+from aqn_jax.rl.advantages import ESTIMATORS
 from aqn_jax.rl.optim import optimizer_of
 
 GIB = 2**30
@@ -362,7 +363,8 @@ def _job(config: Any, model_cfg: Qwen2Config) -> _Job:
         config.actor, "warmup_steps", "config.actor", total_steps, params, specs
     )
     critic: tuple[_Group, ...] = ()
-    if config.algo.estimator == "gae":
+    estimator = ESTIMATORS.get(config.algo.estimator)  # validated by rl.step.hyper_from
+    if estimator is not None and estimator.critic:
         cparams, cspecs = _abstract_model(shapes_cfg, "value")
         critic = _groups(cparams, cspecs) + _state_groups(
             config.critic, "lr_warmup_steps", "config.critic", total_steps, cparams, cspecs
@@ -379,7 +381,7 @@ def _job(config: Any, model_cfg: Qwen2Config) -> _Job:
     buckets = reachable_buckets(ro)
     lengths = tuple(b + max_new for b in buckets)
     # The clean validation sampler, and a second one when the faults act in phase 'eval'.
-    val_samplers = 2 if hardware_plan(config, model_cfg.num_hidden_layers).active("eval") else 1
+    val_samplers = 2 if fault_plan(config.faults, model_cfg.num_hidden_layers).active("eval") else 1
     return _Job(
         model=model_cfg,
         params=param_groups,

@@ -39,7 +39,8 @@ import numpy as np
 from common import check_load, random_params, record
 
 from aqn_jax.aqn.config import AQN_SIGMA, aqn_config
-from aqn_jax.faults.config import build_plan, faults_config
+from aqn_jax.aqn.plan import build_plan
+from aqn_jax.faults.config import faults_config
 from aqn_jax.faults.intercept import step_key
 from aqn_jax.models.qwen2 import PRESETS, Qwen2Config, Qwen2ForCausalLM
 

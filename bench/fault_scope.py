@@ -22,8 +22,9 @@ from aqn_jax.data.config import load_split
 from aqn_jax.diagnosis.srdd import calibration_batch
 from aqn_jax.experiment import arm_config
 from aqn_jax.faults import ops
-from aqn_jax.faults.intercept import Deadzone, FaultPlan, Injection
+from aqn_jax.faults.intercept import FaultPlan, Injection
 from aqn_jax.faults.sites import SiteSelector
+from aqn_jax.faults.transforms import Deadzone
 from aqn_jax.models.qwen2 import Qwen2ForCausalLM
 from aqn_jax.rl.sampler import Sampler, SamplingParams
 from aqn_jax.warm_start import tokenizer_for, warm_start

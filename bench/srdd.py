@@ -82,6 +82,7 @@ import numpy as np
 from common import check_load, random_params, record, time_calls
 
 from aqn_jax.aqn.config import aqn_config
+from aqn_jax.aqn.plan import build_plan
 from aqn_jax.diagnosis import analysis, srdd
 from aqn_jax.diagnosis.scans import (
     METRICS,
@@ -91,7 +92,7 @@ from aqn_jax.diagnosis.scans import (
     layer_metrics,
     make_scan,
 )
-from aqn_jax.faults.config import build_plan, faults_config
+from aqn_jax.faults.config import faults_config
 from aqn_jax.faults.fields import parse_layers
 from aqn_jax.faults.intercept import FaultPlan, step_key
 from aqn_jax.models.qwen2 import PRESETS, Qwen2Config, Qwen2ForCausalLM

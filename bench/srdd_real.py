@@ -36,7 +36,7 @@ from common import check_load, cpu_description, record  # noqa: E402
 from aqn_jax.data.config import load_split  # noqa: E402
 from aqn_jax.diagnosis import analysis, srdd  # noqa: E402
 from aqn_jax.diagnosis.scans import make_scan, swept_deadzone_plan  # noqa: E402
-from aqn_jax.faults.hardware import hardware_plan  # noqa: E402
+from aqn_jax.faults.config import fault_plan  # noqa: E402
 from aqn_jax.faults.intercept import step_key  # noqa: E402
 from aqn_jax.models.factory import load_model  # noqa: E402
 from aqn_jax.models.qwen2 import Qwen2ForCausalLM  # noqa: E402
@@ -142,7 +142,7 @@ def main() -> None:
     config.faults.noise.enabled = True
     config.faults.noise.scale = args.noise_scale
     config.faults.noise.layers = str(args.noise_layer)
-    r = srdd.diagnose(model, params, hardware_plan(config, n), ids, mask, diag, 0.05)
+    r = srdd.diagnose(model, params, fault_plan(config.faults, n), ids, mask, diag, 0.05)
     noise_ok = r["verdict"]["layers"] == [args.noise_layer]
     lay = r["layers"][args.noise_layer]
     v_noise = {"suspects": r["suspects"], "z": _z_of(r)}
@@ -153,7 +153,7 @@ def main() -> None:
     )
     print(rows[-1], flush=True)
     config.faults.noise.enabled = False
-    clean = srdd.diagnose(model, params, hardware_plan(config, n), ids, mask, diag, 0.05)
+    clean = srdd.diagnose(model, params, fault_plan(config.faults, n), ids, mask, diag, 0.05)
     clean_ok = not clean["verdict"]["layers"]
     v_clean = {"suspects": clean["suspects"], "z": _z_of(clean)}
     rows.append(

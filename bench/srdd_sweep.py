@@ -26,11 +26,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import check_load, cpu_description, record  # noqa: E402
 
 from aqn_jax.aqn.config import aqn_config  # noqa: E402
+from aqn_jax.aqn.plan import build_plan  # noqa: E402
 from aqn_jax.data.arithmetic import ArithmeticTask  # noqa: E402
 from aqn_jax.data.tokenizers import CharTokenizer  # noqa: E402
 from aqn_jax.diagnosis import analysis, srdd  # noqa: E402
 from aqn_jax.diagnosis.scans import make_scan, swept_deadzone_plan  # noqa: E402
-from aqn_jax.faults.config import build_plan, faults_config  # noqa: E402
+from aqn_jax.faults.config import faults_config  # noqa: E402
 from aqn_jax.faults.intercept import step_key  # noqa: E402
 from aqn_jax.models.factory import init_params  # noqa: E402
 from aqn_jax.models.qwen2 import Qwen2Config, Qwen2ForCausalLM  # noqa: E402

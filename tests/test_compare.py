@@ -177,8 +177,8 @@ def test_aqn_form_and_noise_study_variants(tmp_path):
     """Each new variant's runs get the fault and AQN the variant names (validated, planned, no
     compile); their smoke runs are recorded in WORKSPACE.md (issue 14)."""
     from aqn_jax.aqn import sigma_at
-    from aqn_jax.faults.config import build_plan
-    from aqn_jax.faults.intercept import Noise, NormWeightNoise
+    from aqn_jax.aqn.plan import build_plan
+    from aqn_jax.faults.transforms import Noise, NormWeightNoise
     from aqn_jax.jobs.compare import check_config, run_config
     from aqn_jax.study.report import summarize
 

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from aqn_jax.aqn.config import aqn_config
+from aqn_jax.aqn.plan import build_plan, needs_srdd
 from aqn_jax.diagnosis import analysis, srdd
 from aqn_jax.diagnosis.scans import (
     ScanSettings,
@@ -19,7 +20,7 @@ from aqn_jax.diagnosis.scans import (
     scan_layers_naive,
     swept_deadzone_plan,
 )
-from aqn_jax.faults.config import build_plan, faults_config, needs_srdd
+from aqn_jax.faults.config import faults_config
 from aqn_jax.faults.intercept import step_key
 from aqn_jax.models.factory import init_params
 from aqn_jax.models.qwen2 import Qwen2Config, Qwen2ForCausalLM

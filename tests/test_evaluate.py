@@ -14,15 +14,15 @@ from aqn_jax.evaluation import (
     check_evaluate,
     condition_plan,
     conditions,
-    eval_scores,
     heldout_loss,
     robustness,
 )
-from aqn_jax.faults.hardware import hardware_plan
+from aqn_jax.faults.config import fault_plan
 from aqn_jax.faults.intercept import FaultPlan, step_key
 from aqn_jax.faults.sites import LINEAR_KINDS
 from aqn_jax.models.qwen2 import Qwen2ForCausalLM
 from aqn_jax.rl.sampler import Sampler, SamplingParams
+from aqn_jax.rl.scoring import eval_scores
 from aqn_jax.rl.sft import sft_loss, sft_sequences
 
 from conftest import launch_cli, load_config
@@ -53,7 +53,7 @@ def test_condition_names_and_plans():
         "fault+noise10%",
         "fault+mxfp4",
     ]
-    hw = hardware_plan(config, 8)
+    hw = fault_plan(config.faults, 8)
     assert [i.name for i in hw.injections] == ["deadzone"]  # AQN never enters evaluation
     on = condition_plan(hw, True, "mxfp4")
     off = condition_plan(hw, False, "noise")
@@ -84,7 +84,7 @@ def test_matrix_agrees_with_validation_and_noise_zero_is_exact(sft_tiny):
     )
     model = Qwen2ForCausalLM(cfg)
     key = step_key(0, 0, "eval")
-    hw = hardware_plan(config, cfg.num_hidden_layers)
+    hw = fault_plan(config.faults, cfg.num_hidden_layers)
     refs = {}
     for name, plan in (("clean", FaultPlan()), ("fault", hw)):
         refs[name] = Sampler(model, greedy, plan, (128,), phase="eval")
@@ -145,7 +145,7 @@ def test_heldout_loss_equals_direct_cross_entropy(sft_tiny):
     config = _config()
     config.faults.deadzone.severity = "amax"
     config.faults.deadzone.threshold = 0.5
-    faulty = heldout_loss(model, params, hardware_plan(config, 8), examples, tok, 5, key)
+    faulty = heldout_loss(model, params, fault_plan(config.faults, 8), examples, tok, 5, key)
     assert faulty > loss + 0.1
 
 
@@ -213,7 +213,6 @@ def test_eval_scores_reads_answers_with_the_configured_method():
 
     from aqn_jax.data.gsm8k import Example
     from aqn_jax.data.tokenizers import CharTokenizer
-    from aqn_jax.evaluation import eval_scores
 
     tok = CharTokenizer()
     answers = ["So 7 plus 5 is 12", "7 + 5 = 12\n#### 12", "It is 13", "It is 12."]

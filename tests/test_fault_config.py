@@ -6,10 +6,11 @@ import numpy as np
 import pytest
 
 from aqn_jax.aqn.config import aqn_config, aqn_sigma
+from aqn_jax.aqn.plan import build_plan
 from aqn_jax.aqn.schedules import qerl_sigmas, sigma_at
-from aqn_jax.faults.config import build_plan, faults_config
+from aqn_jax.faults.config import faults_config
 from aqn_jax.faults.fields import parse_layers
-from aqn_jax.faults.intercept import Deadzone, Noise, NoisyLinear, NormWeightNoise, Quantize
+from aqn_jax.faults.transforms import Deadzone, Noise, NoisyLinear, NormWeightNoise, Quantize
 from aqn_jax.models.hf import abstract_params
 from aqn_jax.models.qwen2 import Qwen2Config, Qwen2ForCausalLM
 
@@ -269,3 +270,34 @@ def test_every_default_arm_matches_modules_on_the_tiny_model():
     assert set(train) == {"deadzone", "noise", "quant"}  # AQN is rollout-only by default
     manifest = plan.manifest_json()
     assert '"layers_5/layer:output"' in manifest
+
+
+def test_a_new_fault_kind_is_its_section_and_one_builder(monkeypatch):
+    # The device is a loop over `BUILDERS`: a new kind (here a systematic bias on layer 2's
+    # MLP outputs) is its config section plus one builder; fault_plan lists it after the
+    # built-in kinds, and build_plan places AQN against the deadzone as before.
+    from aqn_jax.faults import config as fault_cfg
+    from aqn_jax.faults.intercept import Injection
+    from aqn_jax.faults.sites import SiteSelector
+    from aqn_jax.faults.transforms import Scale
+
+    def bias(section, num_layers):
+        if not section.enabled:
+            return []
+        layers = parse_layers(section.layers, "config.faults.bias.layers", num_layers)
+        noise = Noise("systematic_bias", Scale(float(section.scale)))
+        return [Injection("bias", SiteSelector(("mlp",), layers, "output"), noise)]
+
+    monkeypatch.setitem(fault_cfg.BUILDERS, "bias", bias)
+    cfg = make_config(faults__deadzone__enabled=True, aqn__enabled=True, aqn__layers="(3,)")
+    cfg.faults.bias = ml_collections.ConfigDict({"enabled": True, "layers": "2", "scale": 0.1})
+    device = fault_cfg.fault_plan(cfg.faults, NUM_LAYERS)
+    assert [i.name for i in device.injections] == ["deadzone", "bias"]
+    assert device.injections[1].sites.layers == (2,)
+    full = build_plan(cfg, NUM_LAYERS)
+    assert [i.name for i in full.injections] == ["deadzone", "aqn", "deadzone_after_aqn", "bias"]
+    cfg.faults.bias.enabled = False  # negative control: off adds nothing
+    assert [i.name for i in fault_cfg.fault_plan(cfg.faults, NUM_LAYERS).injections] == ["deadzone"]
+    with pytest.raises(ValueError, match="config.faults.bias.layers"):
+        cfg.faults.bias.enabled, cfg.faults.bias.layers = True, "9"
+        fault_cfg.fault_plan(cfg.faults, NUM_LAYERS)

@@ -14,17 +14,12 @@ import numpy as np
 import pytest
 
 from aqn_jax.aqn.config import aqn_config
+from aqn_jax.aqn.plan import build_plan
 from aqn_jax.faults import formats, ops
-from aqn_jax.faults.config import build_plan, faults_config
-from aqn_jax.faults.intercept import (
-    STATE_COLLECTION,
-    Deadzone,
-    FaultPlan,
-    Injection,
-    Quantize,
-    step_key,
-)
+from aqn_jax.faults.config import faults_config
+from aqn_jax.faults.intercept import FaultPlan, Injection, step_key
 from aqn_jax.faults.sites import SiteSelector
+from aqn_jax.faults.transforms import STATE_COLLECTION, Deadzone, Quantize
 from aqn_jax.models.qwen2 import Qwen2Config, Qwen2ForCausalLM, init_cache
 from aqn_jax.rl.sampler import Sampler, SamplingParams
 

@@ -23,9 +23,10 @@ import transformers
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from aqn_jax.aqn.config import aqn_config
+from aqn_jax.aqn.plan import build_plan
 from aqn_jax.data.tokenizers import HFTokenizer
 from aqn_jax.faults import ops
-from aqn_jax.faults.config import build_plan, faults_config
+from aqn_jax.faults.config import faults_config
 from aqn_jax.faults.intercept import step_key, summarize_stats
 from aqn_jax.models import gguf as gguf_import
 from aqn_jax.models.hf import load_hf_checkpoint

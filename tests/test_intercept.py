@@ -9,20 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from aqn_jax.faults.intercept import (
-    Deadzone,
-    FaultPlan,
-    Injection,
-    Noise,
-    NoisyLinear,
-    NormWeightNoise,
-    Quantize,
-    Scale,
-    fault_trial,
-    step_key,
-    summarize_stats,
-)
+from aqn_jax.faults.intercept import FaultPlan, Injection, fault_trial, step_key, summarize_stats
 from aqn_jax.faults.sites import SiteSelector
+from aqn_jax.faults.transforms import Deadzone, Noise, NoisyLinear, NormWeightNoise, Quantize, Scale
 from aqn_jax.models.qwen2 import Qwen2Config, Qwen2ForCausalLM
 
 from conftest import random_params

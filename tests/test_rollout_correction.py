@@ -340,7 +340,7 @@ def test_mismatch_study_variants_place_each_fault_on_its_devices(variant, phases
     """Each scenario's device plan, per arm: the fault on exactly the scenario's phases, AQN
     (QeRL's RMSNorm-weight form) only on the rollout, the correction preset on config.algo; and
     every arm's train config passes the compare job's checks (no compile)."""
-    from aqn_jax.faults.config import build_plan
+    from aqn_jax.aqn.plan import build_plan
     from aqn_jax.jobs.compare import check_config, run_config
 
     config = load_config("compare", variant)

@@ -5,8 +5,9 @@ import jax
 import numpy as np
 import pytest
 
-from aqn_jax.faults.intercept import Deadzone, FaultPlan, Injection
+from aqn_jax.faults.intercept import FaultPlan, Injection
 from aqn_jax.faults.sites import SiteSelector
+from aqn_jax.faults.transforms import Deadzone
 from aqn_jax.models.qwen2 import Qwen2Config, Qwen2ForCausalLM
 from aqn_jax.rl.sampler import Sampler, SamplingParams
 

@@ -169,8 +169,8 @@ SHARDED = textwrap.dedent(
     from conftest import load_config
     from aqn_jax import parallel
     from aqn_jax.data.config import load_split
-    from aqn_jax.faults.config import build_plan
-    from aqn_jax.faults.hardware import hardware_plan
+    from aqn_jax.aqn.plan import build_plan
+    from aqn_jax.faults.config import fault_plan
     from aqn_jax.rewards import score_batch
     from aqn_jax.rl import step as rl_step
     from aqn_jax.rl.trainer import Trainer, prompt_batcher, train_batch
@@ -186,7 +186,7 @@ SHARDED = textwrap.dedent(
     assert info["cache"] == "shipped", info
     params = jax.device_get(params)
     tok = tokenizer_for(config)
-    plan, hw = build_plan(config, 8), hardware_plan(config, 8)
+    plan, hw = build_plan(config, 8), fault_plan(config.faults, 8)
     static = rl_step.static_from(config, model_cfg, plan, hw, 4)
     sigma, key = np.float32(0.05), jax.random.key(7)
 

@@ -172,7 +172,7 @@ def test_bad_input_fails_first_naming_the_field(launch, tmp_path, monkeypatch, m
 
 
 def test_long_train_prompts_are_counted_and_dropped_or_refused(launch, tmp_path, capsys):
-    from aqn_jax.rl.checks import check_train
+    from aqn_jax.checks import check_train
 
     from conftest import load_config
 

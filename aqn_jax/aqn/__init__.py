@@ -2,7 +2,7 @@
 
 `config.py` holds the `config.aqn` section, builds its injection (global, targeted, healthy or
 SRDD-guided layers; QeRL's RMSNorm-weight form or the original system's activation form) and
-gives each step's sigma; `aqn_jax.faults.config.build_plan` places the injection among the
+gives each step's sigma; `aqn_jax.aqn.plan.build_plan` places the injection among the
 hardware faults, so faults and AQN go through one interceptor.
 """
 

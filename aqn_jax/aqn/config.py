@@ -2,7 +2,7 @@
 
 `aqn_injection` turns the section into one Injection (global, targeted, healthy, located or
 SRDD-guided layers; QeRL's RMSNorm-weight form or the original system's activation form);
-`aqn_jax.faults.config.build_plan` places it among the hardware faults, so faults and AQN go
+`aqn_jax.aqn.plan.build_plan` places it among the hardware faults, so faults and AQN go
 through one interceptor. The injection scales its noise by the traced value AQN_SIGMA, which
 `aqn_sigma` gives for each step.
 """
@@ -18,8 +18,9 @@ from typing import Any
 import ml_collections
 
 from aqn_jax.faults.fields import check_choice, check_phases, parse_layers
-from aqn_jax.faults.intercept import Injection, Noise, NormWeightNoise, Scale
+from aqn_jax.faults.intercept import Injection
 from aqn_jax.faults.sites import SiteSelector, expand_kinds
+from aqn_jax.faults.transforms import Noise, NormWeightNoise, Scale
 
 from .schedules import SCHEDULES, sigma_at
 

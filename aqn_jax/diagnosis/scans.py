@@ -39,8 +39,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from aqn_jax.faults.intercept import Deadzone, FaultPlan, Injection, fault_trial
+from aqn_jax.faults.intercept import FaultPlan, Injection, fault_trial
 from aqn_jax.faults.sites import SiteSelector, classify
+from aqn_jax.faults.transforms import Deadzone
 from aqn_jax.models.qwen2 import Qwen2ForCausalLM
 
 METRICS = ("instability", "gain", "kurtosis", "min_gain", "max_gain", "dead", "out_std")

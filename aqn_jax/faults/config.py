@@ -1,43 +1,28 @@
-"""`config.faults` and `config.aqn` (ml_collections) -> a validated FaultPlan.
+"""`config.faults` (ml_collections) -> the device's validated injections and FaultPlan.
 
 Every experiment scripts faults the same way:
 
   --config.faults.deadzone.enabled=True --config.faults.deadzone.layers=15
   --config.faults.noise.enabled=True --config.faults.noise.scale=0.05
-  --config.aqn.enabled=True --config.aqn.layers='(15,)'
 
 Layers are 'all', an int, a tuple of ints, or a string of those ('5', '(3,5)', '3,5', '10:15'
-for a range); AQN also takes 'healthy' (all but the deadzone's layers) and 'srdd' (the layers
-and sigmas found by the SRDD diagnosis, passed in as `srdd_sigmas`). Validation names the field
-and runs before anything compiles. The AQN section and its injection are `aqn_jax/aqn/config.py`;
-`build_plan` places that injection among the faults (`config.aqn.order`).
+for a range). Validation names the field and runs before anything compiles. Each fault kind is
+one builder in `BUILDERS`; `fault_plan` is the device alone. The treatment (AQN, `config.aqn`)
+is placed among these injections by `aqn_jax.aqn.plan.build_plan`.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import ml_collections
 
-from aqn_jax.aqn.config import aqn_injection
-
 from . import ops
 from .fields import check_choice, check_phases, parse_layers
-from .intercept import (
-    PHASES,
-    Deadzone,
-    FaultPlan,
-    Injection,
-    Noise,
-    NoisyLinear,
-    Quantize,
-    Scale,
-)
+from .intercept import PHASES, FaultPlan, Injection
 from .sites import LINEAR_KINDS, POINTS, SiteSelector, expand_kinds
-
-AQN_ORDERS = ("between", "after_fault", "before_fault")
+from .transforms import Deadzone, Noise, NoisyLinear, Quantize, Scale
 
 
 def faults_config() -> ml_collections.ConfigDict:
@@ -100,162 +85,129 @@ def faults_config() -> ml_collections.ConfigDict:
     return c
 
 
-def needs_srdd(config: Any) -> bool:
-    """Whether `build_plan` needs a diagnosis first (aqn.layers 'located', or 'srdd' without a
-    given layer_sigmas)."""
-    aqn = config.aqn
-    if not aqn.enabled or not isinstance(aqn.layers, str):
-        return False
-    layers = aqn.layers.strip()
-    return layers == "located" or (layers == "srdd" and not str(aqn.layer_sigmas).strip())
-
-
-def build_plan(
-    config: Any,
-    num_layers: int,
-    srdd_sigmas: Mapping[int, float] | None = None,
-    srdd_layers: Sequence[int] | None = None,
-) -> FaultPlan:
-    """The FaultPlan of `config.faults` and `config.aqn` for a model of `num_layers` layers.
-
-    srdd_sigmas: {layer: sigma} from the SRDD diagnosis, used by aqn.layers='srdd' when
-      config.aqn.layer_sigmas is empty.
-    srdd_layers: the layers the diagnosis located, required by aqn.layers='located'.
-    """
-    injections: list[Injection] = []
-    faults = config.faults
-    deadzone: list[Injection] = []
-    fault_layers: tuple[int, ...] = ()
-
-    dz = faults.deadzone
-    if dz.enabled:
-        layers = parse_layers(dz.layers, "config.faults.deadzone.layers", num_layers)
-        fault_layers = () if layers == "all" else layers
-        kinds = expand_kinds(dz.site, "config.faults.deadzone.site")
-        point = check_choice(dz.point, "config.faults.deadzone.point", POINTS)
-        phases = check_phases(dz.phases, "config.faults.deadzone.phases")
-
-        severity = check_choice(
-            dz.get("severity", "amax"), "config.faults.deadzone.severity", ops.DEADZONE_SEVERITIES
+def _deadzone(dz: Any, num_layers: int) -> list[Injection]:
+    """`config.faults.deadzone` -> [the deadzone injection], or [] when off."""
+    if not dz.enabled:
+        return []
+    layers = parse_layers(dz.layers, "config.faults.deadzone.layers", num_layers)
+    kinds = expand_kinds(dz.site, "config.faults.deadzone.site")
+    point = check_choice(dz.point, "config.faults.deadzone.point", POINTS)
+    phases = check_phases(dz.phases, "config.faults.deadzone.phases")
+    severity = check_choice(
+        dz.get("severity", "amax"), "config.faults.deadzone.severity", ops.DEADZONE_SEVERITIES
+    )
+    if severity == "quantile" and not 0.0 < float(dz.quantile) < 1.0:
+        raise ValueError(
+            f"config.faults.deadzone.quantile={dz.quantile}; must be in (0, 1) (the fraction"
+            " of values flushed)"
         )
-        if severity == "quantile" and not 0.0 < float(dz.quantile) < 1.0:
-            raise ValueError(
-                f"config.faults.deadzone.quantile={dz.quantile}; must be in (0, 1) (the fraction"
-                " of values flushed)"
-            )
+    try:
+        transform = Deadzone(
+            float(dz.threshold if severity == "amax" else dz.quantile),
+            severity=severity,
+            granularity=dz.granularity,
+            block_size=int(dz.block_size),
+            sparsity=float(dz.sparsity),
+            sparsity_seed=int(dz.sparsity_seed),
+            grad=dz.grad,
+            scope=dz.get("scope", "call"),
+        )
+    except ValueError as e:
+        raise ValueError(f"config.faults.deadzone.{e}") from e
+    return [Injection("deadzone", SiteSelector(kinds, layers, point), transform, phases)]
 
-        def make_deadzone(name, again):
-            try:
-                transform = Deadzone(
-                    float(dz.threshold if severity == "amax" else dz.quantile),
-                    severity=severity,
-                    granularity=dz.granularity,
-                    block_size=int(dz.block_size),
-                    sparsity=float(dz.sparsity),
-                    sparsity_seed=int(dz.sparsity_seed),
-                    grad=dz.grad,
-                    reuse_threshold=again,
-                    scope=dz.get("scope", "call"),
-                )
-            except ValueError as e:
-                raise ValueError(f"config.faults.deadzone.{e}") from e
-            return Injection(name, SiteSelector(kinds, layers, point), transform, phases)
 
-        deadzone = [make_deadzone("deadzone", False)]
-
-    nz = faults.noise
-    if nz.enabled:
-        check_choice(nz.kind, "config.faults.noise.kind", ops.NOISE_KINDS)
-        if nz.scale < 0:
-            raise ValueError(f"config.faults.noise.scale={nz.scale}; must be >= 0")
-        if not (nz.forward or nz.backward):
-            raise ValueError("config.faults.noise: forward=False and backward=False inject nothing")
-        layers = parse_layers(nz.layers, "config.faults.noise.layers", num_layers)
-        kinds = expand_kinds(nz.sites, "config.faults.noise.sites")
-        point = check_choice(nz.point, "config.faults.noise.point", POINTS)
-        phases = check_phases(nz.phases, "config.faults.noise.phases")
-        scale = Scale(float(nz.scale))
-        if nz.backward:
-            wrong = [k for k in kinds if k not in LINEAR_KINDS]
-            if wrong:
-                raise ValueError(
-                    f"config.faults.noise.backward=True adds error to dX and dW of linears; "
-                    f"config.faults.noise.sites has non-linear kinds {wrong}"
-                )
-            if nz.kind != "relative_gaussian":
-                raise ValueError(
-                    f"config.faults.noise.kind={nz.kind!r}: operator-level (backward) error is"
-                    " relative_gaussian only"
-                )
-            injections.append(
-                Injection(
-                    "noise",
-                    SiteSelector(kinds, layers, "output"),
-                    NoisyLinear(scale, forward=nz.forward and point == "output", backward=True),
-                    phases,
-                )
-            )
-            if nz.forward and point == "input":
-                injections.append(
-                    Injection(
-                        "noise_input",
-                        SiteSelector(kinds, layers, "input"),
-                        Noise(nz.kind, scale),
-                        phases,
-                    )
-                )
-        else:
-            injections.append(
-                Injection(
-                    "noise", SiteSelector(kinds, layers, point), Noise(nz.kind, scale), phases
-                )
-            )
-
-    qt = faults.quant
-    if qt.enabled:
-        try:
-            transform = Quantize(
-                qt.format,
-                scale_rule=qt.scale_rule,
-                rounding=qt.rounding,
-                block_size=int(qt.block_size),
-                scope=qt.get("scope", "call"),
-            )
-        except ValueError as e:
-            raise ValueError(f"config.faults.quant.{e}") from e
-        injections.append(
+def _noise(nz: Any, num_layers: int) -> list[Injection]:
+    """`config.faults.noise` -> its injections: value noise at a point, or operator-level error
+    on dX and dW of linears (`backward`, plus the forward part), or [] when off."""
+    if not nz.enabled:
+        return []
+    check_choice(nz.kind, "config.faults.noise.kind", ops.NOISE_KINDS)
+    if nz.scale < 0:
+        raise ValueError(f"config.faults.noise.scale={nz.scale}; must be >= 0")
+    if not (nz.forward or nz.backward):
+        raise ValueError("config.faults.noise: forward=False and backward=False inject nothing")
+    layers = parse_layers(nz.layers, "config.faults.noise.layers", num_layers)
+    kinds = expand_kinds(nz.sites, "config.faults.noise.sites")
+    point = check_choice(nz.point, "config.faults.noise.point", POINTS)
+    phases = check_phases(nz.phases, "config.faults.noise.phases")
+    scale = Scale(float(nz.scale))
+    if not nz.backward:
+        return [
+            Injection("noise", SiteSelector(kinds, layers, point), Noise(nz.kind, scale), phases)
+        ]
+    wrong = [k for k in kinds if k not in LINEAR_KINDS]
+    if wrong:
+        raise ValueError(
+            f"config.faults.noise.backward=True adds error to dX and dW of linears; "
+            f"config.faults.noise.sites has non-linear kinds {wrong}"
+        )
+    if nz.kind != "relative_gaussian":
+        raise ValueError(
+            f"config.faults.noise.kind={nz.kind!r}: operator-level (backward) error is"
+            " relative_gaussian only"
+        )
+    out = [
+        Injection(
+            "noise",
+            SiteSelector(kinds, layers, "output"),
+            NoisyLinear(scale, forward=nz.forward and point == "output", backward=True),
+            phases,
+        )
+    ]
+    if nz.forward and point == "input":
+        out.append(
             Injection(
-                "quant",
-                SiteSelector(
-                    expand_kinds(qt.sites, "config.faults.quant.sites"),
-                    parse_layers(qt.layers, "config.faults.quant.layers", num_layers),
-                    check_choice(qt.point, "config.faults.quant.point", POINTS),
-                ),
-                transform,
-                check_phases(qt.phases, "config.faults.quant.phases"),
+                "noise_input", SiteSelector(kinds, layers, "input"), Noise(nz.kind, scale), phases
             )
         )
+    return out
 
-    aqn = config.aqn
-    aqn_noise = None
-    if aqn.enabled:
-        aqn_noise = aqn_injection(aqn, num_layers, fault_layers, srdd_sigmas, srdd_layers)
-    # Composition at a shared site follows list order.
-    order = check_choice(aqn.order, "config.aqn.order", AQN_ORDERS)
-    if aqn_noise is None:
-        injections = deadzone + injections
-    elif order == "before_fault":
-        injections = [aqn_noise] + deadzone + injections
-    elif order == "after_fault" or not deadzone:
-        injections = deadzone + [aqn_noise] + injections
-    else:  # between: deadzone -> AQN noise -> the same deadzone again
-        again = Injection(
-            "deadzone_after_aqn",
-            deadzone[0].sites,
-            dataclasses.replace(deadzone[0].transform, reuse_threshold=True),
-            tuple(p for p in deadzone[0].phases if p in aqn_noise.phases),
+
+def _quant(qt: Any, num_layers: int) -> list[Injection]:
+    """`config.faults.quant` -> [the fake-quantisation injection], or [] when off."""
+    if not qt.enabled:
+        return []
+    try:
+        transform = Quantize(
+            qt.format,
+            scale_rule=qt.scale_rule,
+            rounding=qt.rounding,
+            block_size=int(qt.block_size),
+            scope=qt.get("scope", "call"),
         )
-        injections = deadzone + [aqn_noise] + ([again] if again.phases else []) + injections
-    plan = FaultPlan(injections)
+    except ValueError as e:
+        raise ValueError(f"config.faults.quant.{e}") from e
+    sites = SiteSelector(
+        expand_kinds(qt.sites, "config.faults.quant.sites"),
+        parse_layers(qt.layers, "config.faults.quant.layers", num_layers),
+        check_choice(qt.point, "config.faults.quant.point", POINTS),
+    )
+    return [
+        Injection("quant", sites, transform, check_phases(qt.phases, "config.faults.quant.phases"))
+    ]
+
+
+# Fault kind (a subsection of `config.faults`) -> its builder (section, num_layers) -> injections.
+# A new kind is its section in `faults_config` and one builder here; plans list the kinds'
+# injections in this order, so a deadzone sees its site's value first.
+BUILDERS: dict[str, Callable[[Any, int], list[Injection]]] = {
+    "deadzone": _deadzone,
+    "noise": _noise,
+    "quant": _quant,
+}
+
+
+def fault_injections(faults: Any, num_layers: int) -> list[Injection]:
+    """The validated injections of `config.faults` for a model of `num_layers` layers."""
+    return [inj for kind, build in BUILDERS.items() for inj in build(faults[kind], num_layers)]
+
+
+def fault_plan(faults: Any, num_layers: int) -> FaultPlan:
+    """The simulated device: the FaultPlan of `config.faults` alone, without the treatment
+    (AQN; `aqn_jax.aqn.plan.build_plan` adds it). SRDD diagnoses this device, validation and
+    the robustness matrix measure accuracy on it, and the critic runs it with
+    `config.critic.faults=True`."""
+    plan = FaultPlan(fault_injections(faults, num_layers))
     plan.validate(num_layers)
     return plan

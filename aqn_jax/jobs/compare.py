@@ -48,16 +48,16 @@ import numpy as np
 
 from aqn_jax import parallel
 from aqn_jax.checkpoint import Checkpointer
+from aqn_jax.checks import check_train
 from aqn_jax.data.config import load_split
 from aqn_jax.diagnosis import srdd
 from aqn_jax.evaluation import conditions, robustness
 from aqn_jax.experiment import apply_arm
-from aqn_jax.faults.hardware import hardware_plan
+from aqn_jax.faults.config import fault_plan
 from aqn_jax.files import write_json
 from aqn_jax.jobs import run_job
 from aqn_jax.metrics import read_metrics
 from aqn_jax.models.factory import logical_axes, model_config
-from aqn_jax.rl.checks import check_train
 from aqn_jax.study import report as study_report
 from aqn_jax.study.config import check_compare
 from aqn_jax.study.report import write_report
@@ -110,8 +110,10 @@ def run_config(config, arm: str, seed: int, workdir: str, diagnosis: dict | None
 def check_config(config, workdir: str) -> None:
     """Every check that needs no compile, for every arm: bad input fails before any training."""
     check_compare(config.compare)
+    lengths: dict = {}  # every arm reads the same data: tokenized once
     for arm in config.compare.arms:
-        check_train(run_config(config, arm, int(config.compare.seeds[0]), workdir, None))
+        rc = run_config(config, arm, int(config.compare.seeds[0]), workdir, None)
+        check_train(rc, cache=lengths)
 
 
 def run(config, workdir: str) -> None:
@@ -138,7 +140,7 @@ def run(config, workdir: str) -> None:
                 base,
                 model_cfg,
                 params,
-                hardware_plan(base, model_cfg.num_hidden_layers),
+                fault_plan(base.faults, model_cfg.num_hidden_layers),
                 load_split(base.data, "train"),
                 tokenizer_for(base),
                 os.path.dirname(path),

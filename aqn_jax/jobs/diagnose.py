@@ -12,7 +12,7 @@ import os
 
 from aqn_jax.data.config import check_data, load_split
 from aqn_jax.diagnosis import srdd
-from aqn_jax.faults.hardware import hardware_plan
+from aqn_jax.faults.config import fault_plan
 from aqn_jax.models.factory import load_model, model_config
 from aqn_jax.warm_start import tokenizer_for
 
@@ -23,7 +23,7 @@ def run(config, workdir: str) -> None:
     srdd.check_config(config.diagnosis)
     check_data(config.data)
     tokenizer = tokenizer_for(config)
-    plan = hardware_plan(config, model_cfg.num_hidden_layers)
+    plan = fault_plan(config.faults, model_cfg.num_hidden_layers)
 
     # -- Diagnose ------------------------------------------------------------------------
     model_cfg, params = load_model(config.model, config.seed)

@@ -23,12 +23,12 @@ import numpy as np
 
 from aqn_jax import parallel
 from aqn_jax.checkpoint import Checkpointer
+from aqn_jax.checks import check_prompt_lengths
 from aqn_jax.data.config import check_data, load_split
 from aqn_jax.evaluation import check_evaluate, conditions, robustness
-from aqn_jax.faults.hardware import hardware_plan
+from aqn_jax.faults.config import fault_plan
 from aqn_jax.models.factory import logical_axes, model_config
 from aqn_jax.models.hf import abstract_params
-from aqn_jax.rl.checks import check_prompt_lengths
 from aqn_jax.warm_start import tokenizer_for, warm_start
 
 
@@ -38,7 +38,7 @@ def check_config(config):
     model_cfg = model_config(config.model)
     tokenizer = tokenizer_for(config)
     check_data(config.data)
-    hardware_plan(config, model_cfg.num_hidden_layers)
+    fault_plan(config.faults, model_cfg.num_hidden_layers)
     if ev.run and not os.path.isdir(os.path.join(os.path.expanduser(ev.run), "checkpoints")):
         raise ValueError(
             f"config.evaluate.run={ev.run!r}: no checkpoints/ there; expected the workdir of a"

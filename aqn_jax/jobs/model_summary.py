@@ -21,9 +21,9 @@ from absl import logging
 from flax import traverse_util
 
 from aqn_jax.aqn.config import AQN_SIGMA, aqn_sigma
+from aqn_jax.aqn.plan import build_plan
 from aqn_jax.data.tokenizers import load_tokenizer
 from aqn_jax.diagnosis.profile import format_profile, residual_profile
-from aqn_jax.faults.config import build_plan
 from aqn_jax.faults.intercept import FaultPlan, step_key, summarize_stats
 from aqn_jax.models.factory import load_model, logical_axes, model_config
 from aqn_jax.models.qwen2 import Qwen2ForCausalLM

@@ -28,20 +28,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from aqn_jax.data.config import check_data, load_split
-from aqn_jax.evaluation import eval_scores, greedy_sampling, heldout_loss, prompt_dependence
+from aqn_jax.evaluation import greedy_sampling, heldout_loss, prompt_dependence
 from aqn_jax.faults.config import POINTS
-from aqn_jax.faults.intercept import (
-    Deadzone,
-    FaultPlan,
-    Injection,
-    step_key,
-    summarize_stats,
-)
+from aqn_jax.faults.intercept import FaultPlan, Injection, step_key, summarize_stats
 from aqn_jax.faults.sites import SiteSelector, expand_kinds
+from aqn_jax.faults.transforms import Deadzone
 from aqn_jax.files import write_json
 from aqn_jax.models.factory import model_config
 from aqn_jax.models.qwen2 import Qwen2ForCausalLM
 from aqn_jax.rl.sampler import Sampler
+from aqn_jax.rl.scoring import eval_scores
 from aqn_jax.rl.sft import sft_sequences
 from aqn_jax.study.config import check_severity
 from aqn_jax.warm_start import tokenizer_for, warm_start

@@ -17,6 +17,7 @@ import time
 import jax
 
 from aqn_jax import parallel
+from aqn_jax.aqn.plan import build_plan, needs_srdd
 from aqn_jax.checkpoint import (
     Checkpointer,
     Preemption,
@@ -24,14 +25,13 @@ from aqn_jax.checkpoint import (
     check_sane,
     record_override,
 )
+from aqn_jax.checks import check_train
 from aqn_jax.data.config import load_split
 from aqn_jax.diagnosis import srdd
-from aqn_jax.faults.config import build_plan, needs_srdd
 from aqn_jax.metrics import open_run, progress
 from aqn_jax.models.qwen2 import Qwen2ForCausalLM
 from aqn_jax.report import print_summary, run_summary, write_run_report
 from aqn_jax.rl import step as rl_step
-from aqn_jax.rl.checks import check_train
 from aqn_jax.rl.trainer import Trainer, prompt_batcher
 from aqn_jax.warm_start import warm_start
 

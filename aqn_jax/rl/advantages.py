@@ -7,10 +7,11 @@ with `response_mask` 1 on real tokens (EOS included).
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
-
-ESTIMATORS = ("grpo", "drgrpo", "gae")
 
 
 def grpo_outcome_advantage(
@@ -101,3 +102,34 @@ def gae_advantage_return(
     adv = adv_TN.T
     returns = adv + v
     return masked_whiten(adv, mask) * mask, returns * mask
+
+
+# -- the estimators: name -> one signature -------------------------------------------------------
+# `estimate(token_rewards_NT, values_NT, response_mask_NT, h) -> (advantages_NT, returns_NT)`,
+# with `values_NT` the critic's (None without one), `returns_NT` None for an outcome estimator,
+# and `h` the step's hyper-parameters (`rl.step.Hyper`: n, gamma, lam).
+@dataclasses.dataclass(frozen=True)
+class Estimator:
+    estimate: Callable
+    critic: bool  # needs a value model (its params, optimizer and forward pass)
+    grouped: bool  # compares a prompt's n samples: needs rollout.n >= 2
+
+
+def _outcome(norm_by_std: bool):
+    def estimate(rewards_NT, values_NT, mask_NT, h):
+        # The outcome: the score plus the KL-in-reward term, if any, summed per response.
+        seq = jnp.sum(rewards_NT, axis=1)
+        return grpo_outcome_advantage(seq, mask_NT, h.n, norm_by_std=norm_by_std), None
+
+    return estimate
+
+
+def _gae(rewards_NT, values_NT, mask_NT, h):
+    return gae_advantage_return(rewards_NT, values_NT, mask_NT, h.gamma, h.lam)
+
+
+ESTIMATORS: dict[str, Estimator] = {
+    "grpo": Estimator(_outcome(norm_by_std=True), critic=False, grouped=True),
+    "drgrpo": Estimator(_outcome(norm_by_std=False), critic=False, grouped=True),
+    "gae": Estimator(_gae, critic=True, grouped=False),  # PPO with a critic
+}

@@ -14,25 +14,28 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
-KL_TYPES = ("low_var_kl", "kl", "mse", "abs")
+# Aggregation: mode -> the per-sequence loss (token sums or means) of the seq-mean-* modes;
+# token-mean averages over every real token instead (None here).
+_PER_SEQUENCE = {
+    "token-mean": None,
+    "seq-mean-token-mean": lambda lm, m: jnp.sum(lm, axis=1) / jnp.maximum(jnp.sum(m, axis=1), 1.0),
+    "seq-mean-token-sum": lambda lm, m: jnp.sum(lm, axis=1),
+    "seq-mean-token-sum-norm": lambda lm, m: jnp.sum(lm, axis=1) / lm.shape[1],
+}
+AGG_MODES = tuple(_PER_SEQUENCE)
 
 
 def agg_loss(loss_NT, mask_NT, mode: str = "token-mean", denom=None):
     """Aggregate per-token losses. `denom` (optional) replaces this batch's own count of tokens
     (token-mean) or sequences (seq-mean-*)."""
+    if mode not in _PER_SEQUENCE:
+        raise ValueError(f"loss_agg_mode={mode!r}; allowed: {AGG_MODES}")
     mask = mask_NT.astype(jnp.float32)
-    if mode == "token-mean":
+    per_sequence = _PER_SEQUENCE[mode]
+    if per_sequence is None:
         d = jnp.sum(mask) if denom is None else denom
         return jnp.sum(loss_NT * mask) / jnp.maximum(d, 1.0)
-    if mode == "seq-mean-token-mean":
-        per_seq = jnp.sum(loss_NT * mask, axis=1) / jnp.maximum(jnp.sum(mask, axis=1), 1.0)
-    elif mode == "seq-mean-token-sum":
-        per_seq = jnp.sum(loss_NT * mask, axis=1)
-    elif mode == "seq-mean-token-sum-norm":
-        per_seq = jnp.sum(loss_NT * mask, axis=1) / loss_NT.shape[1]
-    else:
-        raise ValueError(f"loss_agg_mode={mode!r}; allowed: {AGG_MODES}")
+    per_seq = per_sequence(loss_NT * mask, mask)
     valid = (jnp.sum(mask, axis=1) > 0).astype(jnp.float32)
     d = jnp.sum(valid) if denom is None else denom
     return jnp.sum(per_seq * valid) / jnp.maximum(d, 1.0)
@@ -97,21 +100,29 @@ def policy_loss(
     return loss, {"pg_clipfrac": clipfrac, "pg_clipfrac_lower": clipfrac_lower, "ppo_kl": ppo_kl}
 
 
+def _low_var_kl(logp_NT, ref_logp_NT):
+    kl = jnp.clip(ref_logp_NT - logp_NT, -20.0, 20.0)
+    return jnp.clip(jnp.exp(kl) - kl - 1.0, -10.0, 10.0)
+
+
+# KL estimator: kl_type -> fn(logp, ref_logp) -> per-token estimate (verl `kl_penalty`).
+KL_ESTIMATORS = {
+    "low_var_kl": _low_var_kl,  # k3
+    "kl": lambda logp, ref: logp - ref,  # k1
+    "mse": lambda logp, ref: 0.5 * jnp.square(logp - ref),  # k2
+    "abs": lambda logp, ref: jnp.abs(logp - ref),
+}
+KL_TYPES = tuple(KL_ESTIMATORS)
+
+
 def kl_penalty(logp_NT, ref_logp_NT, kind: str = "low_var_kl"):
     """Per-token KL estimate of the policy from the reference (verl `kl_penalty`):
     kl (k1): logp - ref; abs: |logp - ref|; mse (k2): 0.5 (logp - ref)^2;
     low_var_kl (k3): exp(ref - logp) - (ref - logp) - 1, with ref - logp clamped to [-20, 20]
     and the result to [-10, 10]."""
-    if kind == "kl":
-        return logp_NT - ref_logp_NT
-    if kind == "abs":
-        return jnp.abs(logp_NT - ref_logp_NT)
-    if kind == "mse":
-        return 0.5 * jnp.square(logp_NT - ref_logp_NT)
-    if kind == "low_var_kl":
-        kl = jnp.clip(ref_logp_NT - logp_NT, -20.0, 20.0)
-        return jnp.clip(jnp.exp(kl) - kl - 1.0, -10.0, 10.0)
-    raise ValueError(f"config.algo.kl_type={kind!r}; allowed: {KL_TYPES}")
+    if kind not in KL_ESTIMATORS:
+        raise ValueError(f"config.algo.kl_type={kind!r}; allowed: {KL_TYPES}")
+    return KL_ESTIMATORS[kind](logp_NT, ref_logp_NT)
 
 
 def entropy_from_logits(logits_NTV):

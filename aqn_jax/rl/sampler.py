@@ -32,7 +32,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from aqn_jax import parallel
-from aqn_jax.faults.intercept import STATE_COLLECTION, STATS_COLLECTION, FaultPlan
+from aqn_jax.faults.intercept import FaultPlan
+from aqn_jax.faults.transforms import STATE_COLLECTION, STATS_COLLECTION
 from aqn_jax.models.qwen2 import KVCache, Qwen2ForCausalLM, init_cache
 
 NEG_INF = -1e30  # masks logits that may never be sampled (finite: no NaN in log-softmax)

@@ -97,8 +97,10 @@ def hyper_from(config) -> Hyper:
         if value < 1:
             raise ValueError(f"config.{field}={value}; must be a positive int")
     if algo.estimator not in adv_lib.ESTIMATORS:
-        raise ValueError(f"config.algo.estimator={algo.estimator!r}; allowed: {adv_lib.ESTIMATORS}")
-    if algo.estimator in ("grpo", "drgrpo") and int(config.rollout.n) < 2:
+        raise ValueError(
+            f"config.algo.estimator={algo.estimator!r}; allowed: {tuple(adv_lib.ESTIMATORS)}"
+        )
+    if adv_lib.ESTIMATORS[algo.estimator].grouped and int(config.rollout.n) < 2:
         raise ValueError(
             f"config.rollout.n={config.rollout.n}; must be >= 2 with"
             f" config.algo.estimator={algo.estimator!r} (its advantage compares the n samples of"
@@ -166,7 +168,7 @@ class Static:
 
     @property
     def use_critic(self) -> bool:
-        return self.h.estimator == "gae"
+        return adv_lib.ESTIMATORS[self.h.estimator].critic
 
     @property
     def use_ref(self) -> bool:
@@ -338,7 +340,7 @@ def _prepare_chunk(static: Static, state: RLState, ref_params, key, values, xs):
             static, ref_params, mic, jax.random.fold_in(key, 3 * j + 1), values
         )
         o["ref_logp"] = token_logprobs(ref_logits, mic["tokens"], h.temperature)
-    if h.estimator == "gae":
+    if adv_lib.ESTIMATORS[h.estimator].critic:
         o["values"] = _values(
             static, state.critic_params, mic, jax.random.fold_in(key, 3 * j + 2), values
         )
@@ -376,15 +378,10 @@ def prepare_step(static: Static, state: RLState, ref_params, batch, scores, key,
         scores, mask, kl if h.use_kl_in_reward else None, h.kl_coef
     )
     out["token_rewards"] = rewards
-    if h.estimator == "gae":
-        a, r = adv_lib.gae_advantage_return(rewards, out["values"], mask, h.gamma, h.lam)
-        out.update(advantages=a, returns=r)
-    else:
-        # GRPO scores the outcome (the KL-in-reward term, if any, summed per response).
-        seq = jnp.sum(rewards, axis=1)
-        out["advantages"] = adv_lib.grpo_outcome_advantage(
-            seq, mask, h.n, norm_by_std=h.estimator == "grpo"
-        )
+    estimate = adv_lib.ESTIMATORS[h.estimator].estimate
+    out["advantages"], returns = estimate(rewards, out.get("values"), mask, h)
+    if returns is not None:
+        out["returns"] = returns
     return out, stats
 
 

@@ -30,10 +30,10 @@ from aqn_jax import parallel
 from aqn_jax.aqn.config import AQN_SIGMA, aqn_sigma
 from aqn_jax.data.gsm8k import Example, PromptBatcher
 from aqn_jax.data.tokenizers import Tokenizer
-from aqn_jax.evaluation import eval_scores
 from aqn_jax.faults.intercept import FaultPlan, step_key, summarize_stats
 from aqn_jax.models.qwen2 import Qwen2ForCausalLM
 from aqn_jax.rewards import score_batch
+from aqn_jax.rl.scoring import eval_scores
 
 from .rollout_correction import correct
 from .sampler import Sampler, SamplingParams

@@ -11,13 +11,14 @@ import jax
 import numpy as np
 
 from aqn_jax import parallel, planner
+from aqn_jax.aqn.plan import build_plan
 from aqn_jax.checkpoint import check_final
 from aqn_jax.data.config import check_data, load_split
 from aqn_jax.data.gsm8k import tokenize_prompts
 from aqn_jax.diagnosis.srdd import check_config as check_diagnosis
-from aqn_jax.faults.config import build_plan
-from aqn_jax.faults.hardware import hardware_plan
+from aqn_jax.faults.config import fault_plan
 from aqn_jax.models.factory import model_config
+from aqn_jax.rl.advantages import ESTIMATORS
 from aqn_jax.rl.optim import check_optimizer
 from aqn_jax.rl.sampler import check_rollout
 from aqn_jax.rl.step import hyper_from
@@ -47,23 +48,22 @@ def _check_val_lengths(config, lengths, test_size: int) -> None:
         )
 
 
-_LENGTHS: dict = {}  # (split, data, tokenizer) -> prompt lengths: the compare job checks 7 arms
-
-
-def prompt_lengths(config, tokenizer, split: str) -> np.ndarray:
+def prompt_lengths(config, tokenizer, split: str, cache: dict | None = None) -> np.ndarray:
     """The token count of every prompt of `split` ('train' | 'test') as the batcher counts it
-    (chat template, generation prompt), remembered per data section, file and tokenizer."""
+    (chat template, generation prompt). `cache`, when given, keeps them per data section, file
+    and tokenizer (the compare job checks one config per arm on the same data)."""
     data = config.data
     path = os.path.expanduser(data[f"{split}_path"]) if data[f"{split}_path"] else ""
     stamp = (os.stat(path).st_mtime_ns, os.path.getsize(path)) if path else None
     tok = config.tokenizer_path or config.model.hf_path
     key = (split, json.dumps(data.to_dict(), sort_keys=True, default=str), stamp, tok)
-    if key not in _LENGTHS:
-        if len(_LENGTHS) >= 4:  # a few configs' splits at a time: bounded memory
-            _LENGTHS.clear()
-        ids = tokenize_prompts(load_split(data, split), tokenizer)
-        _LENGTHS[key] = np.array([len(t) for t in ids], np.int64)
-    return _LENGTHS[key]
+    if cache is not None and key in cache:
+        return cache[key]
+    ids = tokenize_prompts(load_split(data, split), tokenizer)
+    lengths = np.array([len(t) for t in ids], np.int64)
+    if cache is not None:
+        cache[key] = lengths
+    return lengths
 
 
 def check_train_prompts(config, lengths) -> int:
@@ -153,14 +153,15 @@ class Checked(tuple):
         return self
 
 
-def check_train(config, workdir: str | None = None) -> Checked:
+def check_train(config, workdir: str | None = None, cache: dict | None = None) -> Checked:
     """Every check that needs no compile; raises ValueError naming the field. Nothing is
-    written. `workdir` locates the default SFT cache (<workdir>/../cache) for its check."""
+    written. `workdir` locates the default SFT cache (<workdir>/../cache) for its check;
+    `cache` keeps the prompt lengths between calls (`prompt_lengths`)."""
     # The config's own values first (no file read): a typo fails in well under a second.
     check_rollout(config.rollout)
     hyper_from(config)  # data_batch / rollout.n / actor batch sizes, algo
     check_optimizer(config.actor, "warmup_steps", "config.actor")
-    if config.algo.estimator == "gae":
+    if ESTIMATORS[config.algo.estimator].critic:
         check_optimizer(config.critic, "lr_warmup_steps", "config.critic")
     check_trainer(config)
     model_cfg = model_config(config.model)
@@ -170,7 +171,7 @@ def check_train(config, workdir: str | None = None) -> Checked:
     if config.sft.enabled:
         check_sft(config.sft)
     check_diagnosis(config.diagnosis)
-    hw = hardware_plan(config, n)  # fault layers within the model, fields valid
+    hw = fault_plan(config.faults, n)  # fault layers within the model, fields valid
     # The AQN arm parses now; 'located' / 'srdd' get their layers from the diagnosis later.
     build_plan(config, n, srdd_sigmas=dict.fromkeys(range(n), 0.05), srdd_layers=[0])
     rows = int(config.data_batch.prompts) * int(config.rollout.n)
@@ -190,9 +191,9 @@ def check_train(config, workdir: str | None = None) -> Checked:
     # Per-device memory from shapes alone; refuses (suggesting a mesh) when it cannot fit.
     memory = planner.check(config, model_cfg, jax.device_count())
     # The data as the run will batch it: every train prompt tokenized, the validation prompts.
-    train = prompt_lengths(config, tokenizer, "train")
+    train = prompt_lengths(config, tokenizer, "train", cache)
     dropped = check_train_prompts(config, train)
-    test = prompt_lengths(config, tokenizer, "test")
+    test = prompt_lengths(config, tokenizer, "test", cache)
     _check_val_lengths(config, test[: int(config.trainer.val_size)], len(test))
     check_sft_cache(config, workdir)  # last: the SFT would train, then fail to be cached
     return Checked(model_cfg, tokenizer, hw, memory, train_prompts=len(train), dropped=dropped)

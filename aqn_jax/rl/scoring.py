@@ -1,0 +1,62 @@
+"""Scoring a sampler on held-out problems: verl's reward of each example's completions (the
+trainer's validation, the severity job and the robustness matrix all score this way)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+
+from aqn_jax.data.gsm8k import Example, left_pad
+from aqn_jax.data.tokenizers import Tokenizer
+from aqn_jax.rewards import score_batch
+from aqn_jax.rl.sampler import Sampler
+
+
+def eval_scores(
+    sampler: Sampler,
+    params,
+    examples: Sequence[Example],
+    tokenizer: Tokenizer,
+    batch_size: int,
+    max_prompt_len: int,
+    fault_key=None,
+    values=None,
+    key=None,
+    texts: list[str] | None = None,
+    method: str = "strict",
+) -> np.ndarray:
+    """verl scores (`method`: strict `####` | flexible) of `sampler`'s completions for every
+    example, in order (the last batch padded with repeats of its first prompt, which are
+    dropped); with `sampler.sampling.n > 1` each example's score is the mean over its n samples
+    (mean@n).
+    `texts`, when given, receives the decoded completions (n per example, in order)."""
+    n = sampler.sampling.n
+    scores = []
+    for start in range(0, len(examples), batch_size):
+        chunk = list(examples[start : start + batch_size])
+        real = len(chunk)
+        chunk += [chunk[0]] * (batch_size - real)
+        ids = [tokenizer.encode_chat(ex.prompt_messages) for ex in chunk]
+        width = max(len(i) for i in ids)
+        if width > max_prompt_len:
+            raise ValueError(
+                f"a validation prompt has {width} tokens > config.rollout.max_prompt_len="
+                f"{max_prompt_len}"
+            )
+        arr, mask = left_pad(ids, tokenizer.pad_id, width)
+        k = jax.random.key(0) if key is None else jax.random.fold_in(key, start)
+        out = sampler(
+            params, arr, mask, k, fault_key=k if fault_key is None else fault_key, values=values
+        )
+        texts_of_batch = [
+            tokenizer.decode(t[m > 0]) for t, m in zip(out.tokens, out.response_mask, strict=True)
+        ]
+        truths = [ex.ground_truth for ex in chunk[:real] for _ in range(n)]
+        decoded = texts_of_batch[: real * n]
+        s = score_batch(decoded, truths, method=method).reshape(real, n).mean(axis=1)
+        scores.extend(s.tolist())
+        if texts is not None:
+            texts.extend(decoded)
+    return np.asarray(scores, np.float32)
