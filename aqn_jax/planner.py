@@ -70,7 +70,10 @@ On a CPU backend the devices are the host: a process's peak RSS is then every de
 what only the host holds, `cpu_rss` = devices x total + host_params + RUNTIME_BYTES: the job's
 host copy of the loaded params (the warm start's tree stays referenced for the whole run) and
 the runtime (jax/XLA, the compiled programs, torch and the tokenizer, the data). Measured at
-0.5B (WORKSPACE.md, issue 30): the device plan alone was 5 GiB short of the peak RSS.
+0.5B (WORKSPACE.md, issue 30): the device plan alone was 5 GiB short of the peak RSS. With
+remat the CPU total counts the activations without it (XLA:CPU does not honour remat): a
+5-step GRPO run at 4 x 4 x 256 with remat peaked at 21.98 GiB, which the remat plan (19.99)
+did not bound and the no-remat one (24.24) does.
 """
 
 from __future__ import annotations
@@ -171,11 +174,15 @@ class MemoryPlan:
     capacity: int | None = None
     headroom: float = 0.9
     host_params: int = 0  # the job's host copy of the whole params tree (bytes)
+    # The device total with the activations of no remat: XLA:CPU does not honour remat, so a
+    # CPU process's peak is bounded with it (module docstring). 0 = the same as `total`.
+    cpu_total: int = 0
 
     @property
     def cpu_rss(self) -> int:
         """Peak RSS of one CPU process holding every device of the mesh (module docstring)."""
-        return math.prod(self.mesh) * self.total + self.host_params + RUNTIME_BYTES
+        total = max(self.total, self.cpu_total)
+        return math.prod(self.mesh) * total + self.host_params + RUNTIME_BYTES
 
     @property
     def budget(self) -> int | None:
@@ -220,6 +227,11 @@ class MemoryPlan:
             f"  {'CPU process RSS':16s} {self.cpu_rss / GIB:9.2f}  on a CPU backend: every device +"
             f" the host's params ({self.host_params / GIB:.2f}) + runtime"
             f" ({RUNTIME_BYTES / GIB:.2f})"
+            + (
+                f"; the devices without remat ({self.cpu_total / GIB:.2f}: XLA:CPU ignores it)"
+                if self.cpu_total > self.total
+                else ""
+            )
         )
         if self.capacity is None:
             lines.append("  capacity unknown (the backend reports no memory limit): not checked")
@@ -495,6 +507,9 @@ def _plan(
     }
     phase = {name: sum(components[c] for c in parts) for name, parts in PHASES.items()}
     peak = max(phase, key=phase.get)
+    cpu_total = 0
+    if remat:
+        cpu_total = _plan(job, mesh, False, micro_batch_rows, capacity, headroom).total
     return MemoryPlan(
         mesh=tuple(mesh),
         components=components,
@@ -505,6 +520,7 @@ def _plan(
         capacity=capacity,
         headroom=headroom,
         host_params=_shard_bytes(job.params, dict.fromkeys(parallel.AXES, 1)),
+        cpu_total=cpu_total,
     )
 
 

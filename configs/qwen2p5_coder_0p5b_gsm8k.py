@@ -43,8 +43,9 @@ Settings and why:
 - memory on a 24 GB machine: 4 prompts x 4 samples per step, micro-batches of 2 rows, remat,
   float32 master weights and compute, no reference model (use_kl_loss=False), the final
   checkpoint params-only (`checkpoint.final`). The train job prints the planner's CPU estimate
-  ('CPU process RSS': 20.0 GiB at these shapes); f32 params + AdamW + gradients alone are
-  9.4 GiB, so RL at 0.5B does not fit in less than ~16 GiB of host memory.
+  ('CPU process RSS': 24.2 GiB at these shapes, counting the activations without remat, which
+  XLA:CPU ignores); the 5-step run peaked at 22.0 GiB on a 23.5 GiB machine. f32 params +
+  AdamW + gradients alone are 9.4 GiB, so RL at 0.5B does not fit in less than ~16 GiB.
 - the fault, calibrated with `:severity` (answer loss of the first 8 test problems; clean
   1.160): the seed's deadzone stated as the seed states it (a fraction of the tensor max) is
   total here at every layer, since one massive activation (channel 62 of token 0, ~2,180
@@ -61,13 +62,17 @@ Settings and why:
 
 Measured (WORKSPACE.md, issue 30; 2 CPU cores): SRDD names the faulty layer at 12 of 12
 per-token placements (0.05 and 0.1 at layers 3-20), the 5% noise and the clean device (127 s);
-a GRPO step at 4 x 4 x 256 takes 521 s (generation 165, old log-probs 72, update 285) within
-the planner's 20.0 GiB; bf16 compute is 1.39x slower than f32 here (AVX2, no AVX-512 BF16)
+GRPO at 4 x 4 x 256 with this fault ran 5 steps at 530-545 s a step (generation 161-179, old
+log-probs 67-70, update 293-314; two steps of five had one correct sample of 16, half the
+samples hit the 256-token limit); greedy decoding of 16 test problems (320 tokens) runs 1.45x
+transformers `generate` with the same 16 completions (boxed 0.312 on both sides); the
+calibrated fault takes greedy accuracy on 128 test problems from 0.234 to 0.117; bf16
+compute is 1.39x slower than f32 here (AVX2, no AVX-512 BF16)
 at the same loss, so f32 stays; the import 88 s, 8.0 GB peak RSS, logits within 6.4e-5 of
 transformers; the residual stream's max ~2,180 (channel 62, token 0) from layer
 3 to 20 against a median of 0.2-1.0; clean answer loss 1.148 on the first 32 test problems;
 a GRPO step at 2 x 2 x 64 with the reference model passed 19.7 GiB of RSS (OOM-killed), which
-the planner's 'CPU process RSS' (20.5 GiB there) now bounds.
+the planner's 'CPU process RSS' (22.8 GiB there) bounds.
 """
 
 from aqn_jax.experiment import ARMS, apply_arm, base_config
@@ -111,8 +116,8 @@ def get_config(arg: str | None = None):
     config.actor.mini_batch_prompts = 4  # one optimizer update per step
     config.actor.micro_batch_rows = 2  # gradient-accumulation chunk (rows of 512 tokens)
     config.actor.lr = 1e-6  # a pretrained instruct model: small steps
-    # No reference model (its 2.35 GiB f32 copy): the planner's CPU estimate is then 20.0 GiB at
-    # 4 x 4 x 256, 22.3 with it; at 2 x 2 x 64 with it a process passed 19.7 GiB (OOM-killed).
+    # No reference model (its 2.35 GiB f32 copy): the 5-step run at 4 x 4 x 256 peaked at 22.0
+    # GiB without it; at 2 x 2 x 64 with it a process passed 19.7 GiB (OOM-killed).
     config.algo.use_kl_loss = False
 
     config.trainer.total_steps = 5
