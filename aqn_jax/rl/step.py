@@ -340,7 +340,7 @@ def _prepare_chunk(static: Static, state: RLState, ref_params, key, values, xs):
             static, ref_params, mic, jax.random.fold_in(key, 3 * j + 1), values
         )
         o["ref_logp"] = token_logprobs(ref_logits, mic["tokens"], h.temperature)
-    if adv_lib.ESTIMATORS[h.estimator].critic:
+    if static.use_critic:
         o["values"] = _values(
             static, state.critic_params, mic, jax.random.fold_in(key, 3 * j + 2), values
         )
