@@ -31,6 +31,27 @@ def pytest_collection_modifyitems(config, items):
     (longest first); in file order the 90 s learning test in test_train.py came near the end,
     where it could leave one worker running alone."""
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+    _xdist_groups(config, items)
+
+
+def _xdist_groups(config, items):
+    """`--dist loadgroup` sends the tests of one `xdist_group` to one worker by the suffix
+    `@<group>` that pytest-xdist (3.8) appends to their node ids, by setting `item._nodeid`;
+    pytest 9 reads a node id from `item._id` instead, so the suffix never arrived and a group's
+    tests ran on both workers (the SmolLM2 import, ~60-90 s, made once per worker). The suffix
+    set here the way pytest 9 reads it; a no-op where xdist's own already took."""
+    if not getattr(config.option, "loadgroup", False):
+        return
+    from _pytest.nodeid import NodeId
+
+    for item in items:
+        names = {
+            str(mark.args[0] if mark.args else mark.kwargs.get("name", "default"))
+            for mark in item.iter_markers("xdist_group")
+        }
+        suffix = "@" + "_".join(sorted(names))
+        if names and not item.nodeid.endswith(suffix):
+            item._id = NodeId.parse(item.nodeid + suffix)
 
 
 def randomize_hf_weights(model, seed: int) -> None:
