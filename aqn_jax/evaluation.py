@@ -26,6 +26,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -37,7 +38,7 @@ from aqn_jax.faults.config import fault_plan
 from aqn_jax.faults.intercept import FaultPlan, Injection, step_key
 from aqn_jax.faults.sites import LINEAR_KINDS, SiteSelector
 from aqn_jax.faults.transforms import Noise, Quantize, Scale
-from aqn_jax.models.qwen2 import Qwen2Config, Qwen2ForCausalLM
+from aqn_jax.models.registry import ModelConfig, causal_lm
 from aqn_jax.rewards import METHODS, score_batch
 from aqn_jax.rl.sampler import Sampler, SamplingParams
 from aqn_jax.rl.scoring import eval_scores
@@ -138,22 +139,24 @@ def condition_plan(hw: FaultPlan, fault: bool, kind: str) -> FaultPlan:
 
 def robustness(
     config,
-    model_cfg: Qwen2Config,
+    model_cfg: ModelConfig,
     params,
     tokenizer: Tokenizer,
     examples: Sequence[Example],
     mesh=None,
     log=print,
+    programs: dict | None = None,
 ) -> dict[str, Any]:
     """Accuracy (and the held-out loss) of `params` on `examples` under every condition of
     `config.evaluate`. Returns {"conditions": {name: {acc, n, samples}}, "loss": {...},
-    "wall_time_s"}."""
+    "wall_time_s"}. `programs`: the caller's cache of compiled programs (`program`), kept
+    between calls that share shapes (a study's runs); None compiles afresh."""
     ev = config.evaluate
     check_evaluate(ev)
     t0 = time.perf_counter()
     n_layers = model_cfg.num_hidden_layers
     hw = fault_plan(config.faults, n_layers)
-    gen = Qwen2ForCausalLM(dataclasses.replace(model_cfg, remat=False))
+    gen = causal_lm(dataclasses.replace(model_cfg, remat=False))
     if jnp.dtype(model_cfg.dtype) != jnp.dtype(model_cfg.param_dtype):
         params = jax.tree_util.tree_map(lambda x: x.astype(model_cfg.dtype), params)
     samples = int(ev.samples)
@@ -175,7 +178,8 @@ def robustness(
         if key not in samplers:
             plan = condition_plan(hw, cond.fault, cond.kind)
             plan.validate(n_layers)
-            samplers[key] = _program(
+            samplers[key] = program(
+                programs,
                 ("sampler", gen.config, sp, buckets, repr(plan.injections), mesh),
                 lambda plan=plan: Sampler(gen, sp, plan, buckets, phase="eval", mesh=mesh),
             )
@@ -213,13 +217,14 @@ def robustness(
         faults = (ev.fault,) if isinstance(ev.fault, bool) else tuple(ev.fault)
         out["loss"] = {
             ("fault" if f else "clean"): heldout_loss(
-                Qwen2ForCausalLM(model_cfg),
+                causal_lm(model_cfg),
                 params,
                 hw if f else FaultPlan(),
                 examples,
                 tokenizer,
                 bs,
                 fault_key,
+                programs,
             )
             for f in faults
         }
@@ -239,7 +244,7 @@ def greedy_sampling(config, tokenizer: Tokenizer) -> SamplingParams:
 
 
 def prompt_dependence(
-    config, model_cfg: Qwen2Config, params, tokenizer: Tokenizer, size: int = 0
+    config, model_cfg: ModelConfig, params, tokenizer: Tokenizer, size: int = 0
 ) -> dict[str, Any]:
     """Does the policy read its prompt? On the embedded task's test split, no fault, greedy:
     - `acc`: accuracy on the first `size` problems (0 = config.trainer.val_size);
@@ -260,13 +265,10 @@ def prompt_dependence(
         )
     task = task_of(config.data)
     size = int(size or config.trainer.val_size)
-    gen = Qwen2ForCausalLM(dataclasses.replace(model_cfg, remat=False))
+    gen = causal_lm(dataclasses.replace(model_cfg, remat=False))
     sp = greedy_sampling(config, tokenizer)
     buckets = tuple(int(b) for b in config.rollout.prompt_buckets)
-    sampler = _program(
-        ("sampler", gen.config, sp, buckets, "[]", None),
-        lambda: Sampler(gen, sp, FaultPlan(), buckets, phase="eval"),
-    )
+    sampler = Sampler(gen, sp, FaultPlan(), buckets, phase="eval")
     bs = int(config.trainer.val_batch_size)
     limit = int(config.rollout.max_prompt_len)
     method = config.data.reward_method
@@ -308,16 +310,18 @@ def prompt_dependence(
 
 
 def heldout_loss(
-    model: Qwen2ForCausalLM,
+    model: nn.Module,
     params,
     plan: FaultPlan,
     examples: Sequence[Example],
     tokenizer: Tokenizer,
     batch_size: int,
     fault_key,
+    programs: dict | None = None,
 ) -> float:
     """Token-mean cross-entropy of the worked solutions (+ EOS) given the prompts, on the device
-    of `plan` (phase 'eval'): the loss of the original design notes' table."""
+    of `plan` (phase 'eval'): the loss of the original design notes' table. `programs`: as in
+    `robustness`."""
     data = sft_sequences(examples, tokenizer)
 
     def make():
@@ -332,7 +336,7 @@ def heldout_loss(
 
         return batch_nll
 
-    batch_nll = _program(("nll", model.config, model.head, repr(plan.injections)), make)
+    batch_nll = program(programs, ("nll", model.config, model.head, repr(plan.injections)), make)
     total, count = 0.0, 0.0
     n = len(data.ids)
     for start in range(0, n, batch_size):
@@ -349,12 +353,13 @@ def heldout_loss(
     return total / max(count, 1.0)
 
 
-_PROGRAMS: dict[tuple, Any] = {}
-
-
-def _program(key: tuple, make):
-    """The process-wide instance of a jitted program (a Sampler or a jitted function) defined
-    by `key`; `make()` builds it the first time. Its jit cache then serves every later call."""
-    if key not in _PROGRAMS:
-        _PROGRAMS[key] = make()
-    return _PROGRAMS[key]
+def program(programs: dict | None, key: tuple, make):
+    """The jitted program (a Sampler or a jitted function) that `key` names, from the caller's
+    cache `programs` (made by `make()` and kept there the first time); with no cache, a new one.
+    `key` holds everything that decides the program: the model config, the sampling
+    parameters, the buckets, the fault plan's injections and the mesh."""
+    if programs is None:
+        return make()
+    if key not in programs:
+        programs[key] = make()
+    return programs[key]

@@ -10,7 +10,7 @@ mesh (or remat / micro-batch setting) that fits, as command-line flags.
 Sharding follows the trainer: every array is split by its logical axes
 (`parallel.DEFAULT_RULES`: embed -> fsdp; heads, kv_heads, mlp, vocab -> tensor; a dim of size
 n on axes of total size k holds ceil(n / k) per device); batch rows and the KV caches are split
-over data x fsdp (`Sampler._cache_sharding`), not over tensor.
+over data x fsdp (`rl.sampler._cache_sharding`), not over tensor.
 
 Components (bytes per device):
 
@@ -95,7 +95,7 @@ from jax.sharding import PartitionSpec as P
 
 from aqn_jax import parallel
 from aqn_jax.faults.config import fault_plan
-from aqn_jax.models.qwen2 import Qwen2Config, Qwen2ForCausalLM, init_cache
+from aqn_jax.models.registry import ModelConfig, causal_lm, family_of, init_cache
 from aqn_jax.rl.advantages import ESTIMATORS
 from aqn_jax.rl.optim import optimizer_of
 
@@ -299,10 +299,10 @@ def _shard_bytes(groups: tuple[_Group, ...], mesh: Mapping[str, int]) -> int:
 
 
 @functools.lru_cache(maxsize=8)
-def _abstract_model(model_cfg: Qwen2Config, head: str) -> tuple[Any, Any]:
-    """(ShapeDtypeStruct params, PartitionSpec per param) of `Qwen2ForCausalLM(cfg, head)`,
+def _abstract_model(model_cfg: ModelConfig, head: str) -> tuple[Any, Any]:
+    """(ShapeDtypeStruct params, PartitionSpec per param) of `causal_lm(cfg, head)`,
     from one eval_shape of init (as `factory.logical_axes`, with the dtypes kept)."""
-    model = Qwen2ForCausalLM(model_cfg, head=head)
+    model = causal_lm(model_cfg, head=head)
     ids = jax.ShapeDtypeStruct((1, 1), np.int32)
     boxed = jax.eval_shape(lambda x: model.init(jax.random.key(0), x), ids)["params"]
     is_box = lambda x: isinstance(x, nn.LogicallyPartitioned)
@@ -327,9 +327,9 @@ def _state_groups(
     return _groups(state, state_specs)
 
 
-def _cache_groups(model_cfg: Qwen2Config, rows: int, lengths: tuple[int, ...], copies: int):
+def _cache_groups(model_cfg: ModelConfig, rows: int, lengths: tuple[int, ...], copies: int):
     """Groups of `copies` x one KV cache of `rows` rows per slot count in `lengths`, rows split
-    over (data, fsdp) and nothing over tensor (`Sampler._cache_sharding`)."""
+    over (data, fsdp) and nothing over tensor (`rl.sampler._cache_sharding`)."""
     groups: list[_Group] = []
     for length in lengths:
         cache = jax.eval_shape(lambda n=length: init_cache(model_cfg, rows, n))
@@ -351,7 +351,7 @@ def reachable_buckets(rollout: Any) -> tuple[int, ...]:
 class _Job:
     """What a plan needs from the config and the model, independent of the mesh."""
 
-    model: Qwen2Config
+    model: ModelConfig
     params: tuple[_Group, ...]
     optimizer: tuple[_Group, ...]
     critic: tuple[_Group, ...]  # params + AdamW state; () without a critic
@@ -366,7 +366,7 @@ class _Job:
     use_ref: bool
 
 
-def _job(config: Any, model_cfg: Qwen2Config) -> _Job:
+def _job(config: Any, model_cfg: ModelConfig) -> _Job:
     shapes_cfg = dataclasses.replace(model_cfg, remat=False)  # remat changes no shape
     total_steps = int(config.trainer.total_steps)
     params, specs = _abstract_model(shapes_cfg, "lm")
@@ -412,32 +412,19 @@ def _job(config: Any, model_cfg: Qwen2Config) -> _Job:
 
 
 # --- the activation model ---------------------------------------------------------------------
-def _scores(model_cfg: Qwen2Config, tensor: int, keys: int, copies: int) -> int:
-    return copies * _cdiv(model_cfg.num_attention_heads, tensor) * keys * 4
+def saved_layer_bytes(model_cfg: ModelConfig, tensor: int, keys: int) -> int:
+    """Bytes one decoder layer saves per token for its backward over `keys` key positions (the
+    family's activation model; Qwen2's: `models/qwen2.py:saved_layer_bytes`)."""
+    return family_of(model_cfg).saved_layer_bytes(model_cfg, tensor, keys)
 
 
-def saved_layer_bytes(model_cfg: Qwen2Config, tensor: int, keys: int) -> int:
-    """Bytes one decoder layer saves per token for its backward over `keys` key positions:
-    (6 D + 3 (N + K) H / t + 4 I / t) * itemsize + 3 (N / t) * keys * 4."""
-    m = model_cfg
-    heads, kv_heads = _cdiv(m.num_attention_heads, tensor), _cdiv(m.num_key_value_heads, tensor)
-    elements = (
-        6 * m.hidden_size
-        + 3 * (heads + kv_heads) * m.resolved_head_dim
-        + 4 * _cdiv(m.intermediate_size, tensor)
-    )
-    return elements * np.dtype(m.dtype).itemsize + _scores(m, tensor, keys, 3)
-
-
-def forward_layer_bytes(model_cfg: Qwen2Config, tensor: int, keys: int, score_copies: int) -> int:
-    """Bytes of one decoder layer's forward working set per token over `keys` key positions:
-    3 (I / t) * itemsize + score_copies * (N / t) * keys * 4."""
-    mlp = 3 * _cdiv(model_cfg.intermediate_size, tensor) * np.dtype(model_cfg.dtype).itemsize
-    return mlp + _scores(model_cfg, tensor, keys, score_copies)
+def forward_layer_bytes(model_cfg: ModelConfig, tensor: int, keys: int, score_copies: int) -> int:
+    """Bytes of one decoder layer's forward working set per token over `keys` key positions."""
+    return family_of(model_cfg).forward_layer_bytes(model_cfg, tensor, keys, score_copies)
 
 
 def activation_terms(
-    model_cfg: Qwen2Config, rows: int, prompt_len: int, max_new: int, tensor: int, remat: bool
+    model_cfg: ModelConfig, rows: int, prompt_len: int, max_new: int, tensor: int, remat: bool
 ) -> dict[str, int]:
     """Bytes of one micro-batch's forward+backward on one device, `rows` rows of
     `prompt_len + max_new` positions: {'layers': the decoder layers' saved activations,
@@ -456,7 +443,7 @@ def activation_terms(
 
 
 def prepare_bytes(
-    model_cfg: Qwen2Config, rows: int, prompt_len: int, max_new: int, tensor: int, ref: bool
+    model_cfg: ModelConfig, rows: int, prompt_len: int, max_new: int, tensor: int, ref: bool
 ) -> int:
     """Bytes of the prepare program on one device: a forward of `rows` rows (one layer's working
     set at a time) and the policy's (and the reference's) float32 logits."""
@@ -466,7 +453,7 @@ def prepare_bytes(
 
 
 def generation_bytes(
-    model_cfg: Qwen2Config, rows: int, prompt_len: int, max_new: int, tensor: int
+    model_cfg: ModelConfig, rows: int, prompt_len: int, max_new: int, tensor: int
 ) -> int:
     """Bytes of the sampler's prefill on one device: one layer's working set for `rows` rows of
     `prompt_len` queries against `prompt_len + max_new` cache slots (two score copies)."""
@@ -532,7 +519,7 @@ def _section(config: Any) -> Any:
     return section
 
 
-def estimate(config: Any, model_cfg: Qwen2Config, num_devices: int) -> MemoryPlan:
+def estimate(config: Any, model_cfg: ModelConfig, num_devices: int) -> MemoryPlan:
     """Per-device bytes of the train job for `config.mesh` on `num_devices` devices, from shapes
     only (`jax.eval_shape`; nothing is compiled or allocated). The capacity is left unknown."""
     section = _section(config)
@@ -560,7 +547,7 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _splittable(model_cfg: Qwen2Config) -> int:
+def _splittable(model_cfg: ModelConfig) -> int:
     """The largest tensor size that splits every tensor-sharded dim evenly."""
     m = model_cfg
     return math.gcd(m.num_attention_heads, m.num_key_value_heads, m.intermediate_size, m.vocab_size)
@@ -616,7 +603,7 @@ def _search(
 
 
 def suggest(
-    config: Any, model_cfg: Qwen2Config, num_devices: int, capacity_bytes: int
+    config: Any, model_cfg: ModelConfig, num_devices: int, capacity_bytes: int
 ) -> list[Suggestion]:
     """Settings on `num_devices` devices that fit `headroom * capacity_bytes`, best first
     (only the mesh changed, then remat, then a smaller micro-batch; then the smallest
@@ -634,7 +621,7 @@ def suggest(
 
 
 def check(
-    config: Any, model_cfg: Qwen2Config, num_devices: int, capacity_bytes: int | None = None
+    config: Any, model_cfg: ModelConfig, num_devices: int, capacity_bytes: int | None = None
 ) -> MemoryPlan:
     """`estimate`, then refuse (ValueError) when it exceeds `config.planner.headroom` of the
     device memory: `capacity_bytes`, else `config.planner.device_memory_gb` (GiB), else the

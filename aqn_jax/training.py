@@ -1,4 +1,6 @@
-"""Job `train`: RL (GRPO / PPO) of the warm-started policy on the simulated faulty device.
+"""One RL run (GRPO / PPO) of the warm-started policy on the simulated faulty device: the body of
+job `train` (`jobs/train.py`) and of every run of a compare study (`jobs/compare.py`), which
+call `run(config, workdir)` as a library function.
 
 Sections in execution order: check the whole config (no compile, nothing written) -> warm
 start (the SFT, cached) -> diagnose (SRDD, when the AQN arm needs it: aqn.layers 'located' or
@@ -29,7 +31,7 @@ from aqn_jax.checks import check_train
 from aqn_jax.data.config import load_split
 from aqn_jax.diagnosis import srdd
 from aqn_jax.metrics import open_run, progress
-from aqn_jax.models.qwen2 import Qwen2ForCausalLM
+from aqn_jax.models.registry import causal_lm
 from aqn_jax.report import print_summary, run_summary, write_run_report
 from aqn_jax.rl import step as rl_step
 from aqn_jax.rl.trainer import Trainer, prompt_batcher
@@ -86,12 +88,14 @@ def run(config, workdir: str) -> None:
         srdd_layers=None if diagnosis is None else diagnosis["verdict"]["layers"],
     )
     print(plan.describe())
-    for phase in ("rollout", "train", "eval"):
-        if plan.active(phase):
-            plan.trace_manifest(Qwen2ForCausalLM(model_cfg), params, phase)
+    manifest = {
+        phase: plan.trace_manifest(causal_lm(model_cfg), params, phase)
+        for phase in ("rollout", "train", "eval")
+        if plan.active(phase)
+    }
     if primary:
         with open(os.path.join(workdir, "manifest.json"), "w") as f:
-            f.write(plan.manifest_json())
+            f.write(plan.manifest_json(manifest))
 
     # ---------------------------------------------------------------------------------------
     # Shard & initialise: the state by logical axes, the step programs jitted once

@@ -28,7 +28,7 @@ from aqn_jax.data.tokenizers import Tokenizer, load_tokenizer
 from aqn_jax.metrics import progress
 from aqn_jax.models.factory import load_model, model_config
 from aqn_jax.models.hf import load_hf_checkpoint, save_hf_checkpoint
-from aqn_jax.models.qwen2 import Qwen2Config, Qwen2ForCausalLM
+from aqn_jax.models.registry import ModelConfig, causal_lm
 from aqn_jax.rl.sft import sft_sequences, sft_train
 
 SFT_META = "sft.json"
@@ -152,7 +152,7 @@ def _set_aside_damaged(where: str, found: str, error: Exception) -> None:
         print(f"SFT warm start {where} is damaged ({error}); recomputing (reinstall to repair)")
 
 
-def warm_start(config, workdir: str, verbose: bool = True) -> tuple[Qwen2Config, Any, dict]:
+def warm_start(config, workdir: str, verbose: bool = True) -> tuple[ModelConfig, Any, dict]:
     """(model config, params, info): the SFT'd policy (from the cache when present), or the
     configured model itself when `config.sft.enabled` is False."""
     if not config.sft.enabled:
@@ -181,7 +181,7 @@ def warm_start(config, workdir: str, verbose: bool = True) -> tuple[Qwen2Config,
     examples = load_split(config.data, "train")[: int(config.sft.examples)]
     data = sft_sequences(examples, tokenizer)
     model_cfg, params = load_model(config.model, sft_seed(config))
-    model = Qwen2ForCausalLM(model_cfg)
+    model = causal_lm(model_cfg)
     bar = progress(int(config.sft.steps), "SFT", enabled=verbose and jax.process_index() == 0)
 
     def tick(step, loss):

@@ -1,6 +1,8 @@
 """config.faults / config.aqn -> FaultPlan: validation that names the field, the built plans,
 and the AQN schedules (QeRL's ten values)."""
 
+import json
+
 import ml_collections
 import numpy as np
 import pytest
@@ -268,8 +270,9 @@ def test_every_default_arm_matches_modules_on_the_tiny_model():
     assert len(rollout["noise"]) == 7 * 8 and len(rollout["quant"]) == 7 * 8
     train = plan.trace_manifest(model, params, "train")
     assert set(train) == {"deadzone", "noise", "quant"}  # AQN is rollout-only by default
-    manifest = plan.manifest_json()
-    assert '"layers_5/layer:output"' in manifest
+    manifest = json.loads(plan.manifest_json({"rollout": rollout, "train": train}))
+    assert manifest["hits"]["rollout"]["deadzone"] == ["layers_5/layer:output"]
+    assert manifest["hits"]["train"]["deadzone"] == ["layers_5/layer:output"]
 
 
 def test_a_new_fault_kind_is_its_section_and_one_builder(monkeypatch):

@@ -21,6 +21,7 @@ from aqn_jax.faults.intercept import FaultPlan, Injection, step_key
 from aqn_jax.faults.sites import SiteSelector
 from aqn_jax.faults.transforms import STATE_COLLECTION, Deadzone, Quantize
 from aqn_jax.models.qwen2 import Qwen2Config, Qwen2ForCausalLM, init_cache
+from aqn_jax.rl import sampler as sampler_lib
 from aqn_jax.rl.sampler import Sampler, SamplingParams
 
 from conftest import load_config, random_params
@@ -98,8 +99,15 @@ def test_causal_running_amax_is_carried_next_to_the_cache():
     """The prefill leaves the prompt's max |h| per row (padding excluded) in fault_state."""
     plan = deadzone_plan("causal")
     sampler = Sampler(MODEL, SamplingParams(1, eos_id=1, pad_id=0, temperature=0.0), plan, (9,))
-    _, _, _, state = sampler._forward(  # the sampler's own prefill
-        PARAMS, jnp.asarray(IDS), jnp.asarray(MASK), init_cache(CONFIG, 3, 10), {}, None, {}
+    _, _, _, state = sampler_lib._forward(  # the sampler's own prefill
+        sampler._spec,
+        PARAMS,
+        jnp.asarray(IDS),
+        jnp.asarray(MASK),
+        init_cache(CONFIG, 3, 10),
+        {},
+        None,
+        {},
     )
     # By hand: layer 0's faulty output is flushed below the threshold, so the carried value is
     # the max over the clean output's real tokens (the deadzone keeps the max itself).
@@ -203,7 +211,7 @@ def test_manifest_and_description_name_each_scope():
     c = ml_faults(scope="token")
     plan = build_plan(c, 8)
     assert "scope=token" in plan.describe()
-    assert json.loads(plan.manifest_json())["injections"][0]["scope"] == "token"
+    assert json.loads(plan.manifest_json({}))["injections"][0]["scope"] == "token"
 
 
 # --- bad input: one line naming the field, before anything compiles ---------------------------

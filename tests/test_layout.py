@@ -1,5 +1,5 @@
 """DESIGN.md's layering, checked on the source: a job never imports another job, and no config
-or library module imports a job (the jobs package's `run_job` dispatch aside)."""
+or library module imports a job, and only the launcher runs one."""
 
 import ast
 import os
@@ -40,6 +40,36 @@ def test_no_job_config_or_library_module_imports_a_job():
 
 def test_the_check_sees_a_job_import():
     """The negative control: the imports this layout forbids are found."""
-    source = "from aqn_jax.jobs import run_job, train\nimport aqn_jax.jobs.pretrain\n"
+    source = "from aqn_jax.jobs import check_required, train\nimport aqn_jax.jobs.pretrain\n"
     assert job_imports(source) == ["aqn_jax.jobs: ['train']", "aqn_jax.jobs.pretrain"]
-    assert job_imports("from aqn_jax.jobs import run_job\n") == []
+    assert job_imports("from aqn_jax.jobs import check_required\n") == []
+
+
+def runs_a_job(source: str) -> bool:
+    """Whether `source` imports a job module by name at run time (`importlib.import_module` of
+    `aqn_jax.jobs.<name>`), which the import checks above cannot see."""
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "import_module":
+            arg = node.args[0] if node.args else None
+            if isinstance(arg, ast.JoinedStr) and arg.values:
+                arg = arg.values[0]
+            if isinstance(arg, ast.Constant) and str(arg.value).startswith("aqn_jax.jobs"):
+                return True
+    return False
+
+
+def test_only_the_launcher_runs_a_job():
+    """A job never drives another job: compare's runs are library calls (`training.run`)."""
+    users = []
+    for folder in ("aqn_jax", "configs"):
+        for root, _, files in os.walk(os.path.join(REPO, folder)):
+            for name in files:
+                if name.endswith(".py"):
+                    with open(os.path.join(root, name)) as f:
+                        if runs_a_job(f.read()):
+                            users.append(os.path.relpath(os.path.join(root, name), REPO))
+    assert users == [os.path.join("aqn_jax", "launch.py")]
+    # The negative control: the check sees the dispatch it forbids, in both spellings.
+    assert runs_a_job('importlib.import_module(f"aqn_jax.jobs.{config.job}")\n')
+    assert runs_a_job('importlib.import_module("aqn_jax.jobs.train")\n')
+    assert not runs_a_job('importlib.import_module(f"aqn_jax.models.{name}")\n')

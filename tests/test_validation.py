@@ -46,12 +46,12 @@ def launch(monkeypatch, capsys):
     from absl import logging as absl_logging
 
     from aqn_jax import launch as launcher
-    from aqn_jax.jobs import train
+    from aqn_jax import training
 
     def tripwire(*args, **kwargs):
         raise AssertionError("the warm start was reached: the bad input was not refused first")
 
-    monkeypatch.setattr(train, "warm_start", tripwire)
+    monkeypatch.setattr(training, "warm_start", tripwire)
 
     def call(*args, workdir):
         # argv[0] as is: absl names the process after it on its first run
@@ -212,7 +212,8 @@ def test_a_failed_sft_cache_write_keeps_the_trained_warm_start(tmp_path, monkeyp
     config = load_config("targeted", "smoke")
     config.sft.cache_dir = str(tmp_path / "cache")
     trained = object()
-    monkeypatch.setattr(pretrain, "load_model", lambda *a: (None, "init"))
+    model_cfg = pretrain.model_config(config.model)
+    monkeypatch.setattr(pretrain, "load_model", lambda *a: (model_cfg, "init"))
     monkeypatch.setattr(pretrain, "sft_train", lambda *a, **k: (trained, {"loss": [2.0, 0.5]}))
 
     def full_disk(path, *args):

@@ -13,21 +13,24 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from aqn_jax.models.qwen2 import Qwen2DecoderLayer, Qwen2ForCausalLM
+from aqn_jax.models import registry
 
 
-def layer_outputs(model: Qwen2ForCausalLM, params, ids, mask=None) -> list[jax.Array]:
+def layer_outputs(model: nn.Module, params, ids, mask=None) -> list[jax.Array]:
     """Every decoder layer's output (the residual stream after it), [B, T, D] each, in order."""
 
     def only_layers(mdl: nn.Module, method: str) -> bool:
-        return isinstance(mdl, Qwen2DecoderLayer) and method == "__call__"
+        if method != "__call__":
+            return False
+        site = registry.site_of(mdl.path, mdl)
+        return site is not None and site[0] == "layer"
 
     _, state = model.apply(
         {"params": params}, ids, mask, capture_intermediates=only_layers, mutable=["intermediates"]
     )
     inter = state["intermediates"]
     n = model.config.num_hidden_layers
-    return [inter[f"layers_{i}"]["__call__"][0][0] for i in range(n)]
+    return [inter[registry.layer_name(model.config, i)]["__call__"][0][0] for i in range(n)]
 
 
 @jax.jit
@@ -45,7 +48,7 @@ def _stats(h_BTD, mask_BT):
     )
 
 
-def residual_profile(model: Qwen2ForCausalLM, params, ids, mask=None) -> list[dict]:
+def residual_profile(model: nn.Module, params, ids, mask=None) -> list[dict]:
     """Per layer: max, median, 99th percentile and mean of |h| over the real (unpadded) tokens,
     max/median, and where the max sits (row, token position within the row, channel)."""
     ids = jnp.asarray(ids)

@@ -42,7 +42,6 @@ import numpy as np
 from aqn_jax.faults.intercept import FaultPlan, Injection, fault_trial
 from aqn_jax.faults.sites import SiteSelector, classify
 from aqn_jax.faults.transforms import Deadzone
-from aqn_jax.models.qwen2 import Qwen2ForCausalLM
 
 METRICS = ("instability", "gain", "kurtosis", "min_gain", "max_gain", "dead", "out_std")
 
@@ -129,17 +128,17 @@ def _probe_inputs(settings, key, layer, x, mask_BT):
 
 
 class _LayerHost(nn.Module):
-    """Runs one decoder layer under its own path `layers_{index}`, so that a probe's extra
-    calls of the layer are fault sites exactly like the model's call (Linen does not allow
+    """Runs one decoder layer under its own name (its path in the model), so that a probe's
+    extra calls of the layer are fault sites exactly like the model's call (Linen does not allow
     calling a bound compact module twice)."""
 
     config: Any
-    index: int
+    layer_name: str
     layer_cls: Any
 
     @nn.compact
     def __call__(self, *args, **kwargs):
-        return self.layer_cls(self.config, name=f"layers_{self.index}")(*args, **kwargs)
+        return self.layer_cls(self.config, name=self.layer_name)(*args, **kwargs)
 
 
 class _BatchedProbe:
@@ -160,8 +159,8 @@ class _BatchedProbe:
         x, rest = args[0], args[1:]
         with fault_trial(0):
             out0, kv = next_fun(*args, **kwargs)
-        host = _LayerHost(module.config, site.layer, type(module))
-        variables = {"params": {f"layers_{site.layer}": nn.unbox(module.variables["params"])}}
+        host = _LayerHost(module.config, module.name, type(module))
+        variables = {"params": {module.name: nn.unbox(module.variables["params"])}}
 
         def again(x_in, trial):
             self._inside = True
@@ -189,7 +188,7 @@ def _stack(results: Mapping[int, Mapping[str, jax.Array]], num_layers: int):
 
 
 def make_scan(
-    model: Qwen2ForCausalLM, plan: FaultPlan | None, settings: ScanSettings, phase: str = "eval"
+    model: nn.Module, plan: FaultPlan | None, settings: ScanSettings, phase: str = "eval"
 ):
     """A jitted `scan(params, ids, mask, fault_key, probe_key, values) -> {metric: [L]}`: one
     forward with every layer's probes (see the module docstring)."""
@@ -224,7 +223,7 @@ def swept_deadzone_plan(
 
 
 def scan_layers(
-    model: Qwen2ForCausalLM,
+    model: nn.Module,
     params: Any,
     ids: np.ndarray,
     mask: np.ndarray,
@@ -276,7 +275,7 @@ class _OneLayerProbe:
 
 
 def scan_layers_naive(
-    model: Qwen2ForCausalLM,
+    model: nn.Module,
     params: Any,
     ids: np.ndarray,
     mask: np.ndarray,

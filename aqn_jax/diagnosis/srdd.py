@@ -14,6 +14,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import flax.linen as nn
 import jax
 import ml_collections
 import numpy as np
@@ -22,7 +23,7 @@ from aqn_jax.data.gsm8k import Example, left_pad
 from aqn_jax.data.tokenizers import Tokenizer
 from aqn_jax.faults.intercept import FaultPlan, step_key
 from aqn_jax.files import write_json
-from aqn_jax.models.qwen2 import Qwen2Config, Qwen2ForCausalLM
+from aqn_jax.models.registry import ModelConfig, causal_lm
 
 from . import analysis
 from .scans import METRICS, ScanSettings, scan_layers
@@ -96,7 +97,7 @@ def calibration_batch(
 
 
 def diagnose(
-    model: Qwen2ForCausalLM,
+    model: nn.Module,
     params: Any,
     plan: FaultPlan,
     ids: np.ndarray,
@@ -165,7 +166,7 @@ def diagnose(
 
 def run_srdd(
     config: Any,
-    model_cfg: Qwen2Config,
+    model_cfg: ModelConfig,
     params: Any,
     plan: FaultPlan,
     examples: Sequence[Example],
@@ -181,7 +182,7 @@ def run_srdd(
         examples, tokenizer, int(diag.num_prompts), int(diag.max_prompt_len)
     )
     base = float(diag.base_sigma or config.aqn.sigma_start)
-    report = diagnose(Qwen2ForCausalLM(model_cfg), params, plan, ids, mask, diag, base)
+    report = diagnose(causal_lm(model_cfg), params, plan, ids, mask, diag, base)
     if workdir is not None and jax.process_index() == 0:
         write_report(report, workdir)
     return report

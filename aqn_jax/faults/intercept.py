@@ -24,15 +24,15 @@ Scope of a tensor-wide statistic (a deadzone's amax, NVFP4's global scale; `ops.
 `call` takes it over whatever the module sees at this call, so teacher forcing (the whole
 sequence, later tokens included) and cached decoding (one token per row) apply different
 faults; `token` takes it per token; `causal` per row over the tokens so far, padding excluded.
-For `causal` the model call's attention mask is read at the root `Qwen2ForCausalLM` call, and
-a cached decode carries each site's running statistic in the `fault_state` collection: pass it
+For `causal` the attention mask is read at the root model call (`registry.is_causal_lm`), and a
+cached decode carries each site's running statistic in the `fault_state` collection: pass it
 in with the params and make it mutable (`rl/sampler.py` keeps it next to the KV cache), and
 cached decoding equals teacher forcing.
 
-At trace time the plan records which module paths each injection hit (`plan.manifest`); an
-active injection that hit nothing raises ValueError when the context exits, before anything
-runs. Telemetry is `sow`n into the `fault_stats` collection (returned when the caller makes it
-mutable; otherwise the statistics are dead code that XLA removes).
+At trace time `plan.apply` yields which module paths each injection hit (the manifest, also
+`plan.trace_manifest`); an active injection that hit nothing raises ValueError when the context
+exits, before anything runs. Telemetry is `sow`n into the `fault_stats` collection (returned
+when the caller makes it mutable; otherwise the statistics are dead code that XLA removes).
 
 Randomness is a function of (key, site, injection): the caller passes
 `key = step_key(seed, step, phase)`; each site folds in a stable hash of its path and the
@@ -55,7 +55,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from aqn_jax.models import qwen2
+from aqn_jax.models import registry
 
 from .sites import Site, SiteSelector, classify
 from .transforms import STATS_COLLECTION, Ctx, Scale
@@ -134,7 +134,6 @@ class FaultPlan:
         dup = sorted({n for n in names if names.count(n) > 1})
         if dup:
             raise ValueError(f"fault plan: injection names must be unique; repeated: {dup}")
-        self.manifest: dict[str, dict[str, list[str]]] = {}
 
     def __bool__(self) -> bool:
         return bool(self.injections)
@@ -162,7 +161,9 @@ class FaultPlan:
             return "fault plan: empty (clean model)"
         return "fault plan:\n" + "\n".join("  " + inj.describe() for inj in self.injections)
 
-    def manifest_json(self) -> str:
+    def manifest_json(self, hits: Mapping[str, Mapping[str, list[str]]]) -> str:
+        """The injections and `hits` ({phase: {injection name: [site:point]}}, as
+        `trace_manifest` returns per phase) as the run's manifest.json."""
         return json.dumps(
             {
                 "injections": [
@@ -179,7 +180,7 @@ class FaultPlan:
                     }
                     for inj in self.injections
                 ],
-                "hits": self.manifest,
+                "hits": {phase: dict(h) for phase, h in hits.items()},
             },
             indent=2,
         )
@@ -190,21 +191,24 @@ class FaultPlan:
         phase: str,
         key: jax.Array | None = None,
         values: Mapping[str, Any] | None = None,
-    ) -> Iterator[None]:
-        """Intercept every model call inside this context with the injections of `phase`."""
+    ) -> Iterator[dict[str, list[str]]]:
+        """Intercept every model call inside this context with the injections of `phase`.
+
+        Yields the trace's hits, {injection name: [site:point]}, filled when the context exits
+        after a model call (empty when nothing ran or no injection is active); an active
+        injection that hit no module raises then. The plan itself is never written."""
+        hits: dict[str, list[str]] = {}
         active = self.active(phase)
         if not active:
-            yield
+            yield hits
             return
         run = _Run(active, key, dict(values or {}))
         with nn.intercept_methods(run.intercept):
-            yield
+            yield hits
         if run.applied:
             # A module traced twice (e.g. recomputed under remat) is one site.
-            self.manifest[phase] = {
-                inj.name: list(dict.fromkeys(run.hits[inj.name])) for _, inj in active
-            }
-            missing = [inj for _, inj in active if not self.manifest[phase][inj.name]]
+            hits.update({inj.name: list(dict.fromkeys(run.hits[inj.name])) for _, inj in active})
+            missing = [inj for _, inj in active if not hits[inj.name]]
             if missing:
                 raise ValueError(
                     f"phase {phase!r}: fault injection(s) matched no module: "
@@ -212,17 +216,20 @@ class FaultPlan:
                 )
 
     def trace_manifest(self, model: nn.Module, params, phase: str, seq_len: int = 2) -> dict:
-        """Trace one forward abstractly (`jax.eval_shape`, nothing runs) to fill and check the
-        manifest of `phase`; returns {injection name: [hit paths]}."""
+        """Trace one forward abstractly (`jax.eval_shape`, nothing runs) and return the hits of
+        `phase`, {injection name: [site:point]}; an injection that hits nothing raises."""
         ids = jax.ShapeDtypeStruct((1, seq_len), jnp.int32)
         values = {name: jnp.float32(1.0) for name in self._value_names()}
+        traced: dict[str, list[str]] = {}
 
         def forward(params, ids):
-            with self.apply(phase, key=jax.random.key(0), values=values):
-                return model.apply({"params": params}, ids)
+            with self.apply(phase, key=jax.random.key(0), values=values) as hits:
+                out = model.apply({"params": params}, ids)
+            traced.update(hits)
+            return out
 
         jax.eval_shape(forward, params, ids)
-        return self.manifest.get(phase, {})
+        return traced
 
     def _value_names(self) -> set[str]:
         names = set()
@@ -263,7 +270,7 @@ class _Run:
         if context.method_name != "__call__" or module.is_initializing():
             return next_fun(*args, **kwargs)
         self.applied = True
-        if isinstance(module, qwen2.Qwen2ForCausalLM):
+        if registry.is_causal_lm(module):
             self.token_mask = _call_token_mask(args, kwargs)
         site = classify(module.path, module)
         if site is None:

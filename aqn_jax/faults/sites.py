@@ -1,9 +1,9 @@
 """Which module calls an injection applies to.
 
-A site is (module kind, layer index) read from a Flax module path, checked against the
-module's type: `('layers_15', 'mlp', 'down_proj')` is kind `down_proj` of layer 15 only if the
-module there is a `Linear`. Layer ids come from the path, which is why the model's layers are an
-unrolled loop (`layers_{i}`).
+A site is (module kind, layer index) read from a Flax module path by the model's family and
+checked against the module's type: in Qwen2, `('layers_15', 'mlp', 'down_proj')` is kind
+`down_proj` of layer 15 only if the module there is a `Linear`. The kinds below are the
+vocabulary every family maps its modules to (`models/registry.py`).
 
 Kinds (per decoder layer): `layer` (the decoder layer; its output is the residual stream),
 `attn`, `mlp`, `q_proj`, `k_proj`, `v_proj`, `o_proj`, `gate_proj`, `up_proj`, `down_proj`,
@@ -19,19 +19,11 @@ named explicitly.
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections.abc import Iterable
 
 import flax.linen as nn
 
-from aqn_jax.models.qwen2 import (
-    Linear,
-    LMHead,
-    Qwen2Attention,
-    Qwen2DecoderLayer,
-    Qwen2MLP,
-    RMSNorm,
-)
+from aqn_jax.models import registry
 
 LINEAR_KINDS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 LAYER_NORM_KINDS = ("input_layernorm", "post_attention_layernorm")
@@ -41,19 +33,6 @@ EXPLICIT_ONLY = ("embed_tokens", "lm_head")
 GROUPS = {"linear": LINEAR_KINDS, "rmsnorm": (*LAYER_NORM_KINDS, "norm")}
 KINDS = (*LAYER_KINDS, *MODEL_KINDS)
 POINTS = ("input", "output")
-
-# Module type expected at each kind: a path match alone is not enough (exact targeting).
-_TYPES: dict[str, type] = {
-    "layer": Qwen2DecoderLayer,
-    "attn": Qwen2Attention,
-    "mlp": Qwen2MLP,
-    **dict.fromkeys(LINEAR_KINDS, Linear),
-    **dict.fromkeys(LAYER_NORM_KINDS, RMSNorm),
-    "norm": RMSNorm,
-    "embed_tokens": nn.Embed,
-    "lm_head": LMHead,
-}
-_LAYER_RE = re.compile(r"^layers_(\d+)$")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,26 +45,11 @@ class Site:
 
 
 def classify(path: tuple[str, ...], module: nn.Module) -> Site | None:
-    """The site of a module call, or None when the module is no fault site."""
-    kind, layer = None, None
-    if len(path) == 1 and path[0] in MODEL_KINDS:
-        kind = path[0]
-    elif path and (m := _LAYER_RE.match(path[0])):
-        layer = int(m.group(1))
-        rest = path[1:]
-        if not rest:
-            kind = "layer"
-        elif rest == ("self_attn",):
-            kind = "attn"
-        elif rest == ("mlp",):
-            kind = "mlp"
-        elif len(rest) == 2 and rest[0] in ("self_attn", "mlp") and rest[1] in LINEAR_KINDS:
-            kind = rest[1]
-        elif len(rest) == 1 and rest[0] in LAYER_NORM_KINDS:
-            kind = rest[0]
-    if kind is None or not isinstance(module, _TYPES[kind]):
-        return None
-    return Site(kind, layer)
+    """The site of a module call, or None when the module is no fault site: the model family
+    reads the kind and layer from the path and the module's type must be the kind's
+    (`models/registry.py`)."""
+    site = registry.site_of(path, module)
+    return None if site is None else Site(*site)
 
 
 def expand_kinds(kinds: Iterable[str], field: str = "sites") -> tuple[str, ...]:

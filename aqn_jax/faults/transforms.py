@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from aqn_jax.models import qwen2
+from aqn_jax.models import registry
 
 from . import formats, ops
 from .sites import GROUPS, LINEAR_KINDS, Site
@@ -377,7 +377,7 @@ class NormWeightNoise:
         )
         ctx.sow("noise_rms_rel", _rms(noise) / (_rms(weight) + 1e-30))
         noisy = (weight.astype(jnp.float32) + noise).astype(weight.dtype)
-        return qwen2.rms_norm(args[0], noisy, module.eps, module.dtype)
+        return registry.norm_with_weight(module, args[0], noisy)
 
     def describe(self) -> str:
         return f"rmsnorm_weight_noise(sigma={self.scale.describe()})"

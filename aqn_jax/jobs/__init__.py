@@ -1,15 +1,7 @@
 """One module per job; each defines `run(config, workdir)`. Selected by `config.job`.
 
-A job never imports another job: `run_job` runs the one a config names (the compare job runs
-its train runs through it)."""
-
-import importlib
-
-
-def run_job(config, workdir: str) -> None:
-    """Run the job `config.job` in this process (without launch's workdir lock or distributed
-    initialisation: the caller holds those)."""
-    importlib.import_module(f"aqn_jax.jobs.{config.job}").run(config, workdir)
+A job never imports or runs another job: `launch.py` alone picks the one a config names; the
+compare study's runs are library calls (`aqn_jax.training.run`)."""
 
 
 def check_required(config) -> None:

@@ -46,7 +46,7 @@ import traceback
 import jax
 import numpy as np
 
-from aqn_jax import parallel
+from aqn_jax import parallel, training
 from aqn_jax.checkpoint import Checkpointer
 from aqn_jax.checks import check_train
 from aqn_jax.data.config import load_split
@@ -55,7 +55,6 @@ from aqn_jax.evaluation import conditions, robustness
 from aqn_jax.experiment import apply_arm
 from aqn_jax.faults.config import fault_plan
 from aqn_jax.files import write_json
-from aqn_jax.jobs import run_job
 from aqn_jax.metrics import read_metrics
 from aqn_jax.models.factory import logical_axes, model_config
 from aqn_jax.study import report as study_report
@@ -177,10 +176,10 @@ def run(config, workdir: str) -> None:
         for arm, seed, run_dir in todo
     ]
     if workers == 1:
-        walls = []
+        walls, programs = [], {}
         for (arm, seed, run_dir), job in zip(todo, jobs, strict=True):
             print(f"== {arm} seed {seed} -> {run_dir}")
-            walls.append(train_and_evaluate(*job))
+            walls.append(train_and_evaluate(*job, programs=programs))
     else:
         walls = _run_parallel(todo, jobs, workers, cache_dir)
     timing["runs_wall_s_this_invocation"] = time.perf_counter() - t0
@@ -216,13 +215,14 @@ def run(config, workdir: str) -> None:
         print(f"report: {report}")
 
 
-def train_and_evaluate(rc, run_dir: str, device=None) -> float:
+def train_and_evaluate(rc, run_dir: str, device=None, programs: dict | None = None) -> float:
     """One run of the study: train with `rc`, then the robustness matrix on the hardware of
     `device` (a config; default `rc`) into `evaluation.json` (written last: its presence marks
-    the run finished). Returns the wall time."""
+    the run finished). `programs`: the evaluation programs compiled by earlier runs of this
+    process (`evaluation.program`). Returns the wall time."""
     t0 = time.perf_counter()
-    run_job(rc, run_dir)  # rc.job is 'train' (run_config)
-    result = _evaluate(rc if device is None else device, run_dir)
+    training.run(rc, run_dir)
+    result = _evaluate(rc if device is None else device, run_dir, programs)
     result["wall_time_s"] = time.perf_counter() - t0
     write_json(os.path.join(run_dir, "evaluation.json"), result, default=str)
     return result["wall_time_s"]
@@ -230,6 +230,7 @@ def train_and_evaluate(rc, run_dir: str, device=None) -> float:
 
 # -- parallel workers ------------------------------------------------------------------------------
 _STOP = None  # the workers' "stop" event (SIGTERM to the job)
+_PROGRAMS: dict | None = None  # a worker's evaluation programs, kept across its runs
 
 
 def _run_parallel(todo, jobs, workers: int, cache_dir: str | None) -> list[float]:
@@ -286,8 +287,8 @@ def _run_parallel(todo, jobs, workers: int, cache_dir: str | None) -> list[float
 
 
 def _init_worker(slots, stop, cache_dir) -> None:
-    global _STOP
-    _STOP = stop
+    global _STOP, _PROGRAMS
+    _STOP, _PROGRAMS = stop, {}
     with contextlib.suppress(Exception):  # die with the job (Linux), never orphaned
         import ctypes
 
@@ -307,7 +308,7 @@ def _worker_task(task):
     sys.stdout.flush(), sys.stderr.flush()
     os.dup2(log.fileno(), 1), os.dup2(log.fileno(), 2)  # C-level output (XLA, absl) too
     try:
-        return i, "ok", train_and_evaluate(rc, run_dir, device)
+        return i, "ok", train_and_evaluate(rc, run_dir, device, _PROGRAMS)
     except SystemExit as e:  # SIGTERM: the train job saved a checkpoint
         return i, ("preempted" if e.code == 143 else "failed"), f"exit {e.code}"
     except Exception:
@@ -329,7 +330,7 @@ def _use_compile_cache(path: str) -> None:
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
-def _evaluate(config, run_dir: str) -> dict:
+def _evaluate(config, run_dir: str, programs: dict | None) -> dict:
     """The robustness matrix and held-out loss of the run's final checkpoint."""
     ckpt = Checkpointer(run_dir, 0, 1)
     state, _ = ckpt.restore_host(ckpt.latest_step())
@@ -341,7 +342,7 @@ def _evaluate(config, run_dir: str) -> dict:
     params = parallel.put_global(
         state["params"], parallel.param_shardings(logical_axes(model_cfg), mesh)
     )
-    return robustness(config, model_cfg, params, tokenizer, test, mesh=mesh)
+    return robustness(config, model_cfg, params, tokenizer, test, mesh=mesh, programs=programs)
 
 
 def _collect(run_dir: str) -> dict:

@@ -26,7 +26,7 @@ from aqn_jax.data.tokenizers import load_tokenizer
 from aqn_jax.diagnosis.profile import format_profile, residual_profile
 from aqn_jax.faults.intercept import FaultPlan, step_key, summarize_stats
 from aqn_jax.models.factory import load_model, logical_axes, model_config
-from aqn_jax.models.qwen2 import Qwen2ForCausalLM
+from aqn_jax.models.registry import causal_lm, layer_name
 
 
 def _check_config(config):
@@ -58,35 +58,39 @@ def run(config, workdir: str) -> None:
     flat_axes = traverse_util.flatten_dict(logical_axes(model_cfg), sep="/")
     total = sum(int(np.prod(v.shape)) for v in flat_params.values())
     rows = []
-    print(f"Qwen2ForCausalLM ({model_cfg.model_type}) from {source}")
+    print(f"{type(causal_lm(model_cfg)).__name__} ({model_cfg.model_type}) from {source}")
     print(f"{'param':48s} {'shape':>16s} {'dtype':>9s}  logical axes")
-    for path in sorted(flat_params, key=_layer_order):
+    first = layer_name(model_cfg, 0)
+    layer_prefix = first.removesuffix("0")
+    for path in sorted(flat_params, key=lambda p: _layer_order(p, layer_prefix)):
         value = flat_params[path]
         rows.append(
             dict(path=path, shape=list(value.shape), dtype=str(value.dtype), axes=flat_axes[path])
         )
         # Layer 0 in full; the other layers have the same shapes.
-        if not path.startswith("layers_") or path.startswith("layers_0/"):
+        if not path.startswith(layer_prefix) or path.startswith(f"{first}/"):
             shape, dtype = str(tuple(value.shape)), str(value.dtype)
             print(f"{path:48s} {shape:>16s} {dtype:>9s}  {flat_axes[path]}")
     if model_cfg.num_hidden_layers > 1:
-        print(f"(layers_1 .. layers_{model_cfg.num_hidden_layers - 1}: as layers_0)")
+        last = layer_name(model_cfg, model_cfg.num_hidden_layers - 1)
+        print(f"({layer_name(model_cfg, 1)} .. {last}: as {first})")
     print(f"total parameters: {total:,}")
 
-    model = Qwen2ForCausalLM(model_cfg)
+    model = causal_lm(model_cfg)
     # The manifest of every phase, traced abstractly before anything compiles: an injection
     # that hits no module raises here.
     print(plan.describe())
+    manifest = {}
     for phase in ("rollout", "train", "eval"):
         if plan.active(phase):
-            hits = plan.trace_manifest(model, params, phase)
+            hits = manifest[phase] = plan.trace_manifest(model, params, phase)
             for name, paths in hits.items():
                 shown = ", ".join(paths[:4]) + (
                     f", ... ({len(paths)} sites)" if len(paths) > 4 else ""
                 )
                 print(f"  [{phase}] {name}: {shown}")
     with open(os.path.join(workdir, "manifest.json"), "w") as f:
-        f.write(plan.manifest_json())
+        f.write(plan.manifest_json(manifest))
 
     messages = [{"role": "user", "content": config.prompt}]
     ids = np.asarray([tokenizer.encode_chat(messages)], np.int32)
@@ -153,8 +157,8 @@ def run(config, workdir: str) -> None:
     print(f"wrote {out}")
 
 
-def _layer_order(path: str):
+def _layer_order(path: str, layer_prefix: str):
     head, _, rest = path.partition("/")
-    if head.startswith("layers_"):
-        return (1, int(head.removeprefix("layers_")), rest)
+    if head.startswith(layer_prefix) and head.removeprefix(layer_prefix).isdigit():
+        return (1, int(head.removeprefix(layer_prefix)), rest)
     return (0 if head == "embed_tokens" else 2, 0, path)

@@ -35,7 +35,7 @@ from aqn_jax.faults.sites import SiteSelector, expand_kinds
 from aqn_jax.faults.transforms import Deadzone
 from aqn_jax.files import write_json
 from aqn_jax.models.factory import model_config
-from aqn_jax.models.qwen2 import Qwen2ForCausalLM
+from aqn_jax.models.registry import causal_lm, layer_name
 from aqn_jax.rl.sampler import Sampler
 from aqn_jax.rl.scoring import eval_scores
 from aqn_jax.rl.sft import sft_sequences
@@ -76,7 +76,7 @@ def run(config, workdir: str) -> None:
     # -- Model ---------------------------------------------------------------------------------
     t0 = time.perf_counter()
     model_cfg, params, _ = warm_start(config, workdir)
-    model = Qwen2ForCausalLM(dataclasses.replace(model_cfg, remat=False))
+    model = causal_lm(dataclasses.replace(model_cfg, remat=False))
     bs = int(config.trainer.val_batch_size)
     key = step_key(int(config.seed), 0, "eval")
     sp = greedy_sampling(config, tokenizer)
@@ -128,7 +128,8 @@ def run(config, workdir: str) -> None:
                 factor = np.zeros(n_layers, np.float32)
                 factor[layer] = value / BASE
                 values = {FACTOR: factor}
-                loss, flushed = _loss_and_flushed(stats_fn, params, data, bs, key, values, layer)
+                name = layer_name(model.config, layer)
+                loss, flushed = _loss_and_flushed(stats_fn, params, data, bs, key, values, name)
                 row = {
                     "severity": mode,
                     "value": value,
@@ -160,7 +161,7 @@ def _stats_program(model, plan):
     return fn
 
 
-def _loss_and_flushed(fn, params, data, bs, key, values, layer):
+def _loss_and_flushed(fn, params, data, bs, key, values, layer_name: str):
     total = count = 0.0
     flushed, weights = [], []
     for start in range(0, len(data.ids), bs):
@@ -174,7 +175,7 @@ def _loss_and_flushed(fn, params, data, bs, key, values, layer):
             values,
         )
         total, count = total + float(s), count + float(c)
-        flushed.append(summarize_stats(stats)[f"deadzone.flushed/layers_{layer}"])
+        flushed.append(summarize_stats(stats)[f"deadzone.flushed/{layer_name}"])
         weights.append(len(data.ids[sl]))
     return total / max(count, 1.0), float(np.average(flushed, weights=weights))
 

@@ -19,6 +19,7 @@ Logits are always float32.
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -605,3 +606,71 @@ class Qwen2ForCausalLM(nn.Module):
         if cache is None:
             return logits_BTV
         return logits_BTV, KVCache(k=tuple(new_k), v=tuple(new_v), mask=key_mask_BS, end=start + T)
+
+
+# --- what the library needs from this family (registered in `models/registry.py`) ------------
+# Module kind -> the module type at that kind: fault sites are matched by path and checked by
+# type (exact targeting). The kind names are the seam's vocabulary (`faults/sites.py`).
+SITE_TYPES: dict[str, type] = {
+    "layer": Qwen2DecoderLayer,
+    "attn": Qwen2Attention,
+    "mlp": Qwen2MLP,
+    **dict.fromkeys(("q_proj", "k_proj", "v_proj", "o_proj"), Linear),
+    **dict.fromkeys(("gate_proj", "up_proj", "down_proj"), Linear),
+    "input_layernorm": RMSNorm,
+    "post_attention_layernorm": RMSNorm,
+    "norm": RMSNorm,
+    "embed_tokens": nn.Embed,
+    "lm_head": LMHead,
+}
+_LAYER_RE = re.compile(r"^layers_(\d+)$")
+_SUBMODULE_KINDS = {
+    ("self_attn",): "attn",
+    ("mlp",): "mlp",
+    **{("self_attn", k): k for k in ("q_proj", "k_proj", "v_proj", "o_proj")},
+    **{("mlp", k): k for k in ("gate_proj", "up_proj", "down_proj")},
+    ("input_layernorm",): "input_layernorm",
+    ("post_attention_layernorm",): "post_attention_layernorm",
+}
+
+
+def site_of(path: tuple[str, ...]) -> tuple[str, int | None] | None:
+    """(kind, layer id) of the module at a Flax path, None when no kind lives there: the layers
+    are an unrolled loop (`layers_{i}`), so the layer id is read from the path."""
+    if len(path) == 1 and path[0] in ("norm", "embed_tokens", "lm_head"):
+        return path[0], None
+    if path and (m := _LAYER_RE.match(path[0])):
+        kind = "layer" if len(path) == 1 else _SUBMODULE_KINDS.get(tuple(path[1:]))
+        return None if kind is None else (kind, int(m.group(1)))
+    return None
+
+
+def norm_with_weight(module: RMSNorm, x: jax.Array, weight: jax.Array) -> jax.Array:
+    """`module`'s computation with another weight vector (AQN's weight noise)."""
+    return rms_norm(x, weight, module.eps, module.dtype)
+
+
+def _heads(n: int, tensor: int) -> int:
+    return -(-n // tensor)
+
+
+def saved_layer_bytes(config: Qwen2Config, tensor: int, keys: int) -> int:
+    """Bytes one decoder layer saves per token for its backward over `keys` key positions, with
+    heads and the MLP split `tensor` ways:
+    (6 D + 3 (N + K) H / t + 4 I / t) * itemsize + 3 (N / t) * keys * 4 (float32 scores,
+    probabilities and their mask, materialised by `Qwen2Attention`)."""
+    c = config
+    heads, kv_heads = _heads(c.num_attention_heads, tensor), _heads(c.num_key_value_heads, tensor)
+    elements = (
+        6 * c.hidden_size
+        + 3 * (heads + kv_heads) * c.resolved_head_dim
+        + 4 * _heads(c.intermediate_size, tensor)
+    )
+    return elements * jnp.dtype(c.dtype).itemsize + 3 * heads * keys * 4
+
+
+def forward_layer_bytes(config: Qwen2Config, tensor: int, keys: int, score_copies: int) -> int:
+    """Bytes of one decoder layer's forward working set per token over `keys` key positions:
+    3 (I / t) * itemsize + score_copies * (N / t) * keys * 4."""
+    mlp = 3 * _heads(config.intermediate_size, tensor) * jnp.dtype(config.dtype).itemsize
+    return mlp + score_copies * _heads(config.num_attention_heads, tensor) * keys * 4

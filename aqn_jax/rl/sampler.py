@@ -25,8 +25,11 @@ key (and the same keys give the same samples).
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections.abc import Callable
 from typing import Any
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -34,7 +37,7 @@ import numpy as np
 from aqn_jax import parallel
 from aqn_jax.faults.intercept import FaultPlan
 from aqn_jax.faults.transforms import STATE_COLLECTION, STATS_COLLECTION
-from aqn_jax.models.qwen2 import KVCache, Qwen2ForCausalLM, init_cache
+from aqn_jax.models.registry import init_cache
 
 NEG_INF = -1e30  # masks logits that may never be sampled (finite: no NaN in log-softmax)
 
@@ -136,7 +139,7 @@ class Sampler:
 
     def __init__(
         self,
-        model: Qwen2ForCausalLM,
+        model: nn.Module,
         sampling: SamplingParams,
         plan: FaultPlan | None = None,
         buckets: tuple[int, ...] = (64, 128, 256, 512, 1024),
@@ -153,8 +156,12 @@ class Sampler:
         self.phase = phase
         self.mesh = mesh
         self.traces = 0  # how often the program was traced (tests assert no retrace)
-        self._caches: dict[tuple[int, int], KVCache] = {}
-        self._program = jax.jit(self._generate, donate_argnums=(4,))
+        self._caches: dict[tuple[int, int], Any] = {}
+        self._spec = _Program(model, sampling, self.plan, phase, mesh, on_trace=self._traced)
+        self._program = jax.jit(functools.partial(generate, self._spec), donate_argnums=(4,))
+
+    def _traced(self) -> None:
+        self.traces += 1
 
     def bucket(self, length: int) -> int:
         for b in self.buckets:
@@ -197,7 +204,7 @@ class Sampler:
             if self.mesh is None:
                 cache = make()
             else:  # created in place on the mesh (no host copy; works across processes)
-                shardings = self._cache_sharding(jax.eval_shape(make))
+                shardings = _cache_sharding(self.mesh, jax.eval_shape(make))
                 cache = jax.jit(make, out_shardings=shardings)()
         dev_ids, dev_mask = input_ids, attention_mask
         if self.mesh is not None:
@@ -217,111 +224,123 @@ class Sampler:
             fault_stats=jax.tree_util.tree_map(parallel.to_host, stats),
         )
 
-    def _cache_sharding(self, cache: KVCache):
-        return jax.tree_util.tree_map(
-            lambda x: (
-                parallel.replicated(self.mesh)
-                if x.ndim == 0
-                else parallel.batch_sharding(self.mesh, x.ndim)
-            ),
-            cache,
-        )
 
-    def _forward(self, weights, ids, mask, cache, fault_state, fault_key, values):
-        """One prefill or decode step. fault_state: the running statistics of causal-scope
-        faults (`faults.intercept`), carried next to the KV cache ({} before the prefill)."""
-        variables = {"params": weights}
-        if fault_state:
-            variables[STATE_COLLECTION] = fault_state
-        with self.plan.apply(self.phase, key=fault_key, values=values):
-            (logits, cache), state = self.model.apply(
-                variables,
-                ids,
-                attention_mask=mask,
-                cache=cache,
-                last_only=True,  # only the next token's logits are needed
-                mutable=[STATS_COLLECTION, STATE_COLLECTION],
-            )
-        return logits, cache, state.get(STATS_COLLECTION, {}), state.get(STATE_COLLECTION, {})
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Program:
+    """What decides a sampler's program: the model, the sampling parameters, the fault plan and
+    phase, and the mesh; `on_trace` is called each time the program is traced."""
 
-    def _generate(self, weights, input_ids, attention_mask, keys, cache, values):
-        self.traces += 1
-        sp = self.sampling
-        key, fault_key = keys
-        rows = input_ids.shape[0]
-        # Reuse the donated buffers, zeroed: a padding query has no valid key, and its softmax
-        # over all-masked slots would average whatever an earlier call left there. Its output
-        # never reaches a real token, but it enters tensor-wide statistics (a deadzone's amax,
-        # the telemetry), so a run must not depend on what the cache held before.
-        cache = KVCache(
-            k=tuple(jnp.zeros_like(k) for k in cache.k),
-            v=tuple(jnp.zeros_like(v) for v in cache.v),
-            mask=jnp.zeros_like(cache.mask),
-            end=jnp.zeros((), jnp.int32),
+    model: nn.Module
+    sampling: SamplingParams
+    plan: FaultPlan
+    phase: str
+    mesh: jax.sharding.Mesh | None
+    on_trace: Callable[[], None]
+
+
+def _cache_sharding(mesh, cache):
+    """The KV cache's rows split over ('data', 'fsdp'); scalars replicated."""
+    return jax.tree_util.tree_map(
+        lambda x: (
+            parallel.replicated(mesh) if x.ndim == 0 else parallel.batch_sharding(mesh, x.ndim)
+        ),
+        cache,
+    )
+
+
+def _forward(p: _Program, weights, ids, mask, cache, fault_state, fault_key, values):
+    """One prefill or decode step of program `p`. fault_state: the running statistics of
+    causal-scope faults (`faults.intercept`), carried next to the KV cache ({} before the
+    prefill)."""
+    variables = {"params": weights}
+    if fault_state:
+        variables[STATE_COLLECTION] = fault_state
+    with p.plan.apply(p.phase, key=fault_key, values=values):
+        (logits, cache), state = p.model.apply(
+            variables,
+            ids,
+            attention_mask=mask,
+            cache=cache,
+            last_only=True,  # only the next token's logits are needed
+            mutable=[STATS_COLLECTION, STATE_COLLECTION],
         )
-        logits, cache, stats, fault_state = self._forward(
-            weights, input_ids, attention_mask, cache, {}, jax.random.fold_in(fault_key, 0), values
+    return logits, cache, state.get(STATS_COLLECTION, {}), state.get(STATE_COLLECTION, {})
+
+
+def generate(p: _Program, weights, input_ids, attention_mask, keys, cache, values):
+    """Prefill, then a `while_loop` of one-token steps: (tokens, logprobs, mask, fault stats,
+    cache). Jitted per `Sampler` with `p` bound and the cache donated."""
+    p.on_trace()
+    sp = p.sampling
+    key, fault_key = keys
+    rows = input_ids.shape[0]
+    # Reuse the donated buffers, zeroed: a padding query has no valid key, and its softmax
+    # over all-masked slots would average whatever an earlier call left there. Its output
+    # never reaches a real token, but it enters tensor-wide statistics (a deadzone's amax,
+    # the telemetry), so a run must not depend on what the cache held before.
+    cache = jax.tree_util.tree_map(jnp.zeros_like, cache)
+    logits, cache, stats, fault_state = _forward(
+        p, weights, input_ids, attention_mask, cache, {}, jax.random.fold_in(fault_key, 0), values
+    )
+    T = sp.max_new_tokens
+    state = dict(
+        t=jnp.zeros((), jnp.int32),
+        cache=cache,
+        fault_state=fault_state,
+        logits=logits[:, -1],  # left padding: the last slot is every prompt's last token
+        tokens=jnp.full((rows, T), sp.pad_id, jnp.int32),
+        logprobs=jnp.zeros((rows, T), jnp.float32),
+        mask=jnp.zeros((rows, T), jnp.int32),
+        done=jnp.zeros((rows,), bool),
+        stats_sum=stats,
+    )
+
+    def cond(s):
+        return (s["t"] < T) & ~jnp.all(s["done"])
+
+    def body(s):
+        t = s["t"]
+        filtered = filter_logits(s["logits"], sp)
+        if sp.greedy:
+            token = jnp.argmax(filtered, axis=-1).astype(jnp.int32)
+        else:
+            token = jax.random.categorical(jax.random.fold_in(key, t), filtered).astype(jnp.int32)
+        scaled = s["logits"].astype(jnp.float32) / _logprob_scale(sp)
+        logprob = jnp.take_along_axis(jax.nn.log_softmax(scaled), token[:, None], axis=-1)[:, 0]
+        live = ~s["done"]
+        token = jnp.where(live, token, sp.pad_id)
+        tokens = s["tokens"].at[:, t].set(token)
+        logprobs = s["logprobs"].at[:, t].set(jnp.where(live, logprob, 0.0))
+        mask = s["mask"].at[:, t].set(live.astype(jnp.int32))
+        done = s["done"] | (token == sp.eos_id)
+        # Finished rows feed padding (mask 0): their slots stay invalid in the cache.
+        logits, cache, stats, fault_state = _forward(
+            p,
+            weights,
+            token[:, None],
+            live[:, None].astype(jnp.int32),
+            s["cache"],
+            s["fault_state"],
+            jax.random.fold_in(fault_key, t + 1),
+            values,
         )
-        T = sp.max_new_tokens
-        state = dict(
-            t=jnp.zeros((), jnp.int32),
+        return dict(
+            t=t + 1,
             cache=cache,
             fault_state=fault_state,
-            logits=logits[:, -1],  # left padding: the last slot is every prompt's last token
-            tokens=jnp.full((rows, T), sp.pad_id, jnp.int32),
-            logprobs=jnp.zeros((rows, T), jnp.float32),
-            mask=jnp.zeros((rows, T), jnp.int32),
-            done=jnp.zeros((rows,), bool),
-            stats_sum=stats,
+            logits=logits[:, -1],
+            tokens=tokens,
+            logprobs=logprobs,
+            mask=mask,
+            done=done,
+            stats_sum=jax.tree_util.tree_map(jnp.add, s["stats_sum"], stats),
         )
 
-        def cond(s):
-            return (s["t"] < T) & ~jnp.all(s["done"])
-
-        def body(s):
-            t = s["t"]
-            filtered = filter_logits(s["logits"], sp)
-            if sp.greedy:
-                token = jnp.argmax(filtered, axis=-1).astype(jnp.int32)
-            else:
-                token = jax.random.categorical(jax.random.fold_in(key, t), filtered).astype(
-                    jnp.int32
-                )
-            scaled = s["logits"].astype(jnp.float32) / _logprob_scale(sp)
-            logprob = jnp.take_along_axis(jax.nn.log_softmax(scaled), token[:, None], axis=-1)[:, 0]
-            live = ~s["done"]
-            token = jnp.where(live, token, sp.pad_id)
-            tokens = s["tokens"].at[:, t].set(token)
-            logprobs = s["logprobs"].at[:, t].set(jnp.where(live, logprob, 0.0))
-            mask = s["mask"].at[:, t].set(live.astype(jnp.int32))
-            done = s["done"] | (token == sp.eos_id)
-            # Finished rows feed padding (mask 0): their slots stay invalid in the cache.
-            logits, cache, stats, fault_state = self._forward(
-                weights,
-                token[:, None],
-                live[:, None].astype(jnp.int32),
-                s["cache"],
-                s["fault_state"],
-                jax.random.fold_in(fault_key, t + 1),
-                values,
-            )
-            return dict(
-                t=t + 1,
-                cache=cache,
-                fault_state=fault_state,
-                logits=logits[:, -1],
-                tokens=tokens,
-                logprobs=logprobs,
-                mask=mask,
-                done=done,
-                stats_sum=jax.tree_util.tree_map(jnp.add, s["stats_sum"], stats),
-            )
-
-        s = jax.lax.while_loop(cond, body, state)
-        if self.mesh is not None:
-            s["cache"] = jax.lax.with_sharding_constraint(
-                s["cache"], self._cache_sharding(s["cache"])
-            )
-        # Telemetry: the mean over the prefill and every decode step that ran.
-        stats = jax.tree_util.tree_map(lambda v: v / (s["t"] + 1).astype(v.dtype), s["stats_sum"])
-        return s["tokens"], s["logprobs"], s["mask"], stats, s["cache"]
+    s = jax.lax.while_loop(cond, body, state)
+    if p.mesh is not None:
+        s["cache"] = jax.lax.with_sharding_constraint(
+            s["cache"], _cache_sharding(p.mesh, s["cache"])
+        )
+    # Telemetry: the mean over the prefill and every decode step that ran.
+    stats = jax.tree_util.tree_map(lambda v: v / (s["t"] + 1).astype(v.dtype), s["stats_sum"])
+    return s["tokens"], s["logprobs"], s["mask"], stats, s["cache"]

@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -24,7 +25,6 @@ import optax
 
 from aqn_jax.data.gsm8k import Example
 from aqn_jax.data.tokenizers import Tokenizer
-from aqn_jax.models.qwen2 import Qwen2ForCausalLM
 
 from .optim import adamw, lr_schedule
 
@@ -74,7 +74,7 @@ def sft_sequences(
     return SFTData(ids, mask, loss_mask)
 
 
-def sft_loss(model: Qwen2ForCausalLM, params, ids, mask, loss_mask) -> jax.Array:
+def sft_loss(model: nn.Module, params, ids, mask, loss_mask) -> jax.Array:
     """Token-mean next-token cross-entropy over the positions where `loss_mask` is 1."""
     logits = model.apply({"params": params}, ids, attention_mask=mask)
     logp = jax.nn.log_softmax(logits[:, :-1], axis=-1)
@@ -84,7 +84,7 @@ def sft_loss(model: Qwen2ForCausalLM, params, ids, mask, loss_mask) -> jax.Array
 
 
 def sft_train(
-    model: Qwen2ForCausalLM,
+    model: nn.Module,
     params: Any,
     data: SFTData,
     *,

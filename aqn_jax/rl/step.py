@@ -31,6 +31,7 @@ import dataclasses
 from typing import Any, NamedTuple
 
 import flax
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -41,7 +42,7 @@ from aqn_jax import parallel
 from aqn_jax.aqn.config import AQN_SIGMA
 from aqn_jax.faults.intercept import FaultPlan
 from aqn_jax.models.factory import logical_axes
-from aqn_jax.models.qwen2 import Qwen2Config, Qwen2ForCausalLM
+from aqn_jax.models.registry import ModelConfig, causal_lm
 
 from . import advantages as adv_lib
 from . import losses
@@ -154,9 +155,9 @@ class Static:
     """Everything the jitted programs close over, built once from the config (`static_from`)."""
 
     h: Hyper
-    model_cfg: Qwen2Config
-    policy: Qwen2ForCausalLM
-    critic: Qwen2ForCausalLM
+    model_cfg: ModelConfig
+    policy: nn.Module
+    critic: nn.Module
     plan: FaultPlan  # the policy's passes: hardware faults + AQN
     critic_plan: FaultPlan  # the hardware faults with config.critic.faults, else none
     actor_opt: optax.GradientTransformation
@@ -176,7 +177,7 @@ class Static:
 
 
 def static_from(
-    config, model_cfg: Qwen2Config, plan: FaultPlan, hardware_plan: FaultPlan, total_steps: int
+    config, model_cfg: ModelConfig, plan: FaultPlan, hardware_plan: FaultPlan, total_steps: int
 ) -> Static:
     h = hyper_from(config)
     # Schedules advance per RL step (verl steps its LR scheduler once per update_policy);
@@ -191,8 +192,8 @@ def static_from(
     return Static(
         h=h,
         model_cfg=model_cfg,
-        policy=Qwen2ForCausalLM(model_cfg),
-        critic=Qwen2ForCausalLM(model_cfg, head="value"),
+        policy=causal_lm(model_cfg),
+        critic=causal_lm(model_cfg, head="value"),
         plan=plan,
         critic_plan=hardware_plan if config.critic.faults else FaultPlan(),
         actor_opt=actor_opt,
@@ -219,7 +220,7 @@ class Shardings(NamedTuple):
     replicated: NamedSharding
 
 
-def init_critic(model_cfg: Qwen2Config, policy_params):
+def init_critic(model_cfg: ModelConfig, policy_params):
     """The critic: the policy's backbone (embed, layers, final norm) and a fresh value head
     (zero-initialised: every value starts at 0)."""
     backbone = {k: v for k, v in policy_params.items() if k != "lm_head"}

@@ -31,7 +31,7 @@ from aqn_jax.aqn.config import AQN_SIGMA, aqn_sigma
 from aqn_jax.data.gsm8k import Example, PromptBatcher
 from aqn_jax.data.tokenizers import Tokenizer
 from aqn_jax.faults.intercept import FaultPlan, step_key, summarize_stats
-from aqn_jax.models.qwen2 import Qwen2ForCausalLM
+from aqn_jax.models.registry import causal_lm
 from aqn_jax.rewards import score_batch
 from aqn_jax.rl.scoring import eval_scores
 
@@ -94,7 +94,7 @@ class Trainer:
         )
         greedy = dataclasses.replace(sampling, temperature=0.0, top_k=0, top_p=1.0, n=1)
         # Generation has no backward pass: the samplers' model does not remat.
-        gen = Qwen2ForCausalLM(dataclasses.replace(static.model_cfg, remat=False))
+        gen = causal_lm(dataclasses.replace(static.model_cfg, remat=False))
         mesh = self.mesh
         self.rollout_sampler = Sampler(gen, sampling, static.plan, buckets, mesh=mesh)
         self.clean_sampler = Sampler(gen, greedy, FaultPlan(), buckets, phase="eval", mesh=mesh)

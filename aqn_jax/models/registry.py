@@ -1,0 +1,133 @@
+"""The model seam: what faults, SRDD, the sampler and the planner need from a model family, and
+the table from a checkpoint's `model_type` to its family.
+
+Nothing outside `models/` imports a model file: the library builds a model with
+`causal_lm(config)`, an empty KV cache with `init_cache(config, ...)`, reads fault sites with
+`site_of(path, module)`, and sizes activations with `family_of(config).saved_layer_bytes`.
+Adding a family is its model file, its HF key table, and one entry in `FAMILIES` (tunix's
+`models/<name>/{model,params}.py` plus one registry line is the shape followed).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
+
+import flax.linen as nn
+
+from . import hf_mapping, qwen2
+
+
+class ModelConfig(Protocol):
+    """The fields of a family's config the library reads (HF names; frozen dataclass)."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    tie_word_embeddings: bool
+    param_dtype: str
+    dtype: str
+    remat: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """One decoder family.
+
+    causal_lm: `(config, head='lm' | 'value') -> nn.Module`; called as
+      `apply({'params': p}, ids_BT, attention_mask=, positions=, cache=, last_only=)`, returning
+      float32 logits `[B, T, V]` (values `[B, T]` for the value head), and `(out, cache)` with a
+      cache. Decoder layer i is the module named `layer_name(i)`, called as `(x, *rest)` and
+      returning `(x, kv)` (SRDD re-runs it on probed inputs); param paths follow
+      `checkpoint_keys`.
+    init_cache: `(config, batch_size, max_len) -> cache`, a pytree the model reads and returns.
+    layer_name: `i -> str`, the name (top-level path entry) of decoder layer i; its params,
+      intermediates and telemetry live under it.
+    site_of: `path -> (kind, layer id | None) | None`, the fault-site kind at a module path.
+    site_types: kind -> the module type found at that kind (a path match alone is not a site).
+    norm_with_weight: `(norm module, x, weight) -> y`, the norm's computation with another
+      weight (AQN's weight noise).
+    saved_layer_bytes / forward_layer_bytes: the activation model of one decoder layer per
+      token, read by the memory planner.
+    checkpoint_keys: `config -> {hf key: (flax path, transpose)}`, the HF key table.
+    """
+
+    model_types: tuple[str, ...]
+    causal_lm: Callable[..., nn.Module]
+    init_cache: Callable[[Any, int, int], Any]
+    layer_name: Callable[[int], str]
+    site_of: Callable[[tuple[str, ...]], tuple[str, int | None] | None]
+    site_types: Mapping[str, type]
+    norm_with_weight: Callable[[nn.Module, Any, Any], Any]
+    saved_layer_bytes: Callable[[Any, int, int], int]
+    forward_layer_bytes: Callable[[Any, int, int, int], int]
+    checkpoint_keys: Callable[[Any], dict]
+
+
+# Llama and Mistral checkpoints are Qwen2's decoder without q/k/v biases (`attention_bias`).
+FAMILIES: dict[str, Family] = {
+    "qwen2": Family(
+        model_types=qwen2.MODEL_TYPES,
+        causal_lm=qwen2.Qwen2ForCausalLM,
+        init_cache=qwen2.init_cache,
+        layer_name="layers_{}".format,
+        site_of=qwen2.site_of,
+        site_types=qwen2.SITE_TYPES,
+        norm_with_weight=qwen2.norm_with_weight,
+        saved_layer_bytes=qwen2.saved_layer_bytes,
+        forward_layer_bytes=qwen2.forward_layer_bytes,
+        checkpoint_keys=hf_mapping.checkpoint_keys,
+    ),
+}
+
+
+def family_of(config: ModelConfig) -> Family:
+    """The family of a model config, by its `model_type`."""
+    for family in FAMILIES.values():
+        if config.model_type in family.model_types:
+            return family
+    allowed = sorted(t for f in FAMILIES.values() for t in f.model_types)
+    raise ValueError(f"model_type={config.model_type!r}; allowed: {allowed}")
+
+
+def causal_lm(config: ModelConfig, head: str = "lm") -> nn.Module:
+    """The model of `config` (head 'lm': logits; 'value': the PPO critic)."""
+    return family_of(config).causal_lm(config, head=head)
+
+
+def init_cache(config: ModelConfig, batch_size: int, max_len: int) -> Any:
+    """An empty KV cache of `max_len` slots for `batch_size` rows."""
+    return family_of(config).init_cache(config, batch_size, max_len)
+
+
+def layer_name(config: ModelConfig, i: int) -> str:
+    """The name of decoder layer `i` of `config`'s model (Qwen2: `layers_{i}`)."""
+    return family_of(config).layer_name(i)
+
+
+def is_causal_lm(module: nn.Module) -> bool:
+    """Whether `module` is a registered family's whole model (a call's root)."""
+    return any(isinstance(module, f.causal_lm) for f in FAMILIES.values())
+
+
+def site_of(path: tuple[str, ...], module: nn.Module) -> tuple[str, int | None] | None:
+    """(kind, layer id) of a module call, checked against the module's type; None when the
+    module is no fault site of any family."""
+    for family in FAMILIES.values():
+        site = family.site_of(path)
+        if site is not None and isinstance(module, family.site_types[site[0]]):
+            return site
+    return None
+
+
+def norm_with_weight(module: nn.Module, x: Any, weight: Any) -> Any:
+    """The norm `module`'s computation on `x` with `weight` instead of its own."""
+    for family in FAMILIES.values():
+        if isinstance(module, family.site_types["norm"]):
+            return family.norm_with_weight(module, x, weight)
+    raise TypeError(f"{type(module).__name__} is no registered family's norm module")
