@@ -44,11 +44,12 @@ def _rows(workdir):
 
 
 @pytest.mark.slow
-def test_two_processes_agree_with_one(tmp_path):
-    cache = tmp_path / "cache"
+def test_two_processes_agree_with_one(tmp_path, sft_cache):
+    cache = sft_cache
     single, multi = tmp_path / "single", tmp_path / "multi"
     # The reference: one process, two devices (the same data=2 mesh), which also fills the
-    # SFT cache that both processes of the multi-host run then read.
+    # SFT cache (the session's: the smoke arms' warm start, one key) that both processes of the
+    # multi-host run then read.
     _launch(single, cache, devices=2)
 
     # launch/local.py: two processes, one CPU device each, joined over loopback.
