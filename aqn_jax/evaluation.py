@@ -11,9 +11,12 @@ Programs are shared where the maths allows: every noise level (0 included, which
 0) is one compiled program with the level as a traced value, so the matrix compiles
 2 (fault off / on) x 2 (noise, MXFP4) samplers, not one per condition.
 
-Programs are also kept for the life of the process (keyed by everything that defines them:
-model config, sampling parameters, buckets, the plan's injections, the mesh), so the `compare`
-job, which evaluates one run after another, traces and compiles the matrix once per process.
+A caller that evaluates one run after another (the `compare` job) passes a cache of programs
+(`programs`, keyed by everything that defines them: model config, sampling parameters, buckets,
+the plan's injections, the mesh), so the matrix is traced and compiled once.
+
+What the evaluation reads of an experiment config is converted once, at the job, into an
+`EvalSpec` (`eval_spec(config)`, which validates it); the library functions take that.
 
 Decoding: greedy (`samples=1`, the accuracy verl reports as mean@1), or `samples=n` completions
 per prompt at `config.rollout.temperature` with their mean accuracy (mean@n).
@@ -34,7 +37,6 @@ import numpy as np
 
 from aqn_jax.data.gsm8k import Example
 from aqn_jax.data.tokenizers import Tokenizer
-from aqn_jax.faults.config import fault_plan
 from aqn_jax.faults.intercept import FaultPlan, Injection, step_key
 from aqn_jax.faults.sites import LINEAR_KINDS, SiteSelector
 from aqn_jax.faults.transforms import Noise, Quantize, Scale
@@ -81,6 +83,42 @@ def check_evaluate(ev: Any) -> None:
         raise ValueError(f"config.evaluate.samples={ev.samples}; must be >= 1 (1 = greedy)")
     if ev.step < -1:
         raise ValueError(f"config.evaluate.step={ev.step}; must be a step >= 0 or -1 (latest)")
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalSpec:
+    """What the robustness evaluation reads of an experiment config (`eval_spec`)."""
+
+    conditions: tuple[Condition, ...]
+    samples: int  # 1 = greedy; n: n completions per prompt at `temperature` (mean@n)
+    batch_size: int
+    loss_faults: tuple[bool, ...]  # the held-out loss with the fault off / on; () = none
+    max_new_tokens: int
+    temperature: float
+    buckets: tuple[int, ...]
+    max_prompt_len: int
+    seed: int
+    reward_method: str
+
+
+def eval_spec(config: Any) -> EvalSpec:
+    """`config.evaluate` with the rollout, trainer and data fields it reads, checked and typed
+    (the job boundary: nothing below reads the ConfigDict)."""
+    ev = config.evaluate
+    check_evaluate(ev)
+    faults = (ev.fault,) if isinstance(ev.fault, bool) else tuple(ev.fault)
+    return EvalSpec(
+        conditions=tuple(conditions(ev)),
+        samples=int(ev.samples),
+        batch_size=int(ev.batch_size or config.trainer.val_batch_size),
+        loss_faults=faults if ev.loss else (),
+        max_new_tokens=int(config.rollout.max_new_tokens),
+        temperature=float(config.rollout.temperature),
+        buckets=tuple(int(b) for b in config.rollout.prompt_buckets),
+        max_prompt_len=int(config.rollout.max_prompt_len),
+        seed=int(config.seed),
+        reward_method=str(config.data.reward_method),
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,45 +176,43 @@ def condition_plan(hw: FaultPlan, fault: bool, kind: str) -> FaultPlan:
 
 
 def robustness(
-    config,
+    spec: EvalSpec,
     model_cfg: ModelConfig,
     params,
     tokenizer: Tokenizer,
     examples: Sequence[Example],
+    hardware: FaultPlan,
     mesh=None,
     log=print,
     programs: dict | None = None,
 ) -> dict[str, Any]:
     """Accuracy (and the held-out loss) of `params` on `examples` under every condition of
-    `config.evaluate`. Returns {"conditions": {name: {acc, n, samples}}, "loss": {...},
-    "wall_time_s"}. `programs`: the caller's cache of compiled programs (`program`), kept
-    between calls that share shapes (a study's runs); None compiles afresh."""
-    ev = config.evaluate
-    check_evaluate(ev)
+    `spec`, `hardware` being the device's fault plan (its phase-'eval' injections are the
+    fault). Returns {"conditions": {name: {acc, n, samples}}, "loss": {...}, "wall_time_s"}.
+    `programs`: the caller's cache of compiled programs (`program`), kept between calls that
+    share shapes (a study's runs); None compiles afresh."""
     t0 = time.perf_counter()
     n_layers = model_cfg.num_hidden_layers
-    hw = fault_plan(config.faults, n_layers)
     gen = causal_lm(dataclasses.replace(model_cfg, remat=False))
     if jnp.dtype(model_cfg.dtype) != jnp.dtype(model_cfg.param_dtype):
         params = jax.tree_util.tree_map(lambda x: x.astype(model_cfg.dtype), params)
-    samples = int(ev.samples)
+    samples = spec.samples
     sp = SamplingParams(
-        max_new_tokens=int(config.rollout.max_new_tokens),
+        max_new_tokens=spec.max_new_tokens,
         eos_id=tokenizer.eos_id,
         pad_id=tokenizer.pad_id,
-        temperature=0.0 if samples == 1 else float(config.rollout.temperature),
+        temperature=0.0 if samples == 1 else spec.temperature,
         n=samples,
         vocab_size=tokenizer.vocab_size,
     )
-    buckets = tuple(int(b) for b in config.rollout.prompt_buckets)
-    bs = int(ev.batch_size or config.trainer.val_batch_size)
-    fault_key = step_key(int(config.seed), 0, "eval")
+    buckets, bs = spec.buckets, spec.batch_size
+    fault_key = step_key(spec.seed, 0, "eval")
     results: dict[str, Any] = {}
     samplers: dict[tuple[bool, str], Sampler] = {}
-    for cond in conditions(ev):
+    for cond in spec.conditions:
         key = (cond.fault, cond.kind)
         if key not in samplers:
-            plan = condition_plan(hw, cond.fault, cond.kind)
+            plan = condition_plan(hardware, cond.fault, cond.kind)
             plan.validate(n_layers)
             samplers[key] = program(
                 programs,
@@ -191,12 +227,12 @@ def robustness(
             examples,
             tokenizer,
             bs,
-            int(config.rollout.max_prompt_len),
+            spec.max_prompt_len,
             fault_key=fault_key,
             values=values,
-            key=jax.random.key(int(config.seed)),
+            key=jax.random.key(spec.seed),
             texts=texts,
-            method=config.data.reward_method,
+            method=spec.reward_method,
         )
         truths = [ex.ground_truth for ex in examples for _ in range(samples)]
         results[cond.name] = {
@@ -213,20 +249,19 @@ def robustness(
         }
         log(f"  {cond.name:<18} acc {results[cond.name]['acc']:.3f} (n={len(scores)})")
     out: dict[str, Any] = {"conditions": results}
-    if ev.loss:
-        faults = (ev.fault,) if isinstance(ev.fault, bool) else tuple(ev.fault)
+    if spec.loss_faults:
         out["loss"] = {
             ("fault" if f else "clean"): heldout_loss(
                 causal_lm(model_cfg),
                 params,
-                hw if f else FaultPlan(),
+                hardware if f else FaultPlan(),
                 examples,
                 tokenizer,
                 bs,
                 fault_key,
                 programs,
             )
-            for f in faults
+            for f in spec.loss_faults
         }
     out["wall_time_s"] = time.perf_counter() - t0
     return out

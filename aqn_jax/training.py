@@ -34,7 +34,7 @@ from aqn_jax.metrics import open_run, progress
 from aqn_jax.models.registry import causal_lm
 from aqn_jax.report import print_summary, run_summary, write_run_report
 from aqn_jax.rl import step as rl_step
-from aqn_jax.rl.trainer import Trainer, prompt_batcher
+from aqn_jax.rl.trainer import Trainer, loop_spec, prompt_batcher
 from aqn_jax.warm_start import warm_start
 
 
@@ -69,7 +69,7 @@ def run(config, workdir: str) -> None:
     diagnosis = srdd_sigmas = None
     if needs_srdd(config) or config.diagnosis.always:
         diagnosis = srdd.run_srdd(
-            config, model_cfg, params, hw_plan, train_examples, tokenizer, workdir
+            srdd.srdd_spec(config), model_cfg, params, hw_plan, train_examples, tokenizer, workdir
         )
         srdd_sigmas = srdd.sigmas_of(diagnosis)
         verdict = diagnosis["verdict"]
@@ -101,7 +101,8 @@ def run(config, workdir: str) -> None:
     # Shard & initialise: the state by logical axes, the step programs jitted once
     # ---------------------------------------------------------------------------------------
     mesh = parallel.make_mesh(config.mesh)
-    batcher = prompt_batcher(config, train_examples, tokenizer)
+    spec = loop_spec(config)
+    batcher = prompt_batcher(spec, train_examples, tokenizer)
     total = rl_step.total_steps_of(config, batcher.batches_per_epoch)
     static = rl_step.static_from(config, model_cfg, plan, hw_plan, total)
     sh = rl_step.shardings(static, mesh)
@@ -119,7 +120,7 @@ def run(config, workdir: str) -> None:
         donate_argnums=0,
     )
     loop = Trainer(
-        config, static, sh, prepare, update, ref_params, batcher, tokenizer, test_examples, hw_plan
+        spec, static, sh, prepare, update, ref_params, batcher, tokenizer, test_examples, hw_plan
     )
     ck = config.checkpoint
     ckpt = Checkpointer(workdir, int(ck.every), int(ck.keep), ck.get("final", "state"))

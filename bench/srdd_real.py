@@ -142,7 +142,9 @@ def main() -> None:
     config.faults.noise.enabled = True
     config.faults.noise.scale = args.noise_scale
     config.faults.noise.layers = str(args.noise_layer)
-    r = srdd.diagnose(model, params, fault_plan(config.faults, n), ids, mask, diag, 0.05)
+    r = srdd.diagnose(
+        model, params, fault_plan(config.faults, n), ids, mask, srdd.SrddSpec.of(diag, 0.05)
+    )
     noise_ok = r["verdict"]["layers"] == [args.noise_layer]
     lay = r["layers"][args.noise_layer]
     v_noise = {"suspects": r["suspects"], "z": _z_of(r)}
@@ -153,7 +155,9 @@ def main() -> None:
     )
     print(rows[-1], flush=True)
     config.faults.noise.enabled = False
-    clean = srdd.diagnose(model, params, fault_plan(config.faults, n), ids, mask, diag, 0.05)
+    clean = srdd.diagnose(
+        model, params, fault_plan(config.faults, n), ids, mask, srdd.SrddSpec.of(diag, 0.05)
+    )
     clean_ok = not clean["verdict"]["layers"]
     v_clean = {"suspects": clean["suspects"], "z": _z_of(clean)}
     rows.append(

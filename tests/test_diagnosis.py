@@ -278,7 +278,12 @@ def test_scan_of_a_remat_config(calibrated):
 def test_no_fault_found_on_a_clean_device(calibrated):
     model, params, ids, mask = calibrated
     report = srdd.diagnose(
-        model, params, build_plan(fault_config(), 8), ids, mask, srdd.diagnosis_config(), 0.05
+        model,
+        params,
+        build_plan(fault_config(), 8),
+        ids,
+        mask,
+        srdd.SrddSpec.of(srdd.diagnosis_config(), 0.05),
     )
     assert report["verdict"]["layers"] == []
     assert report["verdict"]["message"] == "no fault found"
@@ -293,8 +298,7 @@ def test_noise_fault_found_by_instability(calibrated):
         build_plan(fault_config("noise", "6"), 8),
         ids,
         mask,
-        srdd.diagnosis_config(),
-        0.05,
+        srdd.SrddSpec.of(srdd.diagnosis_config(), 0.05),
     )
     assert report["verdict"]["layers"] == [6]
     assert "instability" in report["suspects"][0]["evidence"]

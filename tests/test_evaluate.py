@@ -14,6 +14,7 @@ from aqn_jax.evaluation import (
     check_evaluate,
     condition_plan,
     conditions,
+    eval_spec,
     heldout_loss,
     robustness,
 )
@@ -73,7 +74,8 @@ def test_matrix_agrees_with_validation_and_noise_zero_is_exact(sft_tiny):
         ("fault", "none"),
     ]
     examples = task.examples("test", 16)
-    out = robustness(config, cfg, params, tok, examples, log=lambda *_: None)
+    hw = fault_plan(config.faults, cfg.num_hidden_layers)
+    out = robustness(eval_spec(config), cfg, params, tok, examples, hw, log=lambda *_: None)
     conds = out["conditions"]
     assert list(conds) == ["clean", "fault"] and all(c["n"] == 16 for c in conds.values())
     assert conds["clean"]["perturbation"] == "none" and conds["fault"]["fault"]
@@ -84,7 +86,6 @@ def test_matrix_agrees_with_validation_and_noise_zero_is_exact(sft_tiny):
     )
     model = Qwen2ForCausalLM(cfg)
     key = step_key(0, 0, "eval")
-    hw = fault_plan(config.faults, cfg.num_hidden_layers)
     refs = {}
     for name, plan in (("clean", FaultPlan()), ("fault", hw)):
         refs[name] = Sampler(model, greedy, plan, (128,), phase="eval")
@@ -127,7 +128,8 @@ def test_mean_at_n(sft_tiny):
     config.evaluate.fault = (False,)
     config.evaluate.loss = False
     examples = task.examples("test", 4)
-    out = robustness(config, cfg, params, tok, examples, log=lambda *_: None)
+    hw = fault_plan(config.faults, cfg.num_hidden_layers)
+    out = robustness(eval_spec(config), cfg, params, tok, examples, hw, log=lambda *_: None)
     acc = out["conditions"]["clean"]["acc"]
     assert out["conditions"]["clean"]["samples"] == 3
     assert acc * 4 * 3 == pytest.approx(round(acc * 4 * 3), abs=1e-4)  # k of 12 samples

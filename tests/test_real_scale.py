@@ -103,7 +103,7 @@ def test_generation_weights_are_bf16_and_match_the_traced_cast(snapshot):
     from aqn_jax.models.qwen2 import Qwen2ForCausalLM
     from aqn_jax.parallel import make_mesh
     from aqn_jax.rl import step as rl_step
-    from aqn_jax.rl.trainer import Trainer, prompt_batcher
+    from aqn_jax.rl.trainer import Trainer, loop_spec, prompt_batcher
     from aqn_jax.warm_start import tokenizer_for
 
     config = load_config("gsm8k_qwen2p5_1p5b", "clean")
@@ -113,14 +113,14 @@ def test_generation_weights_are_bf16_and_match_the_traced_cast(snapshot):
     config.actor.mini_batch_prompts, config.actor.micro_batch_rows = 2, 2
     model_cfg, params = load_model(config.model, 0)
     tok = tokenizer_for(config)
-    batcher = prompt_batcher(config, load_split(config.data, "train"), tok)
+    batcher = prompt_batcher(loop_spec(config), load_split(config.data, "train"), tok)
     total = rl_step.total_steps_of(config, batcher.batches_per_epoch)
     assert total == 4  # total_epochs=2 over 2 batches per epoch
     static = rl_step.static_from(config, model_cfg, FaultPlan(), FaultPlan(), total)
     sh = rl_step.shardings(static, make_mesh(config.mesh))
     state, ref = rl_step.init_state(static, params, sh)
     test = load_split(config.data, "test")
-    tr = Trainer(config, static, sh, None, None, ref, batcher, tok, test, FaultPlan())
+    tr = Trainer(loop_spec(config), static, sh, None, None, ref, batcher, tok, test, FaultPlan())
     w = tr.generation_weights(state.params)
     leaves = jax.tree_util.tree_leaves(w)
     assert {x.dtype for x in leaves} == {jnp.dtype(jnp.bfloat16)}

@@ -173,7 +173,7 @@ SHARDED = textwrap.dedent(
     from aqn_jax.faults.config import fault_plan
     from aqn_jax.rewards import score_batch
     from aqn_jax.rl import step as rl_step
-    from aqn_jax.rl.trainer import Trainer, prompt_batcher, train_batch
+    from aqn_jax.rl.trainer import Trainer, loop_spec, prompt_batcher, train_batch
     from aqn_jax.warm_start import tokenizer_for, warm_start
 
     # The shipped warm start (not a random init, whose rewards are all 0: its gradient is ~1e-10
@@ -232,8 +232,8 @@ SHARDED = textwrap.dedent(
     mesh1 = parallel.make_mesh(config.mesh, jax.devices()[:1])
     sh1 = rl_step.shardings(static, mesh1)
     state1, _ = rl_step.init_state(static, params, sh1)
-    batcher = prompt_batcher(config, load_split(config.data, "train"), tok)
-    loop = Trainer(config, static, sh1, None, None, None, batcher, tok, [], hw)
+    batcher = prompt_batcher(loop_spec(config), load_split(config.data, "train"), tok)
+    loop = Trainer(loop_spec(config), static, sh1, None, None, None, batcher, tok, [], hw)
     batch = batcher.next_batch()
     out = loop.rollout(state1.params, batch, 1, float(sigma))
     texts = [tok.decode(t[m > 0]) for t, m in zip(out.tokens, out.response_mask)]

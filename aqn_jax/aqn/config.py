@@ -10,6 +10,7 @@ through one interceptor. The injection scales its noise by the traced value AQN_
 from __future__ import annotations
 
 import ast
+import dataclasses
 import json
 import os
 from collections.abc import Mapping
@@ -163,17 +164,43 @@ def aqn_injection(aqn, num_layers, fault_layers, srdd_sigmas, srdd_layers) -> In
     return Injection("aqn", sites, transform, phases)
 
 
+@dataclasses.dataclass(frozen=True)
+class AqnSchedule:
+    """The AQN sigma over a run, typed from `config.aqn` (`AqnSchedule.of`)."""
+
+    enabled: bool
+    schedule: str
+    sigma_start: float
+    sigma_end: float
+    num_stages: int
+    num_epochs: int
+
+    @classmethod
+    def of(cls, aqn: Any) -> AqnSchedule:
+        return cls(
+            enabled=bool(aqn.enabled),
+            schedule=str(aqn.schedule),
+            sigma_start=float(aqn.sigma_start),
+            sigma_end=float(aqn.sigma_end),
+            num_stages=int(aqn.num_stages),
+            num_epochs=int(aqn.num_epochs),
+        )
+
+    def sigma(self, step: int, total_steps: int) -> float:
+        """This step's AQN sigma (0.0 when AQN is off)."""
+        if not self.enabled:
+            return 0.0
+        return sigma_at(
+            self.schedule,
+            step,
+            total_steps,
+            self.sigma_start,
+            self.sigma_end,
+            num_stages=self.num_stages,
+            num_epochs=self.num_epochs,
+        )
+
+
 def aqn_sigma(config: Any, step: int, total_steps: int) -> float:
-    """This step's AQN sigma (0.0 when AQN is off)."""
-    aqn = config.aqn
-    if not aqn.enabled:
-        return 0.0
-    return sigma_at(
-        aqn.schedule,
-        step,
-        total_steps,
-        aqn.sigma_start,
-        aqn.sigma_end,
-        num_stages=aqn.num_stages,
-        num_epochs=aqn.num_epochs,
-    )
+    """This step's AQN sigma (0.0 when AQN is off), from an experiment config."""
+    return AqnSchedule.of(config.aqn).sigma(step, total_steps)

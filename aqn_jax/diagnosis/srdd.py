@@ -50,6 +50,46 @@ def diagnosis_config() -> ml_collections.ConfigDict:
     return c
 
 
+@dataclasses.dataclass(frozen=True)
+class SrddSpec:
+    """What SRDD reads of an experiment config, checked and typed once at the job
+    (`srdd_spec(config)`, or `SrddSpec.of(config.diagnosis, base_sigma)`)."""
+
+    num_prompts: int
+    max_prompt_len: int
+    settings: ScanSettings
+    z_threshold: float
+    declare: tuple[str, ...]
+    dead_floor: float
+    instability_floor: float
+    signal_loss: str
+    base_sigma: float  # the sigma map's base
+    seed: int
+
+    @classmethod
+    def of(cls, diag: Any, base_sigma: float) -> SrddSpec:
+        """From the `config.diagnosis` section; raises naming the field."""
+        check_config(diag)
+        return cls(
+            num_prompts=int(diag.num_prompts),
+            max_prompt_len=int(diag.max_prompt_len),
+            settings=settings_from(diag),
+            z_threshold=float(diag.z_threshold),
+            declare=(diag.declare,) if isinstance(diag.declare, str) else tuple(diag.declare),
+            dead_floor=float(diag.dead_floor),
+            instability_floor=float(diag.instability_floor),
+            signal_loss=str(diag.signal_loss),
+            base_sigma=float(base_sigma),
+            seed=int(diag.seed),
+        )
+
+
+def srdd_spec(config: Any) -> SrddSpec:
+    """`config.diagnosis`, with the base sigma `diagnosis.base_sigma` (0: `aqn.sigma_start`)."""
+    diag = config.diagnosis
+    return SrddSpec.of(diag, float(diag.base_sigma or config.aqn.sigma_start))
+
+
 def settings_from(diag: Any) -> ScanSettings:
     return ScanSettings(
         trials=int(diag.trials), gain_scale=float(diag.gain_scale), dc_scale=float(diag.dc_scale)
@@ -102,11 +142,9 @@ def diagnose(
     plan: FaultPlan,
     ids: np.ndarray,
     mask: np.ndarray,
-    diag: Any,
-    base_sigma: float,
+    spec: SrddSpec,
 ) -> dict[str, Any]:
     """Scans, verdict and sigma map as one JSON-ready dict (the content of srdd.json)."""
-    check_config(diag)
     if model.config.remat:  # forward only: remat buys nothing, and its trace hides the probes
         model = model.clone(config=dataclasses.replace(model.config, remat=False))
     t0 = time.perf_counter()
@@ -116,21 +154,21 @@ def diagnose(
         ids,
         mask,
         plan=plan,
-        settings=settings_from(diag),
-        fault_key=step_key(int(diag.seed), 0, "eval"),
-        probe_key=jax.random.key(int(diag.seed) + 1),
+        settings=spec.settings,
+        fault_key=step_key(spec.seed, 0, "eval"),
+        probe_key=jax.random.key(spec.seed + 1),
     )
     scan_s = time.perf_counter() - t0
-    declare = (diag.declare,) if isinstance(diag.declare, str) else tuple(diag.declare)
     v = analysis.verdict(
         scans,
-        z_threshold=float(diag.z_threshold),
-        declare=declare,
-        dead_floor=float(diag.dead_floor),
-        instability_floor=float(diag.instability_floor),
+        z_threshold=spec.z_threshold,
+        declare=spec.declare,
+        dead_floor=spec.dead_floor,
+        instability_floor=spec.instability_floor,
     )
+    base_sigma = spec.base_sigma
     sig = analysis.guided_sigmas(
-        scans, base_sigma, located=v["layers"], signal_loss=diag.signal_loss
+        scans, base_sigma, located=v["layers"], signal_loss=spec.signal_loss
     )
     n = len(scans["gain"])
     layers = []
@@ -165,7 +203,7 @@ def diagnose(
 
 
 def run_srdd(
-    config: Any,
+    spec: SrddSpec,
     model_cfg: ModelConfig,
     params: Any,
     plan: FaultPlan,
@@ -174,15 +212,11 @@ def run_srdd(
     workdir: str | None = None,
 ) -> dict[str, Any]:
     """SRDD of `params` on the device `plan` (the hardware faults, no AQN), as every job runs
-    it: calibration prompts from `examples` (the train split), the scans at
-    `config.diagnosis`, the sigma map at base `diagnosis.base_sigma` (0: `aqn.sigma_start`).
-    Writes srdd.json and srdd.png into `workdir` (process 0) when given; returns the report."""
-    diag = config.diagnosis
-    ids, mask = calibration_batch(
-        examples, tokenizer, int(diag.num_prompts), int(diag.max_prompt_len)
-    )
-    base = float(diag.base_sigma or config.aqn.sigma_start)
-    report = diagnose(causal_lm(model_cfg), params, plan, ids, mask, diag, base)
+    it: calibration prompts from `examples` (the train split), the scans and the sigma map of
+    `spec`. Writes srdd.json and srdd.png into `workdir` (process 0) when given; returns the
+    report."""
+    ids, mask = calibration_batch(examples, tokenizer, spec.num_prompts, spec.max_prompt_len)
+    report = diagnose(causal_lm(model_cfg), params, plan, ids, mask, spec)
     if workdir is not None and jax.process_index() == 0:
         write_report(report, workdir)
     return report

@@ -51,7 +51,7 @@ from aqn_jax.checkpoint import Checkpointer
 from aqn_jax.checks import check_train
 from aqn_jax.data.config import load_split
 from aqn_jax.diagnosis import srdd
-from aqn_jax.evaluation import conditions, robustness
+from aqn_jax.evaluation import conditions, eval_spec, robustness
 from aqn_jax.experiment import apply_arm
 from aqn_jax.faults.config import fault_plan
 from aqn_jax.files import write_json
@@ -136,7 +136,7 @@ def run(config, workdir: str) -> None:
         else:
             t0 = time.perf_counter()
             diagnosis = srdd.run_srdd(
-                base,
+                srdd.srdd_spec(base),
                 model_cfg,
                 params,
                 fault_plan(base.faults, model_cfg.num_hidden_layers),
@@ -161,6 +161,9 @@ def run(config, workdir: str) -> None:
                 print(f"== {arm} seed {seed}: done, reused ({run_dir})")
             else:
                 todo.append((arm, seed, run_dir))
+    # Each arm's first seed before any arm's second: parallel workers then compile different
+    # arms at once, and the later seeds find their programs in the compile cache.
+    todo.sort(key=lambda r: (seeds.index(r[1]), arms.index(r[0])))
     workers = worker_count(cmp, len(todo))
     timing["workers"] = workers
     t0 = time.perf_counter()
@@ -342,7 +345,9 @@ def _evaluate(config, run_dir: str, programs: dict | None) -> dict:
     params = parallel.put_global(
         state["params"], parallel.param_shardings(logical_axes(model_cfg), mesh)
     )
-    return robustness(config, model_cfg, params, tokenizer, test, mesh=mesh, programs=programs)
+    hardware = fault_plan(config.faults, model_cfg.num_hidden_layers)
+    spec = eval_spec(config)
+    return robustness(spec, model_cfg, params, tokenizer, test, hardware, mesh, programs=programs)
 
 
 def _collect(run_dir: str) -> dict:

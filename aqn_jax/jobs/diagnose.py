@@ -20,7 +20,7 @@ from aqn_jax.warm_start import tokenizer_for
 def run(config, workdir: str) -> None:
     # -- Check the config (nothing compiled or written before this passes) ----------------
     model_cfg = model_config(config.model)
-    srdd.check_config(config.diagnosis)
+    spec = srdd.srdd_spec(config)
     check_data(config.data)
     tokenizer = tokenizer_for(config)
     plan = fault_plan(config.faults, model_cfg.num_hidden_layers)
@@ -29,7 +29,7 @@ def run(config, workdir: str) -> None:
     model_cfg, params = load_model(config.model, config.seed)
     print(plan.describe())
     report = srdd.run_srdd(
-        config, model_cfg, params, plan, load_split(config.data, "train"), tokenizer, workdir
+        spec, model_cfg, params, plan, load_split(config.data, "train"), tokenizer, workdir
     )
 
     # -- Summary -------------------------------------------------------------------------

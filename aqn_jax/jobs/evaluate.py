@@ -25,7 +25,7 @@ from aqn_jax import parallel
 from aqn_jax.checkpoint import Checkpointer
 from aqn_jax.checks import check_prompt_lengths
 from aqn_jax.data.config import check_data, load_split
-from aqn_jax.evaluation import check_evaluate, conditions, robustness
+from aqn_jax.evaluation import check_evaluate, eval_spec, robustness
 from aqn_jax.faults.config import fault_plan
 from aqn_jax.models.factory import logical_axes, model_config
 from aqn_jax.models.hf import abstract_params
@@ -101,6 +101,7 @@ def load_policy(config, workdir: str):
 
 def run(config, workdir: str) -> None:
     model_cfg, tokenizer = check_config(config)
+    spec = eval_spec(config)
     size = int(config.evaluate.size or config.trainer.val_size)
     test = load_split(config.data, "test")[:size]
     with config.unlocked():
@@ -109,9 +110,10 @@ def run(config, workdir: str) -> None:
     model_cfg, params, what, status = load_policy(config, workdir)
     mesh = parallel.make_mesh(config.mesh)
     params = parallel.put_global(params, parallel.param_shardings(logical_axes(model_cfg), mesh))
-    names = [c.name for c in conditions(config.evaluate)]
+    names = [c.name for c in spec.conditions]
     print(f"evaluating {what} on {len(test)} test examples; conditions: {names}")
-    result = robustness(config, model_cfg, params, tokenizer, test, mesh=mesh)
+    hardware = fault_plan(config.faults, model_cfg.num_hidden_layers)
+    result = robustness(spec, model_cfg, params, tokenizer, test, hardware, mesh=mesh)
     result.update(
         policy=what,
         run=status,

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from aqn_jax import parallel
-from aqn_jax.aqn.config import AQN_SIGMA, aqn_sigma
+from aqn_jax.aqn.config import AQN_SIGMA, AqnSchedule
 from aqn_jax.data.gsm8k import Example, PromptBatcher
 from aqn_jax.data.tokenizers import Tokenizer
 from aqn_jax.faults.intercept import FaultPlan, step_key, summarize_stats
@@ -40,16 +40,47 @@ from .sampler import Sampler, SamplingParams
 from .step import RLState, Shardings, Static
 
 
-def prompt_batcher(config, train_examples: Sequence[Example], tokenizer: Tokenizer):
-    """The train split in RL batches of `config.data_batch.prompts` (longer prompts dropped)."""
+@dataclasses.dataclass(frozen=True)
+class LoopSpec:
+    """What the RL loop reads of an experiment config besides `Static` (`loop_spec`)."""
+
+    seed: int
+    prompts: int  # prompts per step
+    max_prompt_len: int
+    buckets: tuple[int, ...]
+    temperature: float
+    top_k: int
+    top_p: float
+    reward_method: str
+    aqn: AqnSchedule
+
+
+def loop_spec(config: Any) -> LoopSpec:
+    """The job boundary: `config`'s rollout, batch, data and AQN fields the loop reads, typed
+    (validated before, by `checks.check_train`)."""
     ro = config.rollout
+    return LoopSpec(
+        seed=int(config.seed),
+        prompts=int(config.data_batch.prompts),
+        max_prompt_len=int(ro.max_prompt_len),
+        buckets=tuple(int(b) for b in ro.prompt_buckets),
+        temperature=float(ro.temperature),
+        top_k=int(ro.top_k),
+        top_p=float(ro.top_p),
+        reward_method=str(config.data.reward_method),
+        aqn=AqnSchedule.of(config.aqn),
+    )
+
+
+def prompt_batcher(spec: LoopSpec, train_examples: Sequence[Example], tokenizer: Tokenizer):
+    """The train split in RL batches of `spec.prompts` (longer prompts dropped)."""
     return PromptBatcher(
         train_examples,
         tokenizer,
-        int(config.data_batch.prompts),
-        int(config.seed),
-        max_prompt_len=int(ro.max_prompt_len),
-        buckets=tuple(int(b) for b in ro.prompt_buckets),
+        spec.prompts,
+        spec.seed,
+        max_prompt_len=spec.max_prompt_len,
+        buckets=spec.buckets,
         drop_long=True,
     )
 
@@ -61,7 +92,7 @@ class Trainer:
 
     def __init__(
         self,
-        config,
+        spec: LoopSpec,
         static: Static,
         sh: Shardings,
         prepare,
@@ -72,23 +103,22 @@ class Trainer:
         test_examples: Sequence[Example],
         hardware_plan: FaultPlan,
     ):
-        self.config = config
+        self.spec = spec
         self.static = static
         self.prepare, self.update, self.ref_params = prepare, update, ref_params
         self.batcher = batcher
         self.tokenizer = tokenizer
         self.test_examples = list(test_examples)
         self.mesh = sh.replicated.mesh
-        self.seed = int(config.seed)
-        ro = config.rollout
-        buckets = tuple(int(b) for b in ro.prompt_buckets)
+        self.seed = spec.seed
+        buckets = spec.buckets
         sampling = SamplingParams(
             max_new_tokens=static.max_new,
             eos_id=tokenizer.eos_id,
             pad_id=tokenizer.pad_id,
-            temperature=float(ro.temperature),
-            top_k=int(ro.top_k),
-            top_p=float(ro.top_p),
+            temperature=spec.temperature,
+            top_k=spec.top_k,
+            top_p=spec.top_p,
             n=static.h.n,
             vocab_size=tokenizer.vocab_size,
         )
@@ -135,7 +165,7 @@ class Trainer:
         """One RL step: the next state and the step's metrics (host floats)."""
         t_step = time.perf_counter()
         batch = self.batcher.next_batch()
-        sigma = aqn_sigma(self.config, step, self.static.total_steps)
+        sigma = self.spec.aqn.sigma(step, self.static.total_steps)
         t0 = time.perf_counter()
         out = self.rollout(state.params, batch, step, sigma)
         t_gen = time.perf_counter() - t0
@@ -144,7 +174,7 @@ class Trainer:
             for t, m in zip(out.tokens, out.response_mask, strict=True)
         ]
         truths = [g for g in batch["ground_truth"] for _ in range(self.static.h.n)]
-        scores = score_batch(texts, truths, method=self.config.data.reward_method)
+        scores = score_batch(texts, truths, method=self.spec.reward_method)
         tb = train_batch(out, scores)
         t0 = time.perf_counter()
         dev = parallel.put_batch({k: v for k, v in tb.items() if k != "scores"}, self.mesh)
@@ -238,9 +268,9 @@ class Trainer:
                 examples,
                 self.tokenizer,
                 batch_size,
-                int(self.config.rollout.max_prompt_len),
+                self.spec.max_prompt_len,
                 fault_key=step_key(self.seed, step, "eval"),
-                method=self.config.data.reward_method,
+                method=self.spec.reward_method,
             )
             by_source: dict[str, list[float]] = {}
             for ex, s in zip(examples, scores, strict=True):
