@@ -140,6 +140,8 @@ TOY = registry.Family(
     saved_layer_bytes=lambda c, tensor, keys: 4 * (3 * c.hidden_size + 2 * c.intermediate_size),
     forward_layer_bytes=lambda c, tensor, keys, copies: 4 * 2 * c.intermediate_size,
     checkpoint_keys=lambda config: {},
+    config_from_hf=None,
+    config_to_hf=None,
 )
 CONFIG = ToyConfig()
 IDS = np.array([[3, 7, 1, 9], [4, 4, 2, 30]], np.int32)

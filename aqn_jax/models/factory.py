@@ -17,7 +17,8 @@ import ml_collections
 import numpy as np
 
 from .hf import config_from_hf, load_hf_checkpoint
-from .qwen2 import _DTYPES, PRESETS, Qwen2Config, Qwen2ForCausalLM
+from .qwen2 import _DTYPES, PRESETS, Qwen2Config
+from .registry import causal_lm
 
 
 def model_section(preset: str = "tiny") -> ml_collections.ConfigDict:
@@ -65,7 +66,7 @@ def model_config(model_cfg: Any) -> Qwen2Config:
 
 def init_params(config: Qwen2Config, seed: int) -> dict:
     """Random params (Linen init, std 0.02), jitted, without logical-axis boxes."""
-    model = Qwen2ForCausalLM(config)
+    model = causal_lm(config)
     init = jax.jit(lambda key: nn.unbox(model.init(key, np.zeros((1, 1), np.int32)))["params"])
     return init(jax.random.key(seed))
 
@@ -81,7 +82,7 @@ def load_model(model_cfg: Any, seed: int) -> tuple[Qwen2Config, dict]:
 
 def logical_axes(config: Qwen2Config, head: str = "lm") -> dict:
     """Param tree of logical axis-name tuples (e.g. ('embed', 'heads')), from eval_shape."""
-    model = Qwen2ForCausalLM(config, head=head)
+    model = causal_lm(config, head=head)
     boxed = jax.eval_shape(lambda: model.init(jax.random.key(0), np.zeros((1, 1), np.int32)))
     return jax.tree_util.tree_map(
         lambda box: tuple(box.names),

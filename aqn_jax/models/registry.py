@@ -55,6 +55,8 @@ class Family:
     saved_layer_bytes / forward_layer_bytes: the activation model of one decoder layer per
       token, read by the memory planner.
     checkpoint_keys: `config -> {hf key: (flax path, transpose)}`, the HF key table.
+    config_from_hf / config_to_hf: config.json <-> the family's config (`hf.py` reads and writes
+      the safetensors around them).
     """
 
     model_types: tuple[str, ...]
@@ -67,6 +69,8 @@ class Family:
     saved_layer_bytes: Callable[[Any, int, int], int]
     forward_layer_bytes: Callable[[Any, int, int, int], int]
     checkpoint_keys: Callable[[Any], dict]
+    config_from_hf: Callable[[Mapping[str, Any], str], tuple[Any, list]]
+    config_to_hf: Callable[[Any], dict]
 
 
 # Llama and Mistral checkpoints are Qwen2's decoder without q/k/v biases (`attention_bias`).
@@ -82,17 +86,31 @@ FAMILIES: dict[str, Family] = {
         saved_layer_bytes=qwen2.saved_layer_bytes,
         forward_layer_bytes=qwen2.forward_layer_bytes,
         checkpoint_keys=hf_mapping.checkpoint_keys,
+        config_from_hf=hf_mapping.config_from_hf,
+        config_to_hf=hf_mapping.config_to_hf,
     ),
 }
 
 
+def model_types() -> list[str]:
+    """Every registered `model_type`, sorted."""
+    return sorted(t for f in FAMILIES.values() for t in f.model_types)
+
+
+def family_of_type(model_type: str | None) -> Family | None:
+    """The family that ports `model_type`, or None."""
+    for family in FAMILIES.values():
+        if model_type in family.model_types:
+            return family
+    return None
+
+
 def family_of(config: ModelConfig) -> Family:
     """The family of a model config, by its `model_type`."""
-    for family in FAMILIES.values():
-        if config.model_type in family.model_types:
-            return family
-    allowed = sorted(t for f in FAMILIES.values() for t in f.model_types)
-    raise ValueError(f"model_type={config.model_type!r}; allowed: {allowed}")
+    family = family_of_type(config.model_type)
+    if family is None:
+        raise ValueError(f"model_type={config.model_type!r}; allowed: {model_types()}")
+    return family
 
 
 def causal_lm(config: ModelConfig, head: str = "lm") -> nn.Module:
