@@ -650,7 +650,8 @@ def norm_with_weight(module: RMSNorm, x: jax.Array, weight: jax.Array) -> jax.Ar
     return rms_norm(x, weight, module.eps, module.dtype)
 
 
-def _heads(n: int, tensor: int) -> int:
+def _per_shard(n: int, tensor: int) -> int:
+    """Heads (or MLP columns) on one of `tensor` shards, rounded up."""
     return -(-n // tensor)
 
 
@@ -660,11 +661,12 @@ def saved_layer_bytes(config: Qwen2Config, tensor: int, keys: int) -> int:
     (6 D + 3 (N + K) H / t + 4 I / t) * itemsize + 3 (N / t) * keys * 4 (float32 scores,
     probabilities and their mask, materialised by `Qwen2Attention`)."""
     c = config
-    heads, kv_heads = _heads(c.num_attention_heads, tensor), _heads(c.num_key_value_heads, tensor)
+    heads = _per_shard(c.num_attention_heads, tensor)
+    kv_heads = _per_shard(c.num_key_value_heads, tensor)
     elements = (
         6 * c.hidden_size
         + 3 * (heads + kv_heads) * c.resolved_head_dim
-        + 4 * _heads(c.intermediate_size, tensor)
+        + 4 * _per_shard(c.intermediate_size, tensor)
     )
     return elements * jnp.dtype(c.dtype).itemsize + 3 * heads * keys * 4
 
@@ -672,5 +674,5 @@ def saved_layer_bytes(config: Qwen2Config, tensor: int, keys: int) -> int:
 def forward_layer_bytes(config: Qwen2Config, tensor: int, keys: int, score_copies: int) -> int:
     """Bytes of one decoder layer's forward working set per token over `keys` key positions:
     3 (I / t) * itemsize + score_copies * (N / t) * keys * 4."""
-    mlp = 3 * _heads(config.intermediate_size, tensor) * jnp.dtype(config.dtype).itemsize
-    return mlp + score_copies * _heads(config.num_attention_heads, tensor) * keys * 4
+    mlp = 3 * _per_shard(config.intermediate_size, tensor) * jnp.dtype(config.dtype).itemsize
+    return mlp + score_copies * _per_shard(config.num_attention_heads, tensor) * keys * 4
