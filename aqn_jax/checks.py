@@ -173,7 +173,9 @@ def check_train(config, workdir: str | None = None, cache: dict | None = None) -
     check_diagnosis(config.diagnosis)
     hw = fault_plan(config.faults, n)  # fault layers within the model, fields valid
     # The AQN arm parses now; 'located' / 'srdd' get their layers from the diagnosis later.
-    build_plan(config, n, srdd_sigmas=dict.fromkeys(range(n), 0.05), srdd_layers=[0])
+    build_plan(
+        config.faults, config.aqn, n, srdd_sigmas=dict.fromkeys(range(n), 0.05), srdd_layers=[0]
+    )
     rows = int(config.data_batch.prompts) * int(config.rollout.n)
     parallel.check_splits(
         config.mesh,

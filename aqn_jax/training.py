@@ -67,7 +67,7 @@ def run(config, workdir: str) -> None:
     # Diagnose (SRDD) where the AQN arm needs it
     # ---------------------------------------------------------------------------------------
     diagnosis = srdd_sigmas = None
-    if needs_srdd(config) or config.diagnosis.always:
+    if needs_srdd(config.aqn) or config.diagnosis.always:
         diagnosis = srdd.run_srdd(
             srdd.srdd_spec(config), model_cfg, params, hw_plan, train_examples, tokenizer, workdir
         )
@@ -82,7 +82,8 @@ def run(config, workdir: str) -> None:
     # Fault plan (hardware faults + AQN) and its manifest
     # ---------------------------------------------------------------------------------------
     plan = build_plan(
-        config,
+        config.faults,
+        config.aqn,
         n_layers,
         srdd_sigmas=srdd_sigmas,
         srdd_layers=None if diagnosis is None else diagnosis["verdict"]["layers"],

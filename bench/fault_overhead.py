@@ -98,7 +98,8 @@ def bench_preset(name: str, repeats: int) -> dict[str, float]:
     key, sigma = step_key(0, 0, "train"), jnp.float32(0.05)
     steps = {}
     for variant, overrides in variants(config.num_hidden_layers).items():
-        plan = build_plan(make_config(overrides), config.num_hidden_layers)
+        c = make_config(overrides)
+        plan = build_plan(c.faults, c.aqn, config.num_hidden_layers)
         steps[variant] = make_step(model, plan)
         t0 = time.perf_counter()
         jax.block_until_ready(steps[variant](params, ids, key, sigma))

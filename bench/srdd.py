@@ -119,7 +119,7 @@ def deadzone_plan(num_layers: int, layer: int, threshold: float) -> FaultPlan:
     config.faults.deadzone.enabled = True
     config.faults.deadzone.layers = str(layer)
     config.faults.deadzone.threshold = threshold
-    return build_plan(config, num_layers)
+    return build_plan(config.faults, config.aqn, num_layers)
 
 
 # --- batched -------------------------------------------------------------------------------------

@@ -93,7 +93,9 @@ def main() -> None:
         c = ml_collections.ConfigDict()
         c.faults, c.aqn = faults_config(), aqn_config()
         c.faults.noise.enabled, c.faults.noise.layers = True, str(layer)
-        r = srdd.diagnose(model, params, build_plan(c, n), ids, mask, srdd.SrddSpec.of(diag, 0.05))
+        r = srdd.diagnose(
+            model, params, build_plan(c.faults, c.aqn, n), ids, mask, srdd.SrddSpec.of(diag, 0.05)
+        )
         ok = r["verdict"]["layers"] == [layer] and "instability" in r["suspects"][0]["evidence"]
         noise_hits += ok
         rows.append(
@@ -102,7 +104,9 @@ def main() -> None:
         )
     c = ml_collections.ConfigDict()
     c.faults, c.aqn = faults_config(), aqn_config()
-    clean = srdd.diagnose(model, params, build_plan(c, n), ids, mask, srdd.SrddSpec.of(diag, 0.05))
+    clean = srdd.diagnose(
+        model, params, build_plan(c.faults, c.aqn, n), ids, mask, srdd.SrddSpec.of(diag, 0.05)
+    )
     rows.append(
         f"| clean | - | {clean['verdict']['layers']} | {clean['verdict']['confidence']:.4f} | | |"
     )

@@ -193,7 +193,8 @@ def test_aqn_form_and_noise_study_variants(tmp_path):
         assert config.compare.arms == ("targeted", "global_aqn")
         check_config(config, str(tmp_path))
         for arm, layers in (("targeted", (4,)), ("global_aqn", "all")):
-            plan = build_plan(run_config(config, arm, 0, str(tmp_path), diagnosis), 8)
+            rc = run_config(config, arm, 0, str(tmp_path), diagnosis)
+            plan = build_plan(rc.faults, rc.aqn, 8)
             assert [i.name for i in plan.injections] == names, (variant, arm)
             aqn = next(i for i in plan.injections if i.name == "aqn")
             assert aqn.sites.layers == layers
@@ -213,10 +214,8 @@ def test_aqn_form_and_noise_study_variants(tmp_path):
     assert tuple(config.evaluate.noise_levels) == (0.0, 0.05, 0.10, 0.20)
     assert load_config("compare", "noise_study_5pct").faults.noise.scale == 0.05
     check_config(config, str(tmp_path))
-    plans = {
-        arm: build_plan(run_config(config, arm, 0, str(tmp_path), None), 8)
-        for arm in config.compare.arms
-    }
+    runs = {arm: run_config(config, arm, 0, str(tmp_path), None) for arm in config.compare.arms}
+    plans = {arm: build_plan(rc.faults, rc.aqn, 8) for arm, rc in runs.items()}
     for arm, plan in plans.items():
         (noise,) = [i for i in plan.injections if i.name == "noise"]
         assert not [i for i in plan.injections if "deadzone" in i.name], arm

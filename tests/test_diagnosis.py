@@ -152,7 +152,8 @@ def small_model():
 @pytest.mark.parametrize("kind", ["noise", "deadzone"])
 def test_batched_scan_equals_naive_loop(small_model, kind):
     model, params, ids, mask = small_model
-    plan = build_plan(fault_config(kind, layers="2"), 4)
+    c = fault_config(kind, layers="2")
+    plan = build_plan(c.faults, c.aqn, 4)
     fast = scan_layers(model, params, ids, mask, plan=plan)
     slow = scan_layers_naive(model, params, ids, mask, plan=plan, layers=(1, 2))
     for m in fast:
@@ -222,7 +223,8 @@ def test_localises_deadzone_at_every_layer(calibrated):
             hits += int(v["suspects"][0]["layer"] == layer and v["layers"] == [layer])
             rows.append((threshold, layer, v["layers"], float(scans["dead"][layer])))
             if (threshold, layer) == (0.1, 3):
-                static = build_plan(fault_config("deadzone", "3", 0.1), 8)
+                c = fault_config("deadzone", "3", 0.1)
+                static = build_plan(c.faults, c.aqn, 8)
                 ref = scan_layers(
                     model, params, ids, mask, plan=static, fault_key=keys[0], probe_key=keys[1]
                 )
@@ -251,7 +253,13 @@ def test_swept_deadzone_takes_the_granularity(calibrated):
         c = fault_config("deadzone", "3", 0.1)
         c.faults.deadzone.granularity = granularity
         return scan_layers(
-            model, params, ids, mask, plan=build_plan(c, 8), fault_key=keys[0], probe_key=keys[1]
+            model,
+            params,
+            ids,
+            mask,
+            plan=build_plan(c.faults, c.aqn, 8),
+            fault_key=keys[0],
+            probe_key=keys[1],
         )
 
     token, tensor = static("token"), static("tensor")
@@ -266,7 +274,8 @@ def test_scan_of_a_remat_config(calibrated):
     (UnexpectedTracerError); the metrics equal the remat=False scan's."""
     model, params, ids, mask = calibrated
     remat = Qwen2ForCausalLM(dataclasses.replace(model.config, remat=True))
-    plan = build_plan(fault_config("deadzone", "3", 0.1), 8)
+    c = fault_config("deadzone", "3", 0.1)
+    plan = build_plan(c.faults, c.aqn, 8)
     keys = {"fault_key": step_key(0, 0, "eval"), "probe_key": jax.random.key(1)}
     a = scan_layers(remat, params, ids, mask, plan=plan, **keys)
     b = scan_layers(model, params, ids, mask, plan=plan, **keys)
@@ -277,10 +286,11 @@ def test_scan_of_a_remat_config(calibrated):
 
 def test_no_fault_found_on_a_clean_device(calibrated):
     model, params, ids, mask = calibrated
+    c = fault_config()
     report = srdd.diagnose(
         model,
         params,
-        build_plan(fault_config(), 8),
+        build_plan(c.faults, c.aqn, 8),
         ids,
         mask,
         srdd.SrddSpec.of(srdd.diagnosis_config(), 0.05),
@@ -292,10 +302,11 @@ def test_no_fault_found_on_a_clean_device(calibrated):
 
 def test_noise_fault_found_by_instability(calibrated):
     model, params, ids, mask = calibrated
+    c = fault_config("noise", "6")
     report = srdd.diagnose(
         model,
         params,
-        build_plan(fault_config("noise", "6"), 8),
+        build_plan(c.faults, c.aqn, 8),
         ids,
         mask,
         srdd.SrddSpec.of(srdd.diagnosis_config(), 0.05),
@@ -332,21 +343,21 @@ def test_diagnose_job_writes_report_and_fragment(tmp_path):
     cfg.aqn.enabled = True
     cfg.aqn.layers = "srdd"
     cfg.aqn.layer_sigmas = str(tmp_path / "srdd.json")
-    plan = build_plan(cfg, 8)
+    plan = build_plan(cfg.faults, cfg.aqn, 8)
     scales = plan.injections[1].transform.scale.layer_scales
     expected = {int(k): s / 0.05 for k, s in report["sigma_map"]["sigmas"].items()}
     assert scales == expected and scales[2] == pytest.approx(1.5)
     cfg.aqn.layer_sigmas = report["aqn_fragment"]["srdd_guided"]["layer_sigmas"]
-    assert build_plan(cfg, 8).injections[1].transform.scale.layer_scales == expected
+    assert build_plan(cfg.faults, cfg.aqn, 8).injections[1].transform.scale.layer_scales == expected
     cfg.aqn.layer_sigmas = ""
-    assert needs_srdd(cfg)
+    assert needs_srdd(cfg.aqn)
     cfg.aqn.layers = report["aqn_fragment"]["targeted"]["layers"]
-    assert build_plan(cfg, 8).injections[1].sites.layers == (2,)
+    assert build_plan(cfg.faults, cfg.aqn, 8).injections[1].sites.layers == (2,)
     cfg.aqn.layers = "located"
-    assert needs_srdd(cfg)
-    assert build_plan(cfg, 8, srdd_layers=[2]).injections[1].sites.layers == (2,)
+    assert needs_srdd(cfg.aqn)
+    assert build_plan(cfg.faults, cfg.aqn, 8, srdd_layers=[2]).injections[1].sites.layers == (2,)
     with pytest.raises(ValueError, match="found no faulty layer"):
-        build_plan(cfg, 8, srdd_layers=[])
+        build_plan(cfg.faults, cfg.aqn, 8, srdd_layers=[])
 
 
 @pytest.mark.parametrize(
@@ -364,7 +375,7 @@ def test_layer_sigmas_bad_input(field, value, match):
     cfg.aqn.layers = "srdd"
     cfg.aqn[field] = value
     with pytest.raises(ValueError, match=match.replace("{", r"\{").replace("}", r"\}")):
-        build_plan(cfg, 8)
+        build_plan(cfg.faults, cfg.aqn, 8)
 
 
 def test_diagnosis_config_bad_input(tmp_path):

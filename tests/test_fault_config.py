@@ -184,7 +184,8 @@ def test_parse_layers_rejects(value):
 )
 def test_bad_fields_are_named(overrides, message):
     with pytest.raises(ValueError, match=message):
-        build_plan(make_config(**overrides), NUM_LAYERS)
+        cfg = make_config(**overrides)
+        build_plan(cfg.faults, cfg.aqn, NUM_LAYERS)
 
 
 # --- built plans ----------------------------------------------------------------------------------
@@ -195,7 +196,7 @@ def test_targeted_aqn_between_deadzones_is_the_original_deadzone_matmul():
         aqn__enabled=True,
         aqn__layers="(3,)",
     )
-    plan = build_plan(cfg, NUM_LAYERS)
+    plan = build_plan(cfg.faults, cfg.aqn, NUM_LAYERS)
     assert [i.name for i in plan.injections] == ["deadzone", "aqn", "deadzone_after_aqn"]
     dz, aqn, again = plan.injections
     assert isinstance(dz.transform, Deadzone) and not dz.transform.reuse_threshold
@@ -207,18 +208,23 @@ def test_targeted_aqn_between_deadzones_is_the_original_deadzone_matmul():
 
 def test_healthy_and_global_aqn_layers():
     base = dict(faults__deadzone__enabled=True, faults__deadzone__layers="(2,5)", aqn__enabled=True)
-    healthy = build_plan(make_config(**base, aqn__layers="healthy"), NUM_LAYERS)
+
+    def plan(**overrides):
+        cfg = make_config(**base, **overrides)
+        return build_plan(cfg.faults, cfg.aqn, NUM_LAYERS)
+
+    healthy = plan(aqn__layers="healthy")
     assert healthy.injections[1].sites.layers == (0, 1, 3, 4, 6, 7)
-    glob = build_plan(make_config(**base, aqn__layers="all", aqn__order="after_fault"), NUM_LAYERS)
+    glob = plan(aqn__layers="all", aqn__order="after_fault")
     assert [i.name for i in glob.injections] == ["deadzone", "aqn"]
     assert glob.injections[1].sites.layers == "all"
-    before = build_plan(make_config(**base, aqn__order="before_fault"), NUM_LAYERS)
+    before = plan(aqn__order="before_fault")
     assert [i.name for i in before.injections] == ["aqn", "deadzone"]
 
 
 def test_srdd_sigma_map_becomes_layer_scales():
     cfg = make_config(aqn__enabled=True, aqn__layers="srdd", aqn__form="norm_weight")
-    plan = build_plan(cfg, NUM_LAYERS, srdd_sigmas={4: 0.075, 6: 0.025})
+    plan = build_plan(cfg.faults, cfg.aqn, NUM_LAYERS, srdd_sigmas={4: 0.075, 6: 0.025})
     (aqn,) = plan.injections
     assert isinstance(aqn.transform, NormWeightNoise)
     assert aqn.sites.layers == (4, 6) and aqn.sites.kinds == (
@@ -230,21 +236,21 @@ def test_srdd_sigma_map_becomes_layer_scales():
 
 
 def test_noise_forward_backward_modes():
-    fwd = build_plan(make_config(faults__noise__enabled=True), NUM_LAYERS)
+
+    def plan(**overrides):
+        cfg = make_config(**overrides)
+        return build_plan(cfg.faults, cfg.aqn, NUM_LAYERS)
+
+    fwd = plan(faults__noise__enabled=True)
     assert isinstance(fwd.injections[0].transform, Noise)
-    both = build_plan(
-        make_config(faults__noise__enabled=True, faults__noise__backward=True), NUM_LAYERS
-    )
+    both = plan(faults__noise__enabled=True, faults__noise__backward=True)
     t = both.injections[0].transform
     assert isinstance(t, NoisyLinear) and t.forward and t.backward
-    bwd = build_plan(
-        make_config(
-            faults__noise__enabled=True, faults__noise__backward=True, faults__noise__forward=False
-        ),
-        NUM_LAYERS,
+    bwd = plan(
+        faults__noise__enabled=True, faults__noise__backward=True, faults__noise__forward=False
     )
     assert not bwd.injections[0].transform.forward
-    q = build_plan(make_config(faults__quant__enabled=True), NUM_LAYERS).injections[0]
+    q = plan(faults__quant__enabled=True).injections[0]
     assert isinstance(q.transform, Quantize) and q.sites.point == "input"
 
 
@@ -262,7 +268,7 @@ def test_every_default_arm_matches_modules_on_the_tiny_model():
         aqn__enabled=True,
         aqn__layers="healthy",
     )
-    plan = build_plan(cfg, NUM_LAYERS)
+    plan = build_plan(cfg.faults, cfg.aqn, NUM_LAYERS)
     rollout = plan.trace_manifest(model, params, "rollout")
     assert rollout["deadzone"] == ["layers_5/layer:output"]
     assert rollout["deadzone_after_aqn"] == ["layers_5/layer:output"]
@@ -297,7 +303,7 @@ def test_a_new_fault_kind_is_its_section_and_one_builder(monkeypatch):
     device = fault_cfg.fault_plan(cfg.faults, NUM_LAYERS)
     assert [i.name for i in device.injections] == ["deadzone", "bias"]
     assert device.injections[1].sites.layers == (2,)
-    full = build_plan(cfg, NUM_LAYERS)
+    full = build_plan(cfg.faults, cfg.aqn, NUM_LAYERS)
     assert [i.name for i in full.injections] == ["deadzone", "aqn", "deadzone_after_aqn", "bias"]
     cfg.faults.bias.enabled = False  # negative control: off adds nothing
     assert [i.name for i in fault_cfg.fault_plan(cfg.faults, NUM_LAYERS).injections] == ["deadzone"]

@@ -209,7 +209,7 @@ def ml_faults(**deadzone):
 
 def test_manifest_and_description_name_each_scope():
     c = ml_faults(scope="token")
-    plan = build_plan(c, 8)
+    plan = build_plan(c.faults, c.aqn, 8)
     assert "scope=token" in plan.describe()
     assert json.loads(plan.manifest_json({}))["injections"][0]["scope"] == "token"
 
@@ -254,7 +254,7 @@ def test_bad_scope_is_a_one_line_field_error(section, over, match):
     c.faults[section].enabled = True
     c.faults[section].update(over)
     with pytest.raises(ValueError, match=match) as err:
-        build_plan(c, 8)
+        build_plan(c.faults, c.aqn, 8)
     assert "\n" not in str(err.value)
 
 

@@ -506,7 +506,7 @@ def test_smollm2_import_parity_and_deadzone(smollm2):
     c.faults.deadzone.enabled = True
     assert (c.faults.deadzone.layers, c.faults.deadzone.threshold) == ("15", 0.01)
     assert (c.faults.deadzone.granularity, c.faults.deadzone.site) == ("tensor", "layer")
-    plan = build_plan(c, config.num_hidden_layers)
+    plan = build_plan(c.faults, c.aqn, config.num_hidden_layers)
     with plan.apply("rollout", key=step_key(0, 0, "rollout")) as hits:
         faulty_logits, state = model.apply(
             {"params": params},

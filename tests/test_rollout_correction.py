@@ -348,7 +348,7 @@ def test_mismatch_study_variants_place_each_fault_on_its_devices(variant, phases
     check_config(config, str(tmp_path))
     for arm in config.compare.arms:
         rc_ = run_config(config, arm, 0, str(tmp_path), None)
-        plan = build_plan(rc_, 8)
+        plan = build_plan(rc_.faults, rc_.aqn, 8)
         got = {inj.name: inj.phases for inj in plan.injections}
         if arm == "clean":
             assert got == {}

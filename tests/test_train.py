@@ -186,7 +186,7 @@ SHARDED = textwrap.dedent(
     assert info["cache"] == "shipped", info
     params = jax.device_get(params)
     tok = tokenizer_for(config)
-    plan, hw = build_plan(config, 8), fault_plan(config.faults, 8)
+    plan, hw = build_plan(config.faults, config.aqn, 8), fault_plan(config.faults, 8)
     static = rl_step.static_from(config, model_cfg, plan, hw, 4)
     sigma, key = np.float32(0.05), jax.random.key(7)
 

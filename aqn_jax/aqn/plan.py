@@ -24,10 +24,9 @@ from .config import aqn_injection
 AQN_ORDERS = ("between", "after_fault", "before_fault")
 
 
-def needs_srdd(config: Any) -> bool:
-    """Whether `build_plan` needs a diagnosis first (aqn.layers 'located', or 'srdd' without a
-    given layer_sigmas)."""
-    aqn = config.aqn
+def needs_srdd(aqn: Any) -> bool:
+    """Whether `build_plan` needs a diagnosis first for the AQN section `aqn` (aqn.layers
+    'located', or 'srdd' without a given layer_sigmas)."""
     if not aqn.enabled or not isinstance(aqn.layers, str):
         return False
     layers = aqn.layers.strip()
@@ -35,23 +34,24 @@ def needs_srdd(config: Any) -> bool:
 
 
 def build_plan(
-    config: Any,
+    faults: Any,
+    aqn: Any,
     num_layers: int,
     srdd_sigmas: Mapping[int, float] | None = None,
     srdd_layers: Sequence[int] | None = None,
 ) -> FaultPlan:
-    """The FaultPlan of `config.faults` and `config.aqn` for a model of `num_layers` layers.
+    """The FaultPlan of the sections `faults` (`config.faults`) and `aqn` (`config.aqn`) for a
+    model of `num_layers` layers.
 
     srdd_sigmas: {layer: sigma} from the SRDD diagnosis, used by aqn.layers='srdd' when
       config.aqn.layer_sigmas is empty.
     srdd_layers: the layers the diagnosis located, required by aqn.layers='located'.
     """
-    device = fault_injections(config.faults, num_layers)
+    device = fault_injections(faults, num_layers)
     deadzone = [i for i in device if i.name == "deadzone"]
     others = [i for i in device if i.name != "deadzone"]
     fault_layers = deadzone[0].sites.layers if deadzone else ()
     fault_layers = () if fault_layers == "all" else fault_layers
-    aqn = config.aqn
     aqn_noise: Injection | None = None
     if aqn.enabled:
         aqn_noise = aqn_injection(aqn, num_layers, fault_layers, srdd_sigmas, srdd_layers)

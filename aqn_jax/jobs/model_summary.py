@@ -43,7 +43,7 @@ def _check_config(config):
         raise ValueError("config.prompt='' ; give a non-empty user message")
     if config.phase not in ("rollout", "train", "eval"):
         raise ValueError(f"config.phase={config.phase!r}; allowed: ('rollout', 'train', 'eval')")
-    plan = build_plan(config, model_cfg.num_hidden_layers)
+    plan = build_plan(config.faults, config.aqn, model_cfg.num_hidden_layers)
     return model_cfg, tokenizer, plan
 
 
