@@ -191,7 +191,7 @@ def check_train(config, workdir: str | None = None, cache: dict | None = None) -
         },
     )
     # Per-device memory from shapes alone; refuses (suggesting a mesh) when it cannot fit.
-    memory = planner.check(config, model_cfg, jax.device_count())
+    memory = planner.check(planner.job_spec(config, model_cfg), jax.device_count())
     # The data as the run will batch it: every train prompt tokenized, the validation prompts.
     train = prompt_lengths(config, tokenizer, "train", cache)
     dropped = check_train_prompts(config, train)

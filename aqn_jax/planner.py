@@ -97,7 +97,7 @@ from aqn_jax import parallel
 from aqn_jax.faults.config import fault_plan
 from aqn_jax.models.registry import ModelConfig, causal_lm, family_of, init_cache
 from aqn_jax.rl.advantages import ESTIMATORS
-from aqn_jax.rl.optim import optimizer_of
+from aqn_jax.rl.optim import OptimizerSpec
 
 GIB = 2**30
 # What a CPU run's process holds besides the arrays of the plan: jax/XLA and the compiled
@@ -315,11 +315,11 @@ def _abstract_model(model_cfg: ModelConfig, head: str) -> tuple[Any, Any]:
 
 
 def _state_groups(
-    section: Any, warmup_field: str, field: str, total_steps: int, params: Any, specs: Any
+    optimizer: OptimizerSpec, total_steps: int, params: Any, specs: Any
 ) -> tuple[_Group, ...]:
-    """Groups of the AdamW state of `section` (config.actor / config.critic): moments follow
-    their params' placement, counters are replicated (as in `Trainer.__init__`)."""
-    _, opt = optimizer_of(section, warmup_field, max(total_steps, 1), 1, field)
+    """Groups of the AdamW state of `optimizer` (config.actor's / config.critic's): moments
+    follow their params' placement, counters are replicated (as in `Trainer.__init__`)."""
+    _, opt = optimizer.build(max(total_steps, 1), 1)
     state = jax.eval_shape(opt.init, params)
     state_specs = optax.tree_map_params(
         opt, lambda _, s: s, state, specs, transform_non_params=lambda _: P()
@@ -348,8 +348,63 @@ def reachable_buckets(rollout: Any) -> tuple[int, ...]:
 
 
 @dataclasses.dataclass(frozen=True)
+class JobSpec:
+    """What the plan reads of the train job (`job_spec`): its model, the mesh as configured,
+    the batch shapes, the optimizers and `config.planner`."""
+
+    model: ModelConfig
+    mesh: tuple[int, int, int]  # config.mesh (data, fsdp, tensor) as given; -1 = the rest
+    total_steps: int
+    actor: OptimizerSpec
+    critic: OptimizerSpec | None  # None: the estimator has no critic
+    rows: int  # prompts * n: the rollout, prepare and update batch
+    val_rows: int
+    mini_batch_rows: int
+    micro_batch_rows: int
+    max_new: int
+    buckets: tuple[int, ...]  # the reachable prompt buckets (`reachable_buckets`)
+    val_samplers: int  # the clean validation sampler, and a faulty one when faults act in 'eval'
+    use_ref: bool
+    headroom: float  # config.planner
+    device_memory_gb: float
+    refuse: bool  # config.planner.enabled: refuse a plan that does not fit
+
+
+def job_spec(config: Any, model_cfg: ModelConfig) -> JobSpec:
+    """The job boundary: the fields of `config` the plan reads, for the model `model_cfg`;
+    raises naming a `config.planner` field out of range."""
+    section = config.get("planner") if hasattr(config, "get") else None
+    section = planner_config() if section is None else section
+    check_planner(section)
+    ro, actor = config.rollout, config.actor
+    estimator = ESTIMATORS.get(config.algo.estimator)  # validated by rl.step.hyper_from
+    critic = None
+    if estimator is not None and estimator.critic:
+        critic = OptimizerSpec.of(config.critic, "lr_warmup_steps", "config.critic")
+    eval_faults = fault_plan(config.faults, model_cfg.num_hidden_layers).active("eval")
+    return JobSpec(
+        model=model_cfg,
+        mesh=tuple(int(config.mesh[a]) for a in parallel.AXES),
+        total_steps=int(config.trainer.total_steps),
+        actor=OptimizerSpec.of(actor, "warmup_steps", "config.actor"),
+        critic=critic,
+        rows=int(config.data_batch.prompts) * int(ro.n),
+        val_rows=int(config.trainer.val_batch_size),
+        mini_batch_rows=int(actor.mini_batch_prompts) * int(ro.n),
+        micro_batch_rows=int(actor.micro_batch_rows),
+        max_new=int(ro.max_new_tokens),
+        buckets=reachable_buckets(ro),
+        val_samplers=2 if eval_faults else 1,
+        use_ref=bool(config.algo.use_kl_loss or config.algo.use_kl_in_reward),
+        headroom=float(section.headroom),
+        device_memory_gb=float(section.device_memory_gb),
+        refuse=bool(section.enabled),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
 class _Job:
-    """What a plan needs from the config and the model, independent of the mesh."""
+    """What a plan needs from the job and the model, independent of the mesh."""
 
     model: ModelConfig
     params: tuple[_Group, ...]
@@ -366,48 +421,38 @@ class _Job:
     use_ref: bool
 
 
-def _job(config: Any, model_cfg: ModelConfig) -> _Job:
+def _job(spec: JobSpec) -> _Job:
+    model_cfg = spec.model
     shapes_cfg = dataclasses.replace(model_cfg, remat=False)  # remat changes no shape
-    total_steps = int(config.trainer.total_steps)
     params, specs = _abstract_model(shapes_cfg, "lm")
     param_groups = _groups(params, specs)
-    optimizer = _state_groups(
-        config.actor, "warmup_steps", "config.actor", total_steps, params, specs
-    )
+    optimizer = _state_groups(spec.actor, spec.total_steps, params, specs)
     critic: tuple[_Group, ...] = ()
-    estimator = ESTIMATORS.get(config.algo.estimator)  # validated by rl.step.hyper_from
-    if estimator is not None and estimator.critic:
+    if spec.critic is not None:
         cparams, cspecs = _abstract_model(shapes_cfg, "value")
         critic = _groups(cparams, cspecs) + _state_groups(
-            config.critic, "lr_warmup_steps", "config.critic", total_steps, cparams, cspecs
+            spec.critic, spec.total_steps, cparams, cspecs
         )
     rollout_weights: tuple[_Group, ...] = ()
     if model_cfg.dtype != model_cfg.param_dtype:
         itemsize = np.dtype(model_cfg.dtype).itemsize
         rollout_weights = tuple(g._replace(itemsize=itemsize) for g in param_groups)
 
-    ro = config.rollout
-    rows = int(config.data_batch.prompts) * int(ro.n)
-    val_rows = int(config.trainer.val_batch_size)
-    max_new = int(ro.max_new_tokens)
-    buckets = reachable_buckets(ro)
-    lengths = tuple(b + max_new for b in buckets)
-    # The clean validation sampler, and a second one when the faults act in phase 'eval'.
-    val_samplers = 2 if fault_plan(config.faults, model_cfg.num_hidden_layers).active("eval") else 1
+    lengths = tuple(b + spec.max_new for b in spec.buckets)
     return _Job(
         model=model_cfg,
         params=param_groups,
         optimizer=optimizer,
         critic=critic,
         rollout_weights=rollout_weights,
-        kv_cache=_cache_groups(model_cfg, rows, lengths, 1),
-        val_kv_cache=_cache_groups(model_cfg, val_rows, lengths, val_samplers),
-        rows=rows,
-        val_rows=val_rows,
-        mini_batch_rows=int(config.actor.mini_batch_prompts) * int(ro.n),
-        bucket=buckets[-1],
-        max_new=max_new,
-        use_ref=bool(config.algo.use_kl_loss or config.algo.use_kl_in_reward),
+        kv_cache=_cache_groups(model_cfg, spec.rows, lengths, 1),
+        val_kv_cache=_cache_groups(model_cfg, spec.val_rows, lengths, spec.val_samplers),
+        rows=spec.rows,
+        val_rows=spec.val_rows,
+        mini_batch_rows=spec.mini_batch_rows,
+        bucket=spec.buckets[-1],
+        max_new=spec.max_new,
+        use_ref=spec.use_ref,
     )
 
 
@@ -512,34 +557,26 @@ def _plan(
 
 
 # --- public entry points ----------------------------------------------------------------------
-def _section(config: Any) -> Any:
-    section = config.get("planner") if hasattr(config, "get") else None
-    section = planner_config() if section is None else section
-    check_planner(section)
-    return section
+def _mesh(spec: JobSpec, num_devices: int) -> tuple[int, int, int]:
+    return parallel.mesh_shape(dict(zip(parallel.AXES, spec.mesh, strict=True)), num_devices)
 
 
-def estimate(config: Any, model_cfg: ModelConfig, num_devices: int) -> MemoryPlan:
-    """Per-device bytes of the train job for `config.mesh` on `num_devices` devices, from shapes
+def estimate(spec: JobSpec, num_devices: int) -> MemoryPlan:
+    """Per-device bytes of the train job for its mesh on `num_devices` devices, from shapes
     only (`jax.eval_shape`; nothing is compiled or allocated). The capacity is left unknown."""
-    section = _section(config)
-    mesh = parallel.mesh_shape(config.mesh, num_devices)
+    mesh = _mesh(spec, num_devices)
     return _plan(
-        _job(config, model_cfg),
-        mesh,
-        bool(model_cfg.remat),
-        int(config.actor.micro_batch_rows),
-        headroom=float(section.headroom),
+        _job(spec), mesh, bool(spec.model.remat), spec.micro_batch_rows, headroom=spec.headroom
     )
 
 
-def _capacity(section: Any, capacity_bytes: int | None) -> int | None:
+def _capacity(spec: JobSpec, capacity_bytes: int | None) -> int | None:
     if capacity_bytes is not None:
         if capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes={capacity_bytes}; must be > 0 (or None)")
         return int(capacity_bytes)
-    if float(section.device_memory_gb) > 0:
-        return int(float(section.device_memory_gb) * GIB)
+    if spec.device_memory_gb > 0:
+        return int(spec.device_memory_gb * GIB)
     return detect_capacity()
 
 
@@ -602,40 +639,33 @@ def _search(
     return [s for _, _, s in fitting], smallest
 
 
-def suggest(
-    config: Any, model_cfg: ModelConfig, num_devices: int, capacity_bytes: int
-) -> list[Suggestion]:
+def suggest(spec: JobSpec, num_devices: int, capacity_bytes: int) -> list[Suggestion]:
     """Settings on `num_devices` devices that fit `headroom * capacity_bytes`, best first
     (only the mesh changed, then remat, then a smaller micro-batch; then the smallest
     estimate)."""
-    section = _section(config)
     found, _ = _search(
-        _job(config, model_cfg),
+        _job(spec),
         num_devices,
-        bool(model_cfg.remat),
-        int(config.actor.micro_batch_rows),
-        _capacity(section, capacity_bytes),
-        float(section.headroom),
+        bool(spec.model.remat),
+        spec.micro_batch_rows,
+        _capacity(spec, capacity_bytes),
+        spec.headroom,
     )
     return found
 
 
-def check(
-    config: Any, model_cfg: ModelConfig, num_devices: int, capacity_bytes: int | None = None
-) -> MemoryPlan:
+def check(spec: JobSpec, num_devices: int, capacity_bytes: int | None = None) -> MemoryPlan:
     """`estimate`, then refuse (ValueError) when it exceeds `config.planner.headroom` of the
     device memory: `capacity_bytes`, else `config.planner.device_memory_gb` (GiB), else the
     backend's limit. With no capacity known (CPU) or `config.planner.enabled=False` the plan
     is returned, never refused. The message names the mesh, lists the components and suggests
     flags that fit (or the device count that would)."""
-    section = _section(config)
-    job = _job(config, model_cfg)
-    remat, micro = bool(model_cfg.remat), int(config.actor.micro_batch_rows)
-    capacity = _capacity(section, capacity_bytes)
-    headroom = float(section.headroom)
-    mesh = parallel.mesh_shape(config.mesh, num_devices)
-    plan = _plan(job, mesh, remat, micro, capacity, headroom)
-    if plan.fits or not section.enabled:
+    job = _job(spec)
+    remat, micro = bool(spec.model.remat), spec.micro_batch_rows
+    capacity = _capacity(spec, capacity_bytes)
+    mesh = _mesh(spec, num_devices)
+    plan = _plan(job, mesh, remat, micro, capacity, spec.headroom)
+    if plan.fits or not spec.refuse:
         return plan
     raise ValueError(_refusal(job, plan, num_devices, remat, micro))
 

@@ -104,8 +104,8 @@ def run(config, workdir: str) -> None:
     mesh = parallel.make_mesh(config.mesh)
     spec = loop_spec(config)
     batcher = prompt_batcher(spec, train_examples, tokenizer)
-    total = rl_step.total_steps_of(config, batcher.batches_per_epoch)
-    static = rl_step.static_from(config, model_cfg, plan, hw_plan, total)
+    total = rl_step.total_steps_of(config.trainer, batcher.batches_per_epoch)
+    static = rl_step.static_from(rl_step.step_spec(config), model_cfg, plan, hw_plan, total)
     sh = rl_step.shardings(static, mesh)
     state, ref_params = rl_step.init_state(static, params, sh)
     rep, ref_sh = sh.replicated, sh.params if static.use_ref else sh.replicated

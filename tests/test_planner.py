@@ -43,6 +43,11 @@ def make_config(arm="targeted", preset="tiny", *, data=-1, fsdp=1, tensor=1, **m
     return config
 
 
+def job(config, model_cfg=None):
+    """The plan's view of `config` (`planner.job_spec`), for its own model unless `model_cfg`."""
+    return planner.job_spec(config, model_cfg or model_config(config.model))
+
+
 @pytest.fixture(scope="module")
 def independent_state():
     """preset -> (per-device bytes of params, of the AdamW state) for a mesh, computed from the
@@ -95,7 +100,7 @@ MESHES = [
 @pytest.mark.parametrize("devices,mesh", MESHES)
 def test_state_matches_the_abstract_arrays(preset, devices, mesh, independent_state):
     config = make_config(preset=preset, **mesh)
-    plan = planner.estimate(config, model_config(config.model), devices)
+    plan = planner.estimate(job(config), devices)
     c = plan.components
     p_bytes, opt_bytes = independent_state(preset, plan.mesh)
     # fp32 master weights, AdamW, the KL reference and one gradient accumulator.
@@ -113,10 +118,10 @@ def test_1p5b_params_by_hand():
     count = sum(leaf.size for leaf in jax.tree_util.tree_leaves(abstract_params(cfg)))
     assert count == PARAMS_1P5B
     total = 4 * PARAMS_1P5B  # 6.17e9 bytes of fp32
-    plan = planner.estimate(config, cfg, 8)
+    plan = planner.estimate(job(config, cfg), 8)
     assert abs(plan.components["params"] - total / 8) <= 0.01 * total / 8
     assert abs(plan.components["optimizer"] - 2 * total / 8) <= 0.01 * 2 * total / 8
-    replicated = planner.estimate(make_config(preset="qwen2p5_1p5b"), cfg, 8)
+    replicated = planner.estimate(job(make_config(preset="qwen2p5_1p5b"), cfg), 8)
     assert replicated.mesh == (8, 1, 1)
     assert replicated.components["params"] == total
 
@@ -125,7 +130,7 @@ def test_1p5b_params_by_hand():
 @pytest.mark.parametrize("mesh", [dict(data=1, fsdp=8), dict(data=4, tensor=2)])
 def test_kv_cache_hand_formula(dtype, mesh):
     config = make_config("clean", "qwen2p5_1p5b", dtype=dtype, **mesh)
-    plan = planner.estimate(config, model_config(config.model), 8)
+    plan = planner.estimate(job(config), 8)
     itemsize = np.dtype(dtype).itemsize
     split = plan.mesh[0] * plan.mesh[1]  # rows over data x fsdp only, never over tensor
     slots = config.rollout.prompt_buckets[-1] + 24  # bucket + max_new_tokens
@@ -145,7 +150,7 @@ def test_kv_cache_counts_every_bucket_and_both_validation_samplers():
     config.rollout.max_prompt_len = 96
     config.rollout.prompt_buckets = (32, 64, 96, 128)  # 128 is never reached (max_prompt_len 96)
     cfg = model_config(config.model)
-    plan = planner.estimate(config, cfg, 8)
+    plan = planner.estimate(job(config, cfg), 8)
     per_slot_row = 2 * 28 * 2 * 128 * 4 + 4  # kv of every layer + the mask, per row and slot
     slots = sum(b + 24 for b in (32, 64, 96))
     assert plan.components["kv_cache"] == 10 * slots * per_slot_row + 3 * 4
@@ -164,8 +169,8 @@ def test_remat_and_tensor_lower_the_activations():
     assert split["layers"] < plain["layers"]
     # The same through estimate: remat lowers the update's activations, nothing else.
     config = make_config(preset="qwen2p5_1p5b", data=1, fsdp=8)
-    a = planner.estimate(config, cfg, 8)
-    b = planner.estimate(config, dataclasses.replace(cfg, remat=True), 8)
+    a = planner.estimate(job(config, cfg), 8)
+    b = planner.estimate(job(config, dataclasses.replace(cfg, remat=True)), 8)
     assert b.components["activations"] < a.components["activations"]
     assert {k: v for k, v in b.components.items() if k != "activations"} == {
         k: v for k, v in a.components.items() if k != "activations"
@@ -183,7 +188,7 @@ def test_activation_models_against_compiled_tiny_programs():
     this backend: XLA's temp bytes vs the planner's estimates (printed; same order)."""
     config = make_config()  # tiny; 1 device: the whole batch on it
     cfg = model_config(config.model)
-    plan = planner.estimate(config, cfg, 1)
+    plan = planner.estimate(job(config, cfg), 1)
     bucket, new = config.rollout.prompt_buckets[-1], int(config.rollout.max_new_tokens)
     micro, rows = int(config.actor.micro_batch_rows), 80
     model = Qwen2ForCausalLM(cfg)
@@ -240,14 +245,14 @@ def _apply_flags(config, text: str):
 def test_refusal_names_the_mesh_and_suggests_one_that_fits():
     config = make_config(preset="qwen2p5_7b")  # data=-1 -> 8: everything replicated
     with pytest.raises(ValueError) as err:
-        planner.check(config, model_config(config.model), 8, capacity_bytes=CAPACITY)
+        planner.check(job(config), 8, capacity_bytes=CAPACITY)
     message = str(err.value)
     print(message)
     assert "config.mesh=(data=8, fsdp=1, tensor=1)" in message
     assert "--config.mesh.fsdp=" in message
     suggested = next(line for line in message.splitlines() if line.startswith("Suggested: "))
     fixed = _apply_flags(config, suggested)
-    plan = planner.check(fixed, model_config(fixed.model), 8, capacity_bytes=CAPACITY)
+    plan = planner.check(job(fixed), 8, capacity_bytes=CAPACITY)
     assert plan.fits and plan.mesh[1] > 1
     est = float(re.search(r"est\. ([\d.]+) GiB", suggested).group(1))
     assert abs(plan.total / GIB - est) < 0.05
@@ -255,25 +260,25 @@ def test_refusal_names_the_mesh_and_suggests_one_that_fits():
 
 def test_a_mesh_that_fits_passes():
     config = make_config(preset="qwen2p5_7b", data=1, fsdp=8)
-    plan = planner.check(config, model_config(config.model), 8, capacity_bytes=CAPACITY)
+    plan = planner.check(job(config), 8, capacity_bytes=CAPACITY)
     assert plan.fits and plan.capacity == CAPACITY and plan.total < 0.9 * CAPACITY
     assert "config.mesh=(data=1, fsdp=8, tensor=1)" in plan.table()
     # From config.planner.device_memory_gb (GiB) when no capacity is passed.
     config.planner.device_memory_gb = 80.0
-    assert planner.check(config, model_config(config.model), 8).capacity == CAPACITY
+    assert planner.check(job(config), 8).capacity == CAPACITY
 
 
 def test_nothing_fits_says_how_many_devices_would():
     config = make_config(preset="qwen2p5_7b")
     with pytest.raises(ValueError) as err:
-        planner.check(config, model_config(config.model), 1, capacity_bytes=CAPACITY)
+        planner.check(job(config), 1, capacity_bytes=CAPACITY)
     message = str(err.value)
     assert "No (data, fsdp, tensor) mesh of 1 devices fits" in message
     found = re.search(r"It would need (\d+) devices: (.*)", message)
     assert found, message
     devices = int(found.group(1))
     fixed = _apply_flags(config, found.group(2))
-    assert planner.check(fixed, model_config(fixed.model), devices, capacity_bytes=CAPACITY).fits
+    assert planner.check(job(fixed), devices, capacity_bytes=CAPACITY).fits
 
 
 def test_planner_config_and_unknown_capacity():
@@ -281,20 +286,20 @@ def test_planner_config_and_unknown_capacity():
     cfg = model_config(config.model)
     config.planner.headroom = 1.5
     with pytest.raises(ValueError, match=r"config\.planner\.headroom=1\.5; must be in \(0, 1\]"):
-        planner.check(config, cfg, 8)
+        planner.check(job(config, cfg), 8)
     config.planner.headroom = 0.9
     config.planner.device_memory_gb = -1.0
     with pytest.raises(ValueError, match=r"config\.planner\.device_memory_gb=-1\.0"):
-        planner.check(config, cfg, 8)
+        planner.check(job(config, cfg), 8)
     config.planner.device_memory_gb = 0.0
     # CPU reports no memory limit: the plan is reported, never refused.
     assert planner.detect_capacity() is None
-    plan = planner.check(config, cfg, 8)
+    plan = planner.check(job(config, cfg), 8)
     assert plan.capacity is None and plan.fits
     assert "capacity unknown" in plan.table()
     # Disabled: the plan comes back (not fitting) instead of an error.
     config.planner.enabled = False
-    plan = planner.check(config, cfg, 8, capacity_bytes=CAPACITY)
+    plan = planner.check(job(config, cfg), 8, capacity_bytes=CAPACITY)
     assert not plan.fits and plan.total > 0.9 * CAPACITY
 
 
@@ -313,7 +318,7 @@ def test_cpu_rss_bounds_the_measured_0p5b_peak():
     config.trainer.val_batch_size = 2
     config.algo.use_kl_loss = True  # as measured (the config now drops the reference)
     model_cfg = dataclasses.replace(model_config(config.model), tie_word_embeddings=False)
-    plan = planner.estimate(config, model_cfg, 1)
+    plan = planner.estimate(job(config, model_cfg), 1)
     params = sum(math.prod(x.shape) for x in jax.tree.leaves(abstract_params(model_cfg)))
     assert params == 630_167_424  # Qwen2.5-Coder-0.5B-Instruct with its untied head
     assert plan.host_params == 4 * params
@@ -339,7 +344,7 @@ def test_cpu_rss_bounds_the_0p5b_run_at_the_configs_shape():
     config = load_config("qwen2p5_coder_0p5b_gsm8k", "deadzone")
     model_cfg = dataclasses.replace(model_config(config.model), tie_word_embeddings=False)
     assert model_cfg.remat
-    plan = planner.estimate(config, model_cfg, 1)
+    plan = planner.estimate(job(config, model_cfg), 1)
     measured = MEASURED_0P5B_4X4X256_RSS
     remat_only = plan.total + plan.host_params + planner.RUNTIME_BYTES
     print(

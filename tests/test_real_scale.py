@@ -114,9 +114,11 @@ def test_generation_weights_are_bf16_and_match_the_traced_cast(snapshot):
     model_cfg, params = load_model(config.model, 0)
     tok = tokenizer_for(config)
     batcher = prompt_batcher(loop_spec(config), load_split(config.data, "train"), tok)
-    total = rl_step.total_steps_of(config, batcher.batches_per_epoch)
+    total = rl_step.total_steps_of(config.trainer, batcher.batches_per_epoch)
     assert total == 4  # total_epochs=2 over 2 batches per epoch
-    static = rl_step.static_from(config, model_cfg, FaultPlan(), FaultPlan(), total)
+    static = rl_step.static_from(
+        rl_step.step_spec(config), model_cfg, FaultPlan(), FaultPlan(), total
+    )
     sh = rl_step.shardings(static, make_mesh(config.mesh))
     state, ref = rl_step.init_state(static, params, sh)
     test = load_split(config.data, "test")

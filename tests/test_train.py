@@ -187,7 +187,7 @@ SHARDED = textwrap.dedent(
     params = jax.device_get(params)
     tok = tokenizer_for(config)
     plan, hw = build_plan(config.faults, config.aqn, 8), fault_plan(config.faults, 8)
-    static = rl_step.static_from(config, model_cfg, plan, hw, 4)
+    static = rl_step.static_from(rl_step.step_spec(config), model_cfg, plan, hw, 4)
     sigma, key = np.float32(0.05), jax.random.key(7)
 
     def misplaced(tree, shardings):

@@ -6,6 +6,9 @@ project is configured the same way and validated with the field's name.
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import optax
 
 LR_SCHEDULES = ("constant", "warmup_constant", "cosine")
@@ -72,30 +75,52 @@ def adamw(
     return optax.chain(*parts)
 
 
-def optimizer_of(section, warmup_field: str, total_updates: int, per_step: int, field: str):
-    """(schedule, AdamW) of a config section (config.actor / config.critic: lr, schedule,
-    weight_decay, grad_clip and `warmup_field` in RL steps), the schedule counted in optimizer
-    updates (`per_step` of them per RL step)."""
-    schedule = lr_schedule(
-        float(section.lr),
-        total_updates,
-        warmup_steps=int(section[warmup_field]) * per_step,
-        schedule=section.schedule,
-        field=field,
-    )
-    opt = adamw(
-        schedule,
-        weight_decay=float(section.weight_decay),
-        grad_clip=float(section.grad_clip),
-        field=field,
-    )
-    return schedule, opt
+@dataclasses.dataclass(frozen=True)
+class OptimizerSpec:
+    """An optimizer section (config.actor / config.critic), typed (`OptimizerSpec.of`);
+    `build` makes its (schedule, AdamW)."""
+
+    lr: float
+    schedule: str  # LR_SCHEDULES
+    warmup_steps: int  # RL steps
+    weight_decay: float
+    grad_clip: float
+    field: str  # the section as errors name it, e.g. 'config.actor'
+
+    @classmethod
+    def of(cls, section: Any, warmup_field: str, field: str) -> OptimizerSpec:
+        """From a config section (lr, schedule, weight_decay, grad_clip and `warmup_field`)."""
+        return cls(
+            lr=float(section.lr),
+            schedule=section.schedule,
+            warmup_steps=int(section[warmup_field]),
+            weight_decay=float(section.weight_decay),
+            grad_clip=float(section.grad_clip),
+            field=field,
+        )
+
+    def build(
+        self, total_updates: int, per_step: int
+    ) -> tuple[optax.Schedule, optax.GradientTransformation]:
+        """(schedule, AdamW), the schedule counted in optimizer updates (`per_step` of them per
+        RL step); raises naming the field."""
+        schedule = lr_schedule(
+            self.lr,
+            total_updates,
+            warmup_steps=self.warmup_steps * per_step,
+            schedule=self.schedule,
+            field=self.field,
+        )
+        opt = adamw(
+            schedule, weight_decay=self.weight_decay, grad_clip=self.grad_clip, field=self.field
+        )
+        return schedule, opt
 
 
 def check_optimizer(section, warmup_field: str, field: str) -> None:
     """A config section's optimizer (config.actor / config.critic) before anything compiles:
-    `optimizer_of`'s checks, and a learning rate > 0 (at 0 every update leaves the weights as
-    they are: a run would go to its end and learn nothing)."""
+    `OptimizerSpec.build`'s checks, and a learning rate > 0 (at 0 every update leaves the
+    weights as they are: a run would go to its end and learn nothing)."""
     if not float(section.lr) > 0:
         raise ValueError(f"{field}.lr={section.lr}; must be > 0 (at 0 nothing is learned)")
-    optimizer_of(section, warmup_field, 1, 1, field)
+    OptimizerSpec.of(section, warmup_field, field).build(1, 1)

@@ -1,7 +1,7 @@
 """The RL step as pure functions over a frozen static description.
 
-`static_from(config, ...)` builds `Static` once: the hyperparameters (`Hyper`), the policy and
-critic modules, the fault plans and the optimizers. The job then jits, with explicit
+`static_from(step_spec(config), ...)` builds `Static` once: the hyperparameters (`Hyper`), the
+policy and critic modules, the fault plans and the optimizers. The job then jits, with explicit
 `NamedSharding`s (`shardings`) and the state donated to the update:
 
   init_state(static, params, sh)                        -> (RLState, reference params)
@@ -46,7 +46,7 @@ from aqn_jax.models.registry import ModelConfig, causal_lm
 
 from . import advantages as adv_lib
 from . import losses
-from .optim import optimizer_of
+from .optim import OptimizerSpec
 from .rollout_correction import RolloutCorrection, correction_from
 
 
@@ -152,7 +152,7 @@ def hyper_from(config) -> Hyper:
 
 @dataclasses.dataclass(frozen=True)
 class Static:
-    """Everything the jitted programs close over, built once from the config (`static_from`)."""
+    """Everything the jitted programs close over, built once (`static_from`)."""
 
     h: Hyper
     model_cfg: ModelConfig
@@ -176,39 +176,62 @@ class Static:
         return self.h.use_kl_loss or self.h.use_kl_in_reward
 
 
+@dataclasses.dataclass(frozen=True)
+class StepSpec:
+    """What the step programs read of an experiment config (`step_spec`)."""
+
+    h: Hyper
+    actor: OptimizerSpec  # config.actor's optimizer
+    critic: OptimizerSpec  # config.critic's optimizer
+    max_new: int  # config.rollout.max_new_tokens
+    critic_faults: bool  # config.critic.faults: the critic runs the hardware faults
+
+
+def step_spec(config) -> StepSpec:
+    """The job boundary: `hyper_from` (validated) and the optimizer sections, typed."""
+    return StepSpec(
+        h=hyper_from(config),
+        actor=OptimizerSpec.of(config.actor, "warmup_steps", "config.actor"),
+        critic=OptimizerSpec.of(config.critic, "lr_warmup_steps", "config.critic"),
+        max_new=int(config.rollout.max_new_tokens),
+        critic_faults=bool(config.critic.faults),
+    )
+
+
 def static_from(
-    config, model_cfg: ModelConfig, plan: FaultPlan, hardware_plan: FaultPlan, total_steps: int
+    spec: StepSpec,
+    model_cfg: ModelConfig,
+    plan: FaultPlan,
+    hardware_plan: FaultPlan,
+    total_steps: int,
 ) -> Static:
-    h = hyper_from(config)
+    h = spec.h
     # Schedules advance per RL step (verl steps its LR scheduler once per update_policy);
     # optax counts optimizer updates, `updates` per RL step.
     updates = h.ppo_epochs * h.mini_batches
-    actor_schedule, actor_opt = optimizer_of(
-        config.actor, "warmup_steps", total_steps * updates, updates, "config.actor"
-    )
-    _, critic_opt = optimizer_of(
-        config.critic, "lr_warmup_steps", total_steps * updates, updates, "config.critic"
-    )
+    actor_schedule, actor_opt = spec.actor.build(total_steps * updates, updates)
+    _, critic_opt = spec.critic.build(total_steps * updates, updates)
     return Static(
         h=h,
         model_cfg=model_cfg,
         policy=causal_lm(model_cfg),
         critic=causal_lm(model_cfg, head="value"),
         plan=plan,
-        critic_plan=hardware_plan if config.critic.faults else FaultPlan(),
+        critic_plan=hardware_plan if spec.critic_faults else FaultPlan(),
         actor_opt=actor_opt,
         critic_opt=critic_opt,
         actor_schedule=actor_schedule,
-        max_new=int(config.rollout.max_new_tokens),
+        max_new=spec.max_new,
         total_steps=int(total_steps),
         updates=updates,
     )
 
 
-def total_steps_of(config, batches_per_epoch: int) -> int:
-    """RL steps of a run: config.trainer.total_epochs full passes when set, else total_steps."""
-    epochs = int(config.trainer.get("total_epochs", 0))
-    return epochs * int(batches_per_epoch) if epochs > 0 else int(config.trainer.total_steps)
+def total_steps_of(trainer, batches_per_epoch: int) -> int:
+    """RL steps of a run (`trainer`: config.trainer): total_epochs full passes when set, else
+    total_steps."""
+    epochs = int(trainer.get("total_epochs", 0))
+    return epochs * int(batches_per_epoch) if epochs > 0 else int(trainer.total_steps)
 
 
 # -- shardings and the initial state ---------------------------------------------------------------
