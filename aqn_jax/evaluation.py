@@ -267,10 +267,11 @@ def robustness(
     return out
 
 
-def greedy_sampling(config, tokenizer: Tokenizer) -> SamplingParams:
-    """Greedy decoding at the run's response length (accuracy as verl's mean@1)."""
+def greedy_sampling(max_new_tokens: int, tokenizer: Tokenizer) -> SamplingParams:
+    """Greedy decoding at the run's response length (config.rollout.max_new_tokens; accuracy
+    as verl's mean@1)."""
     return SamplingParams(
-        max_new_tokens=int(config.rollout.max_new_tokens),
+        max_new_tokens=int(max_new_tokens),
         eos_id=tokenizer.eos_id,
         pad_id=tokenizer.pad_id,
         temperature=0.0,
@@ -301,7 +302,7 @@ def prompt_dependence(
     task = task_of(config.data)
     size = int(size or config.trainer.val_size)
     gen = causal_lm(dataclasses.replace(model_cfg, remat=False))
-    sp = greedy_sampling(config, tokenizer)
+    sp = greedy_sampling(config.rollout.max_new_tokens, tokenizer)
     buckets = tuple(int(b) for b in config.rollout.prompt_buckets)
     sampler = Sampler(gen, sp, FaultPlan(), buckets, phase="eval")
     bs = int(config.trainer.val_batch_size)

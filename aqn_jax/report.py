@@ -156,7 +156,7 @@ def run_summary(
     sigmas = None if diagnosis is None else sigmas_of(diagnosis)
     return {
         "name": os.path.basename(os.path.abspath(workdir)),
-        "fault_layers": fault_layers(config, n_layers),
+        "fault_layers": fault_layers(config.faults, n_layers),
         "train_prompts_dropped": None,  # set by the train job
         "srdd_located_layers": None if diagnosis is None else diagnosis["verdict"]["layers"],
         "aqn_layers": aqn_layers,
@@ -221,10 +221,11 @@ def model_layers(config) -> int:
     return model_config(config.model).num_hidden_layers
 
 
-def fault_layers(config, n_layers: int) -> list[int]:
-    """The layers of the run's hardware fault (the deadzone's, else the noise's)."""
+def fault_layers(faults, n_layers: int) -> list[int]:
+    """The layers of the run's hardware fault (`faults`: config.faults; the deadzone's, else
+    the noise's)."""
     for name in ("deadzone", "noise"):
-        section = config.faults[name]
+        section = faults[name]
         if section.enabled:
             layers = parse_layers(section.layers, f"config.faults.{name}.layers", n_layers)
             return list(range(n_layers)) if layers == "all" else list(layers)

@@ -65,8 +65,8 @@ def test_simple_schedules():
     np.testing.assert_allclose(sigma_at("cosine", 5, 10, 0.04, 0.0), 0.02)
     np.testing.assert_allclose(sigma_at("cosine", 10, 10, 0.04, 0.0), 0.0, atol=1e-12)
     cfg = make_config(aqn__enabled=True)
-    assert aqn_sigma(cfg, 15, 100) == pytest.approx(0.05)
-    assert aqn_sigma(make_config(), 15, 100) == 0.0
+    assert aqn_sigma(cfg.aqn, 15, 100) == pytest.approx(0.05)
+    assert aqn_sigma(make_config().aqn, 15, 100) == 0.0
 
 
 # --- layers -------------------------------------------------------------------------------------

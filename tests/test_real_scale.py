@@ -72,7 +72,8 @@ def test_real_scale_config_runs_end_to_end(snapshot, tmp_path):
     # The AQN schedule (epoch-aware, 2 epochs) runs over the 4 steps the epochs gave.
     from aqn_jax.aqn.config import aqn_sigma
 
-    expected = [aqn_sigma(load_config("gsm8k_qwen2p5_1p5b", "targeted"), s, 4) for s in range(1, 5)]
+    aqn = load_config("gsm8k_qwen2p5_1p5b", "targeted").aqn
+    expected = [aqn_sigma(aqn, s, 4) for s in range(1, 5)]
     assert [r["aqn/sigma"] for r in rows[1:]] == pytest.approx(expected, rel=1e-6)
     assert rows[1]["faults/rollout/deadzone.flushed"] > 0
     manifest = json.loads((work / "manifest.json").read_text())

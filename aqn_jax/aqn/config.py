@@ -201,6 +201,6 @@ class AqnSchedule:
         )
 
 
-def aqn_sigma(config: Any, step: int, total_steps: int) -> float:
-    """This step's AQN sigma (0.0 when AQN is off), from an experiment config."""
-    return AqnSchedule.of(config.aqn).sigma(step, total_steps)
+def aqn_sigma(aqn: Any, step: int, total_steps: int) -> float:
+    """This step's AQN sigma (0.0 when AQN is off), from the AQN section `aqn` (config.aqn)."""
+    return AqnSchedule.of(aqn).sigma(step, total_steps)

@@ -95,7 +95,7 @@ def run(config, workdir: str) -> None:
     messages = [{"role": "user", "content": config.prompt}]
     ids = np.asarray([tokenizer.encode_chat(messages)], np.int32)
     # This step's AQN sigma (as at step config.step of a config.total_steps-step run), traced.
-    sigma = np.float32(aqn_sigma(config, config.step, config.total_steps))
+    sigma = np.float32(aqn_sigma(config.aqn, config.step, config.total_steps))
 
     def forward(params, ids, sigma, faulty: bool):
         active = plan if faulty else FaultPlan()

@@ -79,7 +79,7 @@ def run(config, workdir: str) -> None:
     model = causal_lm(dataclasses.replace(model_cfg, remat=False))
     bs = int(config.trainer.val_batch_size)
     key = step_key(int(config.seed), 0, "eval")
-    sp = greedy_sampling(config, tokenizer)
+    sp = greedy_sampling(config.rollout.max_new_tokens, tokenizer)
     buckets = tuple(int(b) for b in config.rollout.prompt_buckets)
     limit = int(config.rollout.max_prompt_len)
 
