@@ -121,8 +121,11 @@ def tokenizer_for(config) -> Tokenizer:
 
 def cache_key(config) -> str:
     d = config.data
+    # num_layers at its default (0, the preset's depth) is left out: the keys of warm starts
+    # made before the field existed, the shipped one included, stay what they were.
+    model = {k: v for k, v in config.model.to_dict().items() if k != "num_layers" or v}
     parts = {
-        "model": config.model.to_dict(),
+        "model": model,
         "tokenizer": config.tokenizer_path,
         "data": {
             "train_path": d.train_path,

@@ -12,11 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from conftest import load_config
+from conftest import SHALLOW_FAULT as F
+from conftest import SHALLOW_FLAGS, load_config
+from conftest import SHALLOW_LAYERS as L
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FLAGS = [
     "--config=configs/compare.py:smoke",
+    *SHALLOW_FLAGS,  # 3 layers, the deadzone at the middle one
     "--config.trainer.total_steps=1",
     "--config.evaluate.noise_levels=(0.0,)",
     # The test session's persistent XLA cache (conftest.py, inherited by the workers) instead of
@@ -71,7 +74,7 @@ def test_compare_resumes_and_reports(tmp_path):
 
     results = json.loads((work / "results.json").read_text())
     assert results["arms"] == ["global_aqn", "targeted"] and results["seeds"] == [0, 1]
-    assert results["srdd"]["layers"] == [4]  # one shared diagnosis of the layer-4 deadzone
+    assert results["srdd"]["layers"] == [F]  # one shared diagnosis of the deadzone
     assert (work / "srdd" / "srdd.json").is_file()
     assert len(list((work / "cache").iterdir())) == 1  # one shared SFT warm start
     for arm in ("global_aqn", "targeted"):
@@ -84,10 +87,10 @@ def test_compare_resumes_and_reports(tmp_path):
             assert entry["telemetry"]["flushed"] > 0
     # The targeted runs trained with AQN on the located layer only.
     summary = json.loads((work / "runs" / "targeted" / "seed0" / "summary.json").read_text())
-    assert summary["aqn_layers"] == [4]
+    assert summary["aqn_layers"] == [F]
     assert json.loads((work / "runs" / "global_aqn" / "seed1" / "summary.json").read_text())[
         "aqn_layers"
-    ] == list(range(8))
+    ] == list(range(L))
     # The report: per-arm tables from the same numbers, the test row, plots.
     report = (work / "report.md").read_text()
     loss = results["summary"]["final"]["heldout_loss"]["targeted"]["mean"]

@@ -26,7 +26,7 @@ from aqn_jax.rl.sampler import Sampler, SamplingParams
 from aqn_jax.rl.scoring import eval_scores
 from aqn_jax.rl.sft import sft_loss, sft_sequences
 
-from conftest import launch_cli, load_config
+from conftest import SHALLOW_FLAGS, launch_cli, load_config
 
 
 def _config(**ev):
@@ -169,9 +169,10 @@ def test_bad_evaluate_config_is_refused():
 def test_evaluate_job(tmp_path, sft_cache):
     work = tmp_path / "eval"
     # The faulty device only (fault off/on is covered above): 2 programs, noise and MXFP4. The
-    # smoke warm start is the session's (the smoke arms' SFT: the same cache key).
+    # smoke warm start is the session's (the shallow smoke arms' SFT: the same cache key).
     out = launch_cli(
         "--config=configs/evaluate.py:smoke",
+        *SHALLOW_FLAGS,
         "--config.evaluate.noise_levels=(0.0,0.1)",
         "--config.evaluate.fault=(True,)",
         f"--config.sft.cache_dir={sft_cache}",

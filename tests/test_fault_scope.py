@@ -24,7 +24,7 @@ from aqn_jax.models.qwen2 import Qwen2Config, Qwen2ForCausalLM, init_cache
 from aqn_jax.rl import sampler as sampler_lib
 from aqn_jax.rl.sampler import Sampler, SamplingParams
 
-from conftest import load_config, random_params
+from conftest import load_config, random_params, shallow
 
 THRESHOLD = 0.3  # of amax: flushes a good part of layer 0's output of this random model
 CONFIG = Qwen2Config.tiny(num_hidden_layers=2)
@@ -265,7 +265,7 @@ def test_sampler_trainer_drift_is_near_zero_for_causal_and_positive_for_call(
 ):
     from aqn_jax.launch import run
 
-    config = load_config("deadzone", "smoke")
+    config = shallow(load_config("deadzone", "smoke"))  # 3 layers, the deadzone at layer 1
     config.sft.cache_dir = sft_cache
     config.trainer.total_steps = 1
     config.faults.deadzone.severity = "amax"

@@ -69,3 +69,34 @@ def test_bad_config_names_field(field, value, message):
 def test_unknown_preset():
     with pytest.raises(ValueError, match="model preset 'qwen9' is unknown"):
         Qwen2Config.preset("qwen9")
+
+
+def test_num_layers_overrides_the_presets_depth_only():
+    """config.model.num_layers: the preset at that depth, every width unchanged; 0 is the preset
+    itself, and the warm start's cache key of the default config is the one it had before the
+    field existed (the shipped warm start's); bad values and hf_path are refused by name."""
+    from aqn_jax.models.factory import model_config, model_section
+    from aqn_jax.warm_start import cache_key
+
+    from conftest import load_config
+
+    section = model_section()
+    assert model_config(section) == Qwen2Config.tiny()
+    section.num_layers = 3
+    shallow = model_config(section)
+    assert shallow == Qwen2Config.tiny(num_hidden_layers=3) != Qwen2Config.tiny()
+    assert sorted(k for k in abstract_params(shallow) if k.startswith("layers_")) == [
+        "layers_0",
+        "layers_1",
+        "layers_2",
+    ]
+    config = load_config("targeted")
+    assert cache_key(config) == "0966d513ccd36516"  # aqn_jax/assets/sft-0966d513ccd36516
+    config.model.num_layers = 3
+    assert cache_key(config) != "0966d513ccd36516"
+    section.num_layers = -1  # (ConfigDict refuses a non-int itself)
+    with pytest.raises(ValueError, match=r"config\.model\.num_layers=-1; allowed: an int >= 0"):
+        model_config(section)
+    section.num_layers, section.hf_path = 3, "/some/snapshot"
+    with pytest.raises(ValueError, match="config.model.num_layers=3; applies to presets only"):
+        model_config(section)

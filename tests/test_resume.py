@@ -14,7 +14,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from conftest import load_config
+from conftest import SHALLOW_FLAGS, load_config, shallow
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 4
@@ -22,12 +22,10 @@ OVERRIDES = {"trainer.total_steps": STEPS, "checkpoint.every": 1, "trainer.val_e
 
 
 def _config(cache):
+    """The deadzone smoke on the shallow model (conftest.SHALLOW), OVERRIDES set."""
     config = load_config("deadzone", "smoke")
     config.sft.cache_dir = cache
-    config.trainer.total_steps = STEPS
-    config.checkpoint.every = 1
-    config.trainer.val_every = 2
-    return config
+    return shallow(config, **OVERRIDES)
 
 
 def _rows(workdir):
@@ -76,6 +74,7 @@ def test_kill_and_resume_equals_uninterrupted(tmp_path, monkeypatch, sft_cache):
             "aqn_jax.launch",
             "--config=configs/deadzone.py:smoke",
             f"--config.sft.cache_dir={cache}",
+            *SHALLOW_FLAGS,
             *flags,
             f"--workdir={killed}",
         ],

@@ -6,13 +6,16 @@ import json
 
 import pytest
 
-from conftest import load_config
+from conftest import load_config, shallow
+
+# The smoke on the shallow model (conftest.SHALLOW: 3 layers), swept at its first and last layer.
+LAYERS = (0, 2)
 
 
 def test_severity_curve_smoke(tmp_path, sft_cache):
     from aqn_jax.launch import run
 
-    config = load_config("severity", "smoke")
+    config = shallow(load_config("severity", "smoke"), **{"severity.layers": str(LAYERS)})
     config.sft.cache_dir = sft_cache
     run(config, str(tmp_path / "sev"))
     out = json.loads((tmp_path / "sev" / "severity.json").read_text())
@@ -21,8 +24,8 @@ def test_severity_curve_smoke(tmp_path, sft_cache):
     assert set(pdep) == {"n", "acc", "acc_redrawn", "answered_original", "shared_completion"}
     assert pdep["acc"] == out["clean"]["acc"]  # the same greedy decode of the same problems
     points = {(p["severity"], p["value"], p["layer"]): p for p in out["points"]}
-    assert set(points) == {(m, v, k) for m, v in (("amax", 0.1), ("quantile", 0.5)) for k in (2, 5)}
-    for layer in (2, 5):
+    assert set(points) == {(m, v, k) for m, v in (("amax", 0.1), ("quantile", 0.5)) for k in LAYERS}
+    for layer in LAYERS:
         # floor(0.5 n) of n values per held-out batch, less the ties at the threshold (padding
         # positions repeat their hidden states): half, to 1e-3.
         assert points[("quantile", 0.5, layer)]["flushed"] == pytest.approx(0.5, abs=1e-3)
@@ -44,7 +47,7 @@ def test_severity_without_accuracy_decodes_nothing(tmp_path, monkeypatch, sft_ca
 
     monkeypatch.setattr(severity, "prompt_dependence", no_decoding)
     monkeypatch.setattr(severity, "eval_scores", no_decoding)
-    config = load_config("severity", "smoke")
+    config = shallow(load_config("severity", "smoke"), **{"severity.layers": str(LAYERS)})
     config.sft.cache_dir = sft_cache
     config.severity.accuracy = False
     config.severity.quantile = ()

@@ -26,6 +26,9 @@ def model_section(preset: str = "tiny") -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.preset = preset  # tiny | qwen2p5_0p5b | qwen2p5_1p5b | qwen2p5_3b | qwen2p5_7b
     c.hf_path = ""  # local Hugging Face snapshot (config.json + safetensors); '' = the preset
+    # > 0: the preset with this many decoder layers (a shallower model of the same widths, e.g.
+    # a wiring check with one faulty layer between healthy ones); 0 = the preset's own depth.
+    c.num_layers = 0  # presets only
     c.param_dtype = "float32"  # float32 | bfloat16 | float16
     c.dtype = "float32"  # activation / matmul dtype
     c.remat = False  # rematerialise each decoder layer in the backward pass
@@ -33,7 +36,8 @@ def model_section(preset: str = "tiny") -> ml_collections.ConfigDict:
 
 
 def model_config(model_cfg: Any) -> Qwen2Config:
-    """Qwen2Config for `config.model` (fields: preset, hf_path, param_dtype, dtype, remat).
+    """Qwen2Config for `config.model` (fields: preset, hf_path, num_layers, param_dtype, dtype,
+    remat).
 
     hf_path set: the architecture comes from its config.json (preset is ignored); otherwise
     from the named preset. Raises ValueError naming the field on bad input.
@@ -45,6 +49,18 @@ def model_config(model_cfg: Any) -> Qwen2Config:
     numerics = dict(
         param_dtype=model_cfg.param_dtype, dtype=model_cfg.dtype, remat=bool(model_cfg.remat)
     )
+    num_layers = model_cfg.get("num_layers", 0)
+    if not isinstance(num_layers, int) or isinstance(num_layers, bool) or num_layers < 0:
+        raise ValueError(
+            f"config.model.num_layers={num_layers!r}; allowed: an int >= 0 (0 = the preset's depth)"
+        )
+    if num_layers and model_cfg.hf_path:
+        raise ValueError(
+            f"config.model.num_layers={num_layers}; applies to presets only, and"
+            f" config.model.hf_path={model_cfg.hf_path!r} is set (use 0: the snapshot's depth)"
+        )
+    if num_layers:
+        numerics["num_hidden_layers"] = num_layers
     if model_cfg.hf_path:
         path = os.path.expanduser(model_cfg.hf_path)
         config_json = os.path.join(path, "config.json")
