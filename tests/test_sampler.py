@@ -36,8 +36,15 @@ def sampler(**kw):
     return Sampler(MODEL, SamplingParams(**params), plan=plan, buckets=BUCKETS)
 
 
+# Jitted: one compile per sequence length (op-by-op dispatch compiled every op of every
+# length, ~30 s of the greedy test); still the plain uncached forward, no cache or sampler.
+_forward = jax.jit(
+    lambda params, ids, mask: MODEL.apply({"params": params}, ids, attention_mask=mask)
+)
+
+
 def full_logits(ids, mask):
-    return np.asarray(MODEL.apply({"params": WEIGHTS}, ids, attention_mask=mask))
+    return np.asarray(_forward(WEIGHTS, ids, mask))
 
 
 def test_greedy_equals_stepwise_argmax_of_uncached_forward():
