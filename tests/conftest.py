@@ -205,50 +205,21 @@ def sft_cache(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def sft_tiny(tmp_path_factory):
-    """The embedded tiny model after a short SFT on the arithmetic task (shared by the tests
-    that need a trained-like model): (Qwen2Config, params, CharTokenizer, ArithmeticTask).
-
-    Trained once per test session: the first xdist worker to need it trains it under a file
-    lock and saves the params; the other waits on the lock and loads them (the same bits)."""
-    import fcntl
-
-    import jax
-
-    from aqn_jax.data.arithmetic import ArithmeticTask
+def sft_tiny():
+    """The embedded tiny model after SFT, for the tests that need a trained model: the shipped
+    warm start (aqn_jax/assets: 600 steps over the embedded task's train split, made by
+    configs/warm_start.py; greedy test accuracy 0.832), read from disk, so no test session
+    trains one. (Qwen2Config, params, CharTokenizer, the embedded task: 1 digit, 1 step, split
+    by question.) It replaced a 30-step SFT run inside the session (~50-60 s of a worker)."""
+    from aqn_jax.data.config import task_of
     from aqn_jax.data.tokenizers import CharTokenizer
-    from aqn_jax.models.factory import init_params
-    from aqn_jax.models.qwen2 import Qwen2Config, Qwen2ForCausalLM
-    from aqn_jax.rl.sft import sft_sequences, sft_train
+    from aqn_jax.models.hf import load_hf_checkpoint
+    from aqn_jax.warm_start import SHIPPED_DIR, cache_key
 
-    tok, task = CharTokenizer(), ArithmeticTask()
-    cfg = Qwen2Config.preset("tiny")
-    init = init_params(cfg, 0)
-    shared = _session_dir(tmp_path_factory)
-    saved = shared / "sft_tiny.npz"
-    with open(shared / "sft_tiny.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if saved.is_file():
-            with np.load(saved) as f:
-                leaves = [jax.device_put(f[f"leaf{i}"]) for i in range(len(f.files))]
-            params = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(init), leaves)
-            return cfg, params, tok, task
-        data = sft_sequences(task.examples("train", 256), tok)
-        params, hist = sft_train(
-            Qwen2ForCausalLM(cfg),
-            init,
-            data,
-            steps=30,
-            batch_size=16,
-            lr=3e-3,
-            warmup_steps=5,
-        )
-        assert hist["loss"][-1] < 0.6 * hist["loss"][0], hist["loss"]
-        leaves = jax.tree_util.tree_leaves(params)
-        tmp = shared / f"sft_tiny.{os.getpid()}.npz"
-        np.savez(tmp, **{f"leaf{i}": np.asarray(x) for i, x in enumerate(leaves)})
-        os.replace(tmp, saved)
-    return cfg, params, tok, task
+    config = load_config("targeted")
+    shipped = os.path.join(SHIPPED_DIR, f"sft-{cache_key(config)}")
+    cfg, params = load_hf_checkpoint(shipped, "float32")
+    return cfg, params, CharTokenizer(), task_of(config.data)
 
 
 # The smoke runs' model (issue 32): the tiny preset's widths at 3 decoder layers, the deadzone

@@ -28,14 +28,12 @@ from aqn_jax.rl.sft import sft_loss, sft_sequences
 
 from conftest import SHALLOW_FLAGS, launch_cli, load_config
 
+BUCKET = 72  # the embedded task's one prompt bucket (config.rollout.prompt_buckets)
+
 
 def _config(**ev):
     config = load_config("evaluate")
     config.rollout.max_new_tokens = 16
-    # The sft_tiny fixture's task (ArithmeticTask() defaults: 2 digits, 2 steps) has longer
-    # prompts than the embedded default's one bucket of 72.
-    config.rollout.max_prompt_len = 128
-    config.rollout.prompt_buckets = (128,)
     for k, v in ev.items():
         config.evaluate[k] = v
     return config
@@ -88,8 +86,8 @@ def test_matrix_agrees_with_validation_and_noise_zero_is_exact(sft_tiny):
     key = step_key(0, 0, "eval")
     refs = {}
     for name, plan in (("clean", FaultPlan()), ("fault", hw)):
-        refs[name] = Sampler(model, greedy, plan, (128,), phase="eval")
-        ref = eval_scores(refs[name], params, examples, tok, 8, 128, fault_key=key)
+        refs[name] = Sampler(model, greedy, plan, (BUCKET,), phase="eval")
+        ref = eval_scores(refs[name], params, examples, tok, 8, BUCKET, fault_key=key)
         assert conds[name]["acc"] == pytest.approx(float(np.mean(ref)), abs=0)
         # Every reading of the same completions; the config's own (strict) is `acc`, and boxed
         # reads '#### N' as strict does when there is no box (tests/test_rewards.py).
@@ -103,7 +101,7 @@ def test_matrix_agrees_with_validation_and_noise_zero_is_exact(sft_tiny):
     # program fuses differently), while a nonzero level through the same program changes them
     # (negative control).
     ids, mask = _prompts(tok, examples[:8])
-    noisy = Sampler(model, greedy, condition_plan(hw, True, "noise"), (128,), phase="eval")
+    noisy = Sampler(model, greedy, condition_plan(hw, True, "noise"), (BUCKET,), phase="eval")
     run = lambda sampler, level: sampler(  # noqa: E731
         params, ids, mask, jax.random.key(0), fault_key=key, values=level
     )
