@@ -279,11 +279,34 @@ def greedy_sampling(max_new_tokens: int, tokenizer: Tokenizer) -> SamplingParams
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class DecodeSpec:
+    """Greedy decoding of test problems as the trainer's validation runs it (`decode_spec`)."""
+
+    max_new_tokens: int
+    buckets: tuple[int, ...]
+    batch_size: int
+    max_prompt_len: int
+    reward_method: str
+
+
+def decode_spec(config: Any) -> DecodeSpec:
+    """The rollout, trainer and data fields greedy validation reads (the job boundary)."""
+    return DecodeSpec(
+        max_new_tokens=int(config.rollout.max_new_tokens),
+        buckets=tuple(int(b) for b in config.rollout.prompt_buckets),
+        batch_size=int(config.trainer.val_batch_size),
+        max_prompt_len=int(config.rollout.max_prompt_len),
+        reward_method=str(config.data.reward_method),
+    )
+
+
 def prompt_dependence(
-    config, model_cfg: ModelConfig, params, tokenizer: Tokenizer, size: int = 0
+    spec: DecodeSpec, task, model_cfg: ModelConfig, params, tokenizer: Tokenizer, size: int
 ) -> dict[str, Any]:
-    """Does the policy read its prompt? On the embedded task's test split, no fault, greedy:
-    - `acc`: accuracy on the first `size` problems (0 = config.trainer.val_size);
+    """Does the policy read its prompt? On the embedded task's test split (`task`, an
+    `ArithmeticTask`: its numbers can be redrawn), no fault, greedy:
+    - `acc`: accuracy on the first `size` problems;
     - `acc_redrawn`: accuracy on the same problems with every number drawn again
       (`ArithmeticTask.redrawn`): about `acc` for a policy that reads its numbers, far below
       for one that answers from the wording;
@@ -292,22 +315,10 @@ def prompt_dependence(
     - `shared_completion`: the share of prompts whose completion is also the completion of a
       prompt with a different answer (a policy that guesses repeats itself across prompts).
     """
-    from aqn_jax.data.config import task_of
-
-    if config.data.train_path:
-        raise ValueError(
-            f"config.data.train_path={config.data.train_path!r}: the prompt-dependence control"
-            " redraws the numbers of the embedded arithmetic task; leave the data paths empty"
-        )
-    task = task_of(config.data)
-    size = int(size or config.trainer.val_size)
     gen = causal_lm(dataclasses.replace(model_cfg, remat=False))
-    sp = greedy_sampling(config.rollout.max_new_tokens, tokenizer)
-    buckets = tuple(int(b) for b in config.rollout.prompt_buckets)
-    sampler = Sampler(gen, sp, FaultPlan(), buckets, phase="eval")
-    bs = int(config.trainer.val_batch_size)
-    limit = int(config.rollout.max_prompt_len)
-    method = config.data.reward_method
+    sp = greedy_sampling(spec.max_new_tokens, tokenizer)
+    sampler = Sampler(gen, sp, FaultPlan(), spec.buckets, phase="eval")
+    bs, limit, method = spec.batch_size, spec.max_prompt_len, spec.reward_method
     out: dict[str, Any] = {"n": size}
     texts: list[str] = []
     examples = task.examples("test", size)

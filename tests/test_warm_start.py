@@ -10,7 +10,8 @@ from conftest import load_config
 
 
 def test_shipped_warm_start_reads_its_prompt(tmp_path):
-    from aqn_jax.evaluation import prompt_dependence
+    from aqn_jax.data.config import task_of
+    from aqn_jax.evaluation import decode_spec, prompt_dependence
     from aqn_jax.warm_start import SHIPPED_DIR, cache_dir, tokenizer_for, warm_start
 
     config = load_config("targeted")
@@ -21,7 +22,8 @@ def test_shipped_warm_start_reads_its_prompt(tmp_path):
     assert not (tmp_path / "cache").exists()  # loaded, not trained
     assert str(SHIPPED_DIR).endswith("aqn_jax/assets")
 
-    r = prompt_dependence(config, qcfg, params, tokenizer_for(config), size=256)
+    spec, task = decode_spec(config), task_of(config.data)
+    r = prompt_dependence(spec, task, qcfg, params, tokenizer_for(config), size=256)
     assert r["n"] == 256
     assert r["acc"] >= 0.6
     # The same problems with new numbers: about the same accuracy, and the answers moved with

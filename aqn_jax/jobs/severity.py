@@ -27,8 +27,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from aqn_jax.data.config import check_data, load_split
-from aqn_jax.evaluation import greedy_sampling, heldout_loss, prompt_dependence
+from aqn_jax.data.config import check_data, load_split, task_of
+from aqn_jax.evaluation import decode_spec, greedy_sampling, heldout_loss, prompt_dependence
 from aqn_jax.faults.config import POINTS
 from aqn_jax.faults.intercept import FaultPlan, Injection, step_key, summarize_stats
 from aqn_jax.faults.sites import SiteSelector, expand_kinds
@@ -112,7 +112,8 @@ def run(config, workdir: str) -> None:
     clean["acc"] = accuracy(FaultPlan(), {})
     out = {"model": config.model.to_dict(), "n": len(test), "clean": clean, "points": []}
     if config.severity.accuracy and not config.data.train_path:  # greedy decoding, as accuracy
-        out["prompt_dependence"] = prompt_dependence(config, model_cfg, params, tokenizer, size)
+        spec, task = decode_spec(config), task_of(config.data)
+        out["prompt_dependence"] = prompt_dependence(spec, task, model_cfg, params, tokenizer, size)
     print(_clean_line(out))
 
     # -- Sweep ---------------------------------------------------------------------------------
