@@ -14,7 +14,7 @@ from aqn_jax.data.arithmetic import ArithmeticTask
 
 from conftest import launch_cli, load_config, make_qwen_snapshot
 
-LAYERS, FAULT = 4, 2
+LAYERS, FAULT = 3, 1
 
 
 @pytest.fixture(scope="module")
