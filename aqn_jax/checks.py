@@ -22,41 +22,43 @@ from aqn_jax.rl.advantages import ESTIMATORS
 from aqn_jax.rl.optim import check_optimizer
 from aqn_jax.rl.sampler import check_rollout
 from aqn_jax.rl.step import hyper_from
-from aqn_jax.warm_start import check_sft, check_sft_cache, tokenizer_for
+from aqn_jax.warm_start import WarmStartSpec, check_sft_cache, tokenizer_for, warm_start_spec
 
 
-def check_prompt_lengths(config, tokenizer, test_examples) -> None:
-    """Validation prompts must fit the largest prompt bucket (training drops longer ones)."""
-    size = min(int(config.trainer.val_size), len(test_examples))
+def check_prompt_lengths(rollout, val_size: int, tokenizer, test_examples) -> None:
+    """Validation prompts must fit the largest prompt bucket (training drops longer ones).
+    `rollout`: config.rollout; `val_size`: the validation prompts (config.trainer.val_size)."""
+    size = min(int(val_size), len(test_examples))
     lengths = [len(tokenizer.encode_chat(ex.prompt_messages)) for ex in test_examples[:size]]
-    _check_val_lengths(config, lengths, len(test_examples))
+    _check_val_lengths(rollout, val_size, lengths, len(test_examples))
 
 
-def _check_val_lengths(config, lengths, test_size: int) -> None:
+def _check_val_lengths(rollout, val_size: int, lengths, test_size: int) -> None:
     if not len(lengths):
         raise ValueError(
-            f"config.trainer.val_size={config.trainer.val_size} with {test_size} test"
+            f"config.trainer.val_size={val_size} with {test_size} test"
             " examples: no validation prompt; val_size must be >= 1 and the test split non-empty"
         )
     longest = max(lengths)
-    limit = min(max(config.rollout.prompt_buckets), int(config.rollout.max_prompt_len))
+    limit = min(max(rollout.prompt_buckets), int(rollout.max_prompt_len))
     if longest > limit:
         raise ValueError(
             f"the longest validation prompt has {longest} tokens > {limit}: raise"
-            f" config.rollout.prompt_buckets={tuple(config.rollout.prompt_buckets)} and"
-            f" config.rollout.max_prompt_len={config.rollout.max_prompt_len}"
+            f" config.rollout.prompt_buckets={tuple(rollout.prompt_buckets)} and"
+            f" config.rollout.max_prompt_len={rollout.max_prompt_len}"
         )
 
 
-def prompt_lengths(config, tokenizer, split: str, cache: dict | None = None) -> np.ndarray:
-    """The token count of every prompt of `split` ('train' | 'test') as the batcher counts it
-    (chat template, generation prompt). `cache`, when given, keeps them per data section, file
-    and tokenizer (the compare job checks one config per arm on the same data)."""
-    data = config.data
+def prompt_lengths(
+    data, tokenizer, tokenizer_path: str, split: str, cache: dict | None = None
+) -> np.ndarray:
+    """The token count of every prompt of `split` ('train' | 'test') of `data` (config.data) as
+    the batcher counts it (chat template, generation prompt). `cache`, when given, keeps them
+    per data section, file and `tokenizer_path` (where `tokenizer` was loaded from; the compare
+    job checks one config per arm on the same data)."""
     path = os.path.expanduser(data[f"{split}_path"]) if data[f"{split}_path"] else ""
     stamp = (os.stat(path).st_mtime_ns, os.path.getsize(path)) if path else None
-    tok = config.tokenizer_path or config.model.hf_path
-    key = (split, json.dumps(data.to_dict(), sort_keys=True, default=str), stamp, tok)
+    key = (split, json.dumps(data.to_dict(), sort_keys=True, default=str), stamp, tokenizer_path)
     if cache is not None and key in cache:
         return cache[key]
     ids = tokenize_prompts(load_split(data, split), tokenizer)
@@ -66,28 +68,28 @@ def prompt_lengths(config, tokenizer, split: str, cache: dict | None = None) -> 
     return lengths
 
 
-def check_train_prompts(config, lengths) -> int:
+def check_train_prompts(lengths, rollout, data, prompts: int) -> int:
     """The train prompts the batcher drops (longer than config.rollout.max_prompt_len), counted
     and printed; refused when config.data.drop_long_prompts is False, when too few are left for
-    one batch, or when one it keeps would not fit the sampler's largest prompt bucket. `lengths`:
-    every train prompt's token count (`prompt_lengths`). Returns the number dropped."""
-    ro = config.rollout
-    limit = int(ro.max_prompt_len)
+    one batch of `prompts` (config.data_batch.prompts), or when one it keeps would not fit the
+    sampler's largest prompt bucket. `lengths`: every train prompt's token count
+    (`prompt_lengths`); `rollout`, `data`: config's sections. Returns the number dropped."""
+    limit = int(rollout.max_prompt_len)
     lengths = np.asarray(lengths, np.int64)
     total, long = len(lengths), lengths > limit
     dropped = int(long.sum())
     where = f"config.rollout.max_prompt_len={limit}"
-    buckets = f"config.rollout.prompt_buckets={tuple(ro.prompt_buckets)}"
+    buckets = f"config.rollout.prompt_buckets={tuple(rollout.prompt_buckets)}"
     what = (
         f"{dropped} of {total} train prompts are longer than {where} tokens"
         f" (up to {int(lengths.max(initial=0))})"
     )
-    if dropped and not config.data.get("drop_long_prompts", True):
+    if dropped and not data.get("drop_long_prompts", True):
         raise ValueError(
             f"config.data.drop_long_prompts=False and {what}; raise config.rollout.max_prompt_len"
             f" and {buckets}, or set config.data.drop_long_prompts=True to train without them"
         )
-    kept, prompts = total - dropped, int(config.data_batch.prompts)
+    kept, prompts = total - dropped, int(prompts)
     if total < prompts:
         raise ValueError(
             f"config.data_batch.prompts={prompts}; must be <= the {total} prompts of the train"
@@ -101,7 +103,7 @@ def check_train_prompts(config, lengths) -> int:
         )
     if dropped:
         print(f"{what}: dropped (config.data.drop_long_prompts=True); {kept} train prompts left")
-    top = max(int(b) for b in ro.prompt_buckets)
+    top = max(int(b) for b in rollout.prompt_buckets)
     unfit = int(((lengths > top) & ~long).sum())
     if unfit:
         raise ValueError(
@@ -111,9 +113,9 @@ def check_train_prompts(config, lengths) -> int:
     return dropped
 
 
-def check_trainer(config) -> None:
+def check_trainer(trainer, checkpoint) -> None:
     """config.trainer and config.checkpoint: the loop's counts and sizes."""
-    tr = config.trainer
+    tr = trainer
     if tr.get("total_epochs", 0) < 0:
         raise ValueError(f"config.trainer.total_epochs={tr.total_epochs}; must be >= 0 (0 = steps)")
     if not tr.get("total_epochs", 0) and tr.total_steps < 1:
@@ -131,7 +133,7 @@ def check_trainer(config) -> None:
         if not float(tr.get(name, 0)) >= 0:
             raise ValueError(f"config.trainer.{name}={tr.get(name)}; must be >= 0 (0 = no bound)")
     # The Checkpointer refuses these too, but only once the trainer is built (after the SFT).
-    ck = config.checkpoint
+    ck = checkpoint
     if ck.every < 0:
         raise ValueError(f"config.checkpoint.every={ck.every}; must be >= 0 (0 = only at the end)")
     if ck.keep < 1:
@@ -142,14 +144,19 @@ def check_trainer(config) -> None:
 class Checked(tuple):
     """`check_train`'s result: unpacks as (model config, tokenizer, hardware plan, memory plan);
     `train_prompts` / `train_prompts_dropped` count the train split and the prompts the batcher
-    will drop as longer than config.rollout.max_prompt_len."""
+    will drop as longer than config.rollout.max_prompt_len; `warm_start` is the run's
+    `WarmStartSpec`."""
 
     train_prompts: int
     train_prompts_dropped: int
+    warm_start: WarmStartSpec
 
-    def __new__(cls, model_cfg, tokenizer, hw, memory, *, train_prompts: int, dropped: int):
+    def __new__(
+        cls, model_cfg, tokenizer, hw, memory, *, train_prompts: int, dropped: int, warm_start
+    ):
         self = super().__new__(cls, (model_cfg, tokenizer, hw, memory))
         self.train_prompts, self.train_prompts_dropped = train_prompts, dropped
+        self.warm_start = warm_start
         return self
 
 
@@ -163,13 +170,12 @@ def check_train(config, workdir: str | None = None, cache: dict | None = None) -
     check_optimizer(config.actor, "warmup_steps", "config.actor")
     if ESTIMATORS[config.algo.estimator].critic:
         check_optimizer(config.critic, "lr_warmup_steps", "config.critic")
-    check_trainer(config)
+    check_trainer(config.trainer, config.checkpoint)
     model_cfg = model_config(config.model)
     n = model_cfg.num_hidden_layers
-    tokenizer = tokenizer_for(config)
+    tokenizer = tokenizer_for(config.tokenizer_path, config.model)
     check_data(config.data)
-    if config.sft.enabled:
-        check_sft(config.sft)
+    warm = warm_start_spec(config)  # config.sft checked when enabled
     check_diagnosis(config.diagnosis)
     hw = fault_plan(config.faults, n)  # fault layers within the model, fields valid
     # The AQN arm parses now; 'located' / 'srdd' get their layers from the diagnosis later.
@@ -193,9 +199,19 @@ def check_train(config, workdir: str | None = None, cache: dict | None = None) -
     # Per-device memory from shapes alone; refuses (suggesting a mesh) when it cannot fit.
     memory = planner.check(planner.job_spec(config, model_cfg), jax.device_count())
     # The data as the run will batch it: every train prompt tokenized, the validation prompts.
-    train = prompt_lengths(config, tokenizer, "train", cache)
-    dropped = check_train_prompts(config, train)
-    test = prompt_lengths(config, tokenizer, "test", cache)
-    _check_val_lengths(config, test[: int(config.trainer.val_size)], len(test))
-    check_sft_cache(config, workdir)  # last: the SFT would train, then fail to be cached
-    return Checked(model_cfg, tokenizer, hw, memory, train_prompts=len(train), dropped=dropped)
+    tok_path = config.tokenizer_path or config.model.hf_path
+    train = prompt_lengths(config.data, tokenizer, tok_path, "train", cache)
+    dropped = check_train_prompts(train, config.rollout, config.data, config.data_batch.prompts)
+    test = prompt_lengths(config.data, tokenizer, tok_path, "test", cache)
+    val_size = config.trainer.val_size
+    _check_val_lengths(config.rollout, val_size, test[: int(val_size)], len(test))
+    check_sft_cache(warm, workdir)  # last: the SFT would train, then fail to be cached
+    return Checked(
+        model_cfg,
+        tokenizer,
+        hw,
+        memory,
+        train_prompts=len(train),
+        dropped=dropped,
+        warm_start=warm,
+    )

@@ -1,8 +1,10 @@
-"""The run report: `summary.json`'s content (`run_summary`), `report.md` with the
-training-curve plot (`training_curves.png`), and the closing lines a run prints."""
+"""The run report: `summary.json`'s content (`run_summary`, with what it says of the config
+typed at the job boundary by `summary_spec`), `report.md` with the training-curve plot
+(`training_curves.png`), and the closing lines a run prints."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from collections.abc import Mapping, Sequence
@@ -14,7 +16,6 @@ import numpy as np
 from aqn_jax import parallel
 from aqn_jax.diagnosis.srdd import sigmas_of
 from aqn_jax.faults.fields import parse_layers
-from aqn_jax.models.factory import model_config
 
 
 def _series(rows: Sequence[Mapping[str, Any]], key: str):
@@ -133,8 +134,42 @@ def mismatch_summary(history: Sequence[Mapping[str, Any]]) -> dict[str, float]:
     return out
 
 
+# config.algo's rollout-correction fields, as summary.json records them.
+CORRECTION_FIELDS = (
+    "rollout_is",
+    "rollout_is_threshold",
+    "rollout_rs",
+    "rollout_rs_threshold",
+    "rollout_rs_threshold_lower",
+    "bypass_mode",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class SummarySpec:
+    """What a train run's summary.json says of its config (`summary_spec`)."""
+
+    n_layers: int  # the model's decoder layers
+    fault_layers: tuple[int, ...]  # the hardware fault's layers (`fault_layers`)
+    srdd_sigmas: bool  # config.aqn.layers == 'srdd': the summary lists the per-layer sigmas
+    rollout_correction: tuple[tuple[str, Any], ...]  # config.algo's CORRECTION_FIELDS
+    mesh: tuple[tuple[str, int], ...]  # the mesh's axis sizes (config.mesh over the devices)
+
+
+def summary_spec(config: Any, n_layers: int) -> SummarySpec:
+    """The job boundary: config.faults, aqn, algo and mesh as the summary reports them."""
+    shape = parallel.mesh_shape(config.mesh, jax.device_count())
+    return SummarySpec(
+        n_layers=int(n_layers),
+        fault_layers=tuple(fault_layers(config.faults, n_layers)),
+        srdd_sigmas=config.aqn.layers == "srdd",
+        rollout_correction=tuple((k, config.algo.get(k)) for k in CORRECTION_FIELDS),
+        mesh=tuple(zip(parallel.AXES, shape, strict=True)),
+    )
+
+
 def run_summary(
-    config,
+    spec: SummarySpec,
     workdir: str,
     plan,
     diagnosis: Mapping[str, Any] | None,
@@ -147,7 +182,7 @@ def run_summary(
     """The content of a train run's summary.json. `val`: (the validation at the start, the
     last one, its size); `t_start`: the run's perf_counter at its start."""
     val0, last_val, val_size = val
-    n_layers = model_layers(config)
+    n_layers = spec.n_layers
     aqn_inj = [inj for inj in plan.injections if inj.name == "aqn"]
     aqn_layers = None
     if aqn_inj:
@@ -156,11 +191,11 @@ def run_summary(
     sigmas = None if diagnosis is None else sigmas_of(diagnosis)
     return {
         "name": os.path.basename(os.path.abspath(workdir)),
-        "fault_layers": fault_layers(config.faults, n_layers),
+        "fault_layers": list(spec.fault_layers),
         "train_prompts_dropped": None,  # set by the train job
         "srdd_located_layers": None if diagnosis is None else diagnosis["verdict"]["layers"],
         "aqn_layers": aqn_layers,
-        "aqn_layer_sigmas": sigmas if config.aqn.layers == "srdd" else None,
+        "aqn_layer_sigmas": sigmas if spec.srdd_sigmas else None,
         "val_acc_start": val0["val-core/acc"],
         "val_acc_clean_start": val0["val-clean/acc"],
         "val_acc_end": last_val["val-core/acc"],
@@ -172,26 +207,14 @@ def run_summary(
         "val_size": val_size,
         "steps": steps,
         "mismatch": mismatch_summary(history),
-        "rollout_correction": {
-            k: config.algo.get(k)
-            for k in (
-                "rollout_is",
-                "rollout_is_threshold",
-                "rollout_rs",
-                "rollout_rs_threshold",
-                "rollout_rs_threshold_lower",
-                "bypass_mode",
-            )
-        },
+        "rollout_correction": dict(spec.rollout_correction),
         "final_reward_mean": float(
             np.mean([h["critic/score/mean"] for h in history[-5:] if "critic/score/mean" in h])
         ),
         "sft": sft_info,
         "wall_time_s": time.perf_counter() - t_start,
         "devices": jax.device_count(),
-        "mesh": dict(
-            zip(parallel.AXES, parallel.mesh_shape(config.mesh, jax.device_count()), strict=True)
-        ),
+        "mesh": dict(spec.mesh),
     }
 
 
@@ -215,10 +238,6 @@ def recovered(start: Mapping[str, float], end: Mapping[str, float]) -> float | N
     """The share of the fault's cost at the start that RL won back on the faulty device."""
     gap = start["val-clean/acc"] - start["val-core/acc"]
     return (end["val-core/acc"] - start["val-core/acc"]) / gap if gap > 0 else None
-
-
-def model_layers(config) -> int:
-    return model_config(config.model).num_hidden_layers
 
 
 def fault_layers(faults, n_layers: int) -> list[int]:

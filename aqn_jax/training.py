@@ -32,7 +32,7 @@ from aqn_jax.data.config import load_split
 from aqn_jax.diagnosis import srdd
 from aqn_jax.metrics import open_run, progress
 from aqn_jax.models.registry import causal_lm
-from aqn_jax.report import print_summary, run_summary, write_run_report
+from aqn_jax.report import print_summary, run_summary, summary_spec, write_run_report
 from aqn_jax.rl import step as rl_step
 from aqn_jax.rl.trainer import Trainer, loop_spec, prompt_batcher
 from aqn_jax.warm_start import warm_start
@@ -49,6 +49,7 @@ def run(config, workdir: str) -> None:
     model_cfg, tokenizer, hw_plan, memory = checked
     print(memory.table())
     n_layers = model_cfg.num_hidden_layers
+    described = summary_spec(config, n_layers)  # what summary.json says of the config
     train_examples = load_split(config.data, "train")
     test_examples = load_split(config.data, "test")
     changes = check_resume_config(config, workdir)
@@ -61,7 +62,7 @@ def run(config, workdir: str) -> None:
     # ---------------------------------------------------------------------------------------
     # Warm start
     # ---------------------------------------------------------------------------------------
-    model_cfg, params, sft_info = warm_start(config, workdir)
+    model_cfg, params, sft_info = warm_start(checked.warm_start, workdir)
 
     # ---------------------------------------------------------------------------------------
     # Diagnose (SRDD) where the AQN arm needs it
@@ -198,7 +199,9 @@ def run(config, workdir: str) -> None:
     # Summary
     # ---------------------------------------------------------------------------------------
     val = (val0, last_val, val_size)
-    summary = run_summary(config, workdir, plan, diagnosis, history, val, total, sft_info, t_start)
+    summary = run_summary(
+        described, workdir, plan, diagnosis, history, val, total, sft_info, t_start
+    )
     summary["train_prompts_dropped"] = checked.train_prompts_dropped  # longer than the bucket
     if primary:
         with open(os.path.join(workdir, "summary.json"), "w") as f:

@@ -6,11 +6,12 @@ safetensors, loadable by `transformers` too) under `config.sft.cache_dir` (defau
 next to the workdir, so every run under one parent shares it), keyed by a hash of everything
 that determines it (model, tokenizer, data, SFT settings, seed). A later run with the same key
 loads it instead of training. The jobs `pretrain`, `train`, `evaluate`, `severity` and
-`compare` call `warm_start`.
+`compare` call `warm_start` with the `WarmStartSpec` they build once (`warm_start_spec`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -52,9 +53,11 @@ def sft_config() -> ml_collections.ConfigDict:
     return c
 
 
-def sft_seed(config) -> int:
-    seed = int(config.sft.get("seed", -1))
-    return int(config.seed) if seed < 0 else seed
+def sft_seed(sft: Any, seed: int) -> int:
+    """The warm start's init + SFT seed: `sft.seed` (config.sft), or the run's `seed`
+    (config.seed) where it is -1."""
+    own = int(sft.get("seed", -1))
+    return int(seed) if own < 0 else own
 
 
 def check_sft(sft: Any) -> None:
@@ -69,28 +72,97 @@ def check_sft(sft: Any) -> None:
         raise ValueError(f"config.sft.lr={sft.lr}; must be > 0")
 
 
-def cached_sft(config, workdir: str) -> str | None:
-    """The directory of this config's finished warm start (the cache's, else the shipped one),
-    or None when the SFT would have to train."""
-    path = cache_dir(config, workdir)
+@dataclasses.dataclass(frozen=True)
+class SftSpec:
+    """The SFT's training settings (config.sft), checked (`SftSpec.of`)."""
+
+    steps: int  # optimizer steps
+    batch_size: int  # sequences per step
+    lr: float  # AdamW peak learning rate
+    warmup_steps: int
+    schedule: str  # constant | warmup_constant | cosine
+    examples: int  # the first N train examples
+
+    @classmethod
+    def of(cls, sft: Any) -> SftSpec:
+        """From the `config.sft` section; raises naming the field."""
+        check_sft(sft)
+        return cls(
+            steps=int(sft.steps),
+            batch_size=int(sft.batch_size),
+            lr=float(sft.lr),
+            warmup_steps=int(sft.warmup_steps),
+            schedule=str(sft.schedule),
+            examples=int(sft.examples),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class WarmStartSpec:
+    """What the warm start reads of an experiment config (`warm_start_spec`)."""
+
+    model: ml_collections.FrozenConfigDict  # config.model (`load_model` / `model_config`)
+    tokenizer_path: str  # config.tokenizer_path ('' = the model's, `tokenizer_for`)
+    data: ml_collections.FrozenConfigDict  # config.data: the SFT trains on its train split
+    sft: SftSpec | None  # None: config.sft.enabled=False, the configured model itself
+    seed: int  # init + SFT seed (`sft_seed`)
+    cache_dir: str  # config.sft.cache_dir; '' = <workdir>/../cache
+    key: str  # the cache key: a hash of the model, tokenizer, data, SFT settings and seed
+
+
+def warm_start_spec(config: Any) -> WarmStartSpec:
+    """The job boundary: config.model, tokenizer_path, data and sft, frozen (config.sft checked
+    when enabled), and the cache key computed from them."""
+    d = config.data
+    seed = sft_seed(config.sft, config.seed)
+    # num_layers at its default (0, the preset's depth) is left out: the keys of warm starts
+    # made before the field existed, the shipped one included, stay what they were.
+    model = {k: v for k, v in config.model.to_dict().items() if k != "num_layers" or v}
+    parts = {
+        "model": model,
+        "tokenizer": config.tokenizer_path,
+        "data": {
+            "train_path": d.train_path,
+            "task": d.task.to_dict(),
+            "train_size": d.train_size,
+        },
+        "sft": {k: v for k, v in config.sft.to_dict().items() if k not in ("cache_dir", "seed")},
+        "seed": seed,
+    }
+    blob = json.dumps(parts, sort_keys=True, default=str)
+    return WarmStartSpec(
+        model=ml_collections.FrozenConfigDict(config.model),
+        tokenizer_path=str(config.tokenizer_path or ""),
+        data=ml_collections.FrozenConfigDict(d),
+        sft=SftSpec.of(config.sft) if config.sft.enabled else None,
+        seed=seed,
+        cache_dir=str(config.sft.cache_dir or ""),
+        key=hashlib.sha256(blob.encode()).hexdigest()[:16],
+    )
+
+
+def cached_sft(spec: WarmStartSpec, workdir: str) -> str | None:
+    """The directory of this warm start, finished (the cache's, else the shipped one), or None
+    when the SFT would have to train."""
+    path = cache_dir(spec, workdir)
     for where in (path, os.path.join(SHIPPED_DIR, os.path.basename(path))):
         if os.path.isfile(os.path.join(where, SFT_META)):
             return where
     return None
 
 
-def check_sft_cache(config, workdir: str | None) -> None:
+def check_sft_cache(spec: WarmStartSpec, workdir: str | None) -> None:
     """When the SFT will train (enabled, not cached or shipped): its cache must be writable, or
     the finished SFT could not be kept. The cache directory, or the nearest part of its path
     that exists, must be a directory this process can write. Without a workdir the default
     `<workdir>/../cache` is unknown: only an explicit config.sft.cache_dir is checked."""
-    if not config.sft.enabled or (workdir is None and not config.sft.cache_dir):
+    if spec.sft is None or (workdir is None and not spec.cache_dir):
         return
-    if cached_sft(config, workdir or ".") is not None:
+    if cached_sft(spec, workdir or ".") is not None:
         return
-    root = os.path.dirname(os.path.abspath(cache_dir(config, workdir or ".")))
-    field = f"config.sft.cache_dir={config.sft.cache_dir!r}"
-    if not config.sft.cache_dir:
+    root = os.path.dirname(os.path.abspath(cache_dir(spec, workdir or ".")))
+    field = f"config.sft.cache_dir={spec.cache_dir!r}"
+    if not spec.cache_dir:
         field += f" (the default: {root})"
     existing = root
     while not os.path.exists(existing):
@@ -107,10 +179,13 @@ def check_sft_cache(config, workdir: str | None) -> None:
         )
 
 
-def tokenizer_for(config) -> Tokenizer:
-    path = config.tokenizer_path or config.model.hf_path
+def tokenizer_for(tokenizer_path: str, model: Any) -> Tokenizer:
+    """The tokenizer at `tokenizer_path` (config.tokenizer_path), else the snapshot's of
+    `model` (config.model.hf_path), else the built-in one; raises when it has more ids than
+    the model's vocabulary."""
+    path = tokenizer_path or model.hf_path
     tokenizer = load_tokenizer(path or None)
-    vocab = model_config(config.model).vocab_size
+    vocab = model_config(model).vocab_size
     if tokenizer.vocab_size > vocab:
         raise ValueError(
             f"config.tokenizer_path={path!r}: the tokenizer has {tokenizer.vocab_size} ids but the"
@@ -119,29 +194,10 @@ def tokenizer_for(config) -> Tokenizer:
     return tokenizer
 
 
-def cache_key(config) -> str:
-    d = config.data
-    # num_layers at its default (0, the preset's depth) is left out: the keys of warm starts
-    # made before the field existed, the shipped one included, stay what they were.
-    model = {k: v for k, v in config.model.to_dict().items() if k != "num_layers" or v}
-    parts = {
-        "model": model,
-        "tokenizer": config.tokenizer_path,
-        "data": {
-            "train_path": d.train_path,
-            "task": d.task.to_dict(),
-            "train_size": d.train_size,
-        },
-        "sft": {k: v for k, v in config.sft.to_dict().items() if k not in ("cache_dir", "seed")},
-        "seed": sft_seed(config),
-    }
-    blob = json.dumps(parts, sort_keys=True, default=str)
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
-
-
-def cache_dir(config, workdir: str) -> str:
-    root = config.sft.cache_dir or os.path.join(os.path.dirname(os.path.abspath(workdir)), "cache")
-    return os.path.join(root, f"sft-{cache_key(config)}")
+def cache_dir(spec: WarmStartSpec, workdir: str) -> str:
+    """The cache entry of this warm start: `<cache_dir>/sft-<key>`."""
+    root = spec.cache_dir or os.path.join(os.path.dirname(os.path.abspath(workdir)), "cache")
+    return os.path.join(root, f"sft-{spec.key}")
 
 
 def _set_aside_damaged(where: str, found: str, error: Exception) -> None:
@@ -155,18 +211,20 @@ def _set_aside_damaged(where: str, found: str, error: Exception) -> None:
         print(f"SFT warm start {where} is damaged ({error}); recomputing (reinstall to repair)")
 
 
-def warm_start(config, workdir: str, verbose: bool = True) -> tuple[ModelConfig, Any, dict]:
+def warm_start(
+    spec: WarmStartSpec, workdir: str, verbose: bool = True
+) -> tuple[ModelConfig, Any, dict]:
     """(model config, params, info): the SFT'd policy (from the cache when present), or the
-    configured model itself when `config.sft.enabled` is False."""
-    if not config.sft.enabled:
-        model_cfg, params = load_model(config.model, sft_seed(config))
+    configured model itself when config.sft.enabled is False (`spec.sft` None)."""
+    sft = spec.sft
+    if sft is None:
+        model_cfg, params = load_model(spec.model, spec.seed)
         return model_cfg, params, {"sft": "off"}
-    check_sft(config.sft)
-    path = cache_dir(config, workdir)
-    where = cached_sft(config, workdir)
+    path = cache_dir(spec, workdir)
+    where = cached_sft(spec, workdir)
     if where is not None:
         found = "hit" if where == path else "shipped"
-        model_cfg = model_config(config.model)
+        model_cfg = model_config(spec.model)
         try:
             _, params = load_hf_checkpoint(where, model_cfg.param_dtype)
             with open(os.path.join(where, SFT_META)) as f:
@@ -178,14 +236,14 @@ def warm_start(config, workdir: str, verbose: bool = True) -> tuple[ModelConfig,
             if verbose:
                 print(f"SFT warm start: {'cached' if found == 'hit' else 'shipped'} {where}")
             return model_cfg, params, info
-    check_sft_cache(config, workdir)  # before training: a cache that cannot be written
+    check_sft_cache(spec, workdir)  # before training: a cache that cannot be written
 
-    tokenizer = tokenizer_for(config)
-    examples = load_split(config.data, "train")[: int(config.sft.examples)]
+    tokenizer = tokenizer_for(spec.tokenizer_path, spec.model)
+    examples = load_split(spec.data, "train")[: sft.examples]
     data = sft_sequences(examples, tokenizer)
-    model_cfg, params = load_model(config.model, sft_seed(config))
+    model_cfg, params = load_model(spec.model, spec.seed)
     model = causal_lm(model_cfg)
-    bar = progress(int(config.sft.steps), "SFT", enabled=verbose and jax.process_index() == 0)
+    bar = progress(sft.steps, "SFT", enabled=verbose and jax.process_index() == 0)
 
     def tick(step, loss):
         bar.update(1)
@@ -197,19 +255,19 @@ def warm_start(config, workdir: str, verbose: bool = True) -> tuple[ModelConfig,
         model,
         params,
         data,
-        steps=int(config.sft.steps),
-        batch_size=int(config.sft.batch_size),
-        lr=float(config.sft.lr),
-        warmup_steps=int(config.sft.warmup_steps),
-        schedule=config.sft.schedule,
-        seed=sft_seed(config),
+        steps=sft.steps,
+        batch_size=sft.batch_size,
+        lr=sft.lr,
+        warmup_steps=sft.warmup_steps,
+        schedule=sft.schedule,
+        seed=spec.seed,
         callback=tick,
     )
     bar.close()
     info = {
         "cache": "miss",
-        "key": cache_key(config),
-        "steps": int(config.sft.steps),
+        "key": spec.key,
+        "steps": sft.steps,
         "examples": len(examples),
         "loss_first": hist["loss"][0],
         "loss_last": float(np.mean(hist["loss"][-10:])),

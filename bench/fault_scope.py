@@ -27,7 +27,7 @@ from aqn_jax.faults.sites import SiteSelector
 from aqn_jax.faults.transforms import Deadzone
 from aqn_jax.models.qwen2 import Qwen2ForCausalLM
 from aqn_jax.rl.sampler import Sampler, SamplingParams
-from aqn_jax.warm_start import tokenizer_for, warm_start
+from aqn_jax.warm_start import tokenizer_for, warm_start, warm_start_spec
 
 LAYER = 4
 SETTINGS = (
@@ -74,8 +74,10 @@ def thresholds(h, mask, P, severity, frac, scope):
 
 def main():
     config = arm_config("deadzone")
-    model_cfg, params, _ = warm_start(config, "/tmp/fault_scope_bench", verbose=False)
-    tokenizer = tokenizer_for(config)
+    model_cfg, params, _ = warm_start(
+        warm_start_spec(config), "/tmp/fault_scope_bench", verbose=False
+    )
+    tokenizer = tokenizer_for(config.tokenizer_path, config.model)
     model = Qwen2ForCausalLM(model_cfg)
     examples = load_split(config.data, "test")[:128]
     ids, mask = calibration_batch(examples, tokenizer, 64, config.rollout.max_prompt_len)

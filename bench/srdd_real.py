@@ -102,7 +102,7 @@ def main() -> None:
 
     config = _config(args.hf_path, args.config, args.gsm8k)
     diag = config.diagnosis
-    tok = tokenizer_for(config)
+    tok = tokenizer_for(config.tokenizer_path, config.model)
     ids, mask = srdd.calibration_batch(
         load_split(config.data, "train"), tok, args.prompts, int(diag.max_prompt_len)
     )

@@ -214,10 +214,10 @@ def sft_tiny():
     from aqn_jax.data.config import task_of
     from aqn_jax.data.tokenizers import CharTokenizer
     from aqn_jax.models.hf import load_hf_checkpoint
-    from aqn_jax.warm_start import SHIPPED_DIR, cache_key
+    from aqn_jax.warm_start import SHIPPED_DIR, warm_start_spec
 
     config = load_config("targeted")
-    shipped = os.path.join(SHIPPED_DIR, f"sft-{cache_key(config)}")
+    shipped = os.path.join(SHIPPED_DIR, f"sft-{warm_start_spec(config).key}")
     cfg, params = load_hf_checkpoint(shipped, "float32")
     return cfg, params, CharTokenizer(), task_of(config.data)
 

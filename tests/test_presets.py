@@ -76,7 +76,7 @@ def test_num_layers_overrides_the_presets_depth_only():
     itself, and the warm start's cache key of the default config is the one it had before the
     field existed (the shipped warm start's); bad values and hf_path are refused by name."""
     from aqn_jax.models.factory import model_config, model_section
-    from aqn_jax.warm_start import cache_key
+    from aqn_jax.warm_start import warm_start_spec
 
     from conftest import load_config
 
@@ -91,9 +91,9 @@ def test_num_layers_overrides_the_presets_depth_only():
         "layers_2",
     ]
     config = load_config("targeted")
-    assert cache_key(config) == "0966d513ccd36516"  # aqn_jax/assets/sft-0966d513ccd36516
+    assert warm_start_spec(config).key == "0966d513ccd36516"  # aqn_jax/assets/sft-<this key>
     config.model.num_layers = 3
-    assert cache_key(config) != "0966d513ccd36516"
+    assert warm_start_spec(config).key != "0966d513ccd36516"
     section.num_layers = -1  # (ConfigDict refuses a non-int itself)
     with pytest.raises(ValueError, match=r"config\.model\.num_layers=-1; allowed: an int >= 0"):
         model_config(section)

@@ -113,7 +113,7 @@ def test_generation_weights_are_bf16_and_match_the_traced_cast(snapshot):
     config.data_batch.prompts, config.rollout.n = 4, 2
     config.actor.mini_batch_prompts, config.actor.micro_batch_rows = 2, 2
     model_cfg, params = load_model(config.model, 0)
-    tok = tokenizer_for(config)
+    tok = tokenizer_for(config.tokenizer_path, config.model)
     batcher = prompt_batcher(loop_spec(config), load_split(config.data, "train"), tok)
     total = rl_step.total_steps_of(config.trainer, batcher.batches_per_epoch)
     assert total == 4  # total_epochs=2 over 2 batches per epoch

@@ -180,7 +180,7 @@ SHARDED = textwrap.dedent(
     from aqn_jax.rewards import score_batch
     from aqn_jax.rl import step as rl_step
     from aqn_jax.rl.trainer import Trainer, loop_spec, prompt_batcher, train_batch
-    from aqn_jax.warm_start import tokenizer_for, warm_start
+    from aqn_jax.warm_start import tokenizer_for, warm_start, warm_start_spec
 
     # The shipped warm start (not a random init, whose rewards are all 0: its gradient is ~1e-10
     # and any two meshes agree on it), so the step's gradient is a real one.
@@ -188,10 +188,10 @@ SHARDED = textwrap.dedent(
     config.data_batch.prompts = 4
     config.actor.mini_batch_prompts = 4
     config.actor.micro_batch_rows = 20
-    model_cfg, params, info = warm_start(config, {out!r})
+    model_cfg, params, info = warm_start(warm_start_spec(config), {out!r})
     assert info["cache"] == "shipped", info
     params = jax.device_get(params)
-    tok = tokenizer_for(config)
+    tok = tokenizer_for(config.tokenizer_path, config.model)
     plan, hw = build_plan(config.faults, config.aqn, 8), fault_plan(config.faults, 8)
     static = rl_step.static_from(rl_step.step_spec(config), model_cfg, plan, hw, 4)
     sigma, key = np.float32(0.05), jax.random.key(7)

@@ -221,7 +221,7 @@ def test_a_failed_sft_cache_write_keeps_the_trained_warm_start(tmp_path, monkeyp
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(pretrain, "save_hf_checkpoint", full_disk)
-    _, params, info = pretrain.warm_start(config, str(tmp_path / "run"))
+    _, params, info = pretrain.warm_start(pretrain.warm_start_spec(config), str(tmp_path / "run"))
     assert params is trained and info["cache"] == "unsaved"
     assert "warning: the SFT warm start could not be cached" in capsys.readouterr().err
     assert os.listdir(tmp_path / "cache") == []  # the temporary directory removed

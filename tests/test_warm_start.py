@@ -12,18 +12,26 @@ from conftest import load_config
 def test_shipped_warm_start_reads_its_prompt(tmp_path):
     from aqn_jax.data.config import task_of
     from aqn_jax.evaluation import decode_spec, prompt_dependence
-    from aqn_jax.warm_start import SHIPPED_DIR, cache_dir, tokenizer_for, warm_start
+    from aqn_jax.warm_start import (
+        SHIPPED_DIR,
+        cache_dir,
+        tokenizer_for,
+        warm_start,
+        warm_start_spec,
+    )
 
     config = load_config("targeted")
     config.sft.cache_dir = str(tmp_path / "cache")
-    qcfg, params, info = warm_start(config, str(tmp_path / "run"))
+    ws = warm_start_spec(config)
+    qcfg, params, info = warm_start(ws, str(tmp_path / "run"))
     assert info["cache"] == "shipped" and info["steps"] == config.sft.steps
-    assert cache_dir(config, "x").endswith(info["key"])
+    assert cache_dir(ws, "x").endswith(info["key"])
     assert not (tmp_path / "cache").exists()  # loaded, not trained
     assert str(SHIPPED_DIR).endswith("aqn_jax/assets")
 
     spec, task = decode_spec(config), task_of(config.data)
-    r = prompt_dependence(spec, task, qcfg, params, tokenizer_for(config), size=256)
+    tok = tokenizer_for(config.tokenizer_path, config.model)
+    r = prompt_dependence(spec, task, qcfg, params, tok, size=256)
     assert r["n"] == 256
     assert r["acc"] >= 0.6
     # The same problems with new numbers: about the same accuracy, and the answers moved with
@@ -34,12 +42,12 @@ def test_shipped_warm_start_reads_its_prompt(tmp_path):
 
 
 def test_a_changed_sft_setting_does_not_load_the_shipped_warm_start():
-    from aqn_jax.warm_start import SHIPPED_DIR, cache_dir
+    from aqn_jax.warm_start import SHIPPED_DIR, cache_dir, warm_start_spec
 
     config = load_config("targeted")
-    shipped = cache_dir(config, "x").rsplit("/", 1)[1]
+    shipped = cache_dir(warm_start_spec(config), "x").rsplit("/", 1)[1]
     config.sft.steps += 1
-    assert cache_dir(config, "x").rsplit("/", 1)[1] != shipped
+    assert cache_dir(warm_start_spec(config), "x").rsplit("/", 1)[1] != shipped
     assert os.path.isdir(os.path.join(SHIPPED_DIR, shipped))
 
 
@@ -56,12 +64,13 @@ def test_a_damaged_sft_cache_entry_is_set_aside_and_recomputed(tmp_path, monkeyp
     monkeypatch.setattr(pretrain, "sft_train", fake_sft)
     config = load_config("deadzone", "smoke")
     config.sft.cache_dir = str(tmp_path / "cache")
-    pretrain.warm_start(config, str(tmp_path))
-    entry = pretrain.cache_dir(config, str(tmp_path))
+    ws = pretrain.warm_start_spec(config)
+    pretrain.warm_start(ws, str(tmp_path))
+    entry = pretrain.cache_dir(ws, str(tmp_path))
     weights = os.path.join(entry, "model.safetensors")
     with open(weights, "r+b") as f:
         f.truncate(os.path.getsize(weights) // 2)
-    _, _, info = pretrain.warm_start(config, str(tmp_path))
+    _, _, info = pretrain.warm_start(ws, str(tmp_path))
     assert info["cache"] == "miss" and len(calls) == 2  # recomputed, not a crash
     out = capsys.readouterr().out
     assert f"SFT cache {entry} is damaged" in out and "model.safetensors" in out
@@ -69,7 +78,7 @@ def test_a_damaged_sft_cache_entry_is_set_aside_and_recomputed(tmp_path, monkeyp
     assert os.path.getsize(tmp_path / "cache" / aside / "model.safetensors") < os.path.getsize(
         weights
     )  # the damaged entry kept for inspection, a whole one in its place
-    _, _, info = pretrain.warm_start(config, str(tmp_path))
+    _, _, info = pretrain.warm_start(ws, str(tmp_path))
     assert info["cache"] == "hit" and len(calls) == 2
 
 

@@ -60,7 +60,7 @@ from aqn_jax.models.factory import logical_axes, model_config
 from aqn_jax.study import report as study_report
 from aqn_jax.study.config import check_compare
 from aqn_jax.study.report import write_report
-from aqn_jax.warm_start import sft_seed, tokenizer_for, warm_start
+from aqn_jax.warm_start import sft_seed, tokenizer_for, warm_start, warm_start_spec
 
 # The curves results.json keeps per run: those the study report plots.
 CURVE_KEYS = (*study_report.CURVE_KEYS, *study_report.MISMATCH_KEYS)
@@ -97,7 +97,8 @@ def run_config(config, arm: str, seed: int, workdir: str, diagnosis: dict | None
         c.job = "train"
         apply_arm(c, arm)
         c.seed = int(seed)
-        c.sft.seed = sft_seed(config)  # every seed of the study shares one warm start
+        # Every seed of the study shares one warm start.
+        c.sft.seed = sft_seed(config.sft, config.seed)
         c.sft.cache_dir = os.path.join(os.path.abspath(workdir), "cache")
         if diagnosis is not None and arm == "targeted":
             c.aqn.layers = str(tuple(diagnosis["verdict"]["layers"]))
@@ -125,7 +126,7 @@ def run(config, workdir: str) -> None:
 
     base = run_config(config, "deadzone", seeds[0], workdir, None)
     t0 = time.perf_counter()
-    model_cfg, params, _ = warm_start(base, workdir)
+    model_cfg, params, _ = warm_start(warm_start_spec(base), workdir)
     timing = {"sft_s": time.perf_counter() - t0}
 
     diagnosis = None
@@ -141,7 +142,7 @@ def run(config, workdir: str) -> None:
                 params,
                 fault_plan(base.faults, model_cfg.num_hidden_layers),
                 load_split(base.data, "train"),
-                tokenizer_for(base),
+                tokenizer_for(base.tokenizer_path, base.model),
                 os.path.dirname(path),
             )
             timing["srdd_s"] = time.perf_counter() - t0
@@ -338,7 +339,8 @@ def _evaluate(config, run_dir: str, programs: dict | None) -> dict:
     ckpt = Checkpointer(run_dir, 0, 1)
     state, _ = ckpt.restore_host(ckpt.latest_step())
     ckpt.close()
-    model_cfg, tokenizer = model_config(config.model), tokenizer_for(config)
+    model_cfg = model_config(config.model)
+    tokenizer = tokenizer_for(config.tokenizer_path, config.model)
     size = int(config.evaluate.size or config.trainer.val_size)
     test = load_split(config.data, "test")[:size]
     mesh = parallel.make_mesh(config.mesh)

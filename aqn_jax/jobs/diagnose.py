@@ -22,7 +22,7 @@ def run(config, workdir: str) -> None:
     model_cfg = model_config(config.model)
     spec = srdd.srdd_spec(config)
     check_data(config.data)
-    tokenizer = tokenizer_for(config)
+    tokenizer = tokenizer_for(config.tokenizer_path, config.model)
     plan = fault_plan(config.faults, model_cfg.num_hidden_layers)
 
     # -- Diagnose ------------------------------------------------------------------------

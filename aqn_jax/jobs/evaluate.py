@@ -29,14 +29,14 @@ from aqn_jax.evaluation import check_evaluate, eval_spec, robustness
 from aqn_jax.faults.config import fault_plan
 from aqn_jax.models.factory import logical_axes, model_config
 from aqn_jax.models.hf import abstract_params
-from aqn_jax.warm_start import tokenizer_for, warm_start
+from aqn_jax.warm_start import tokenizer_for, warm_start, warm_start_spec
 
 
 def check_config(config):
     ev = config.evaluate
     check_evaluate(ev)
     model_cfg = model_config(config.model)
-    tokenizer = tokenizer_for(config)
+    tokenizer = tokenizer_for(config.tokenizer_path, config.model)
     check_data(config.data)
     fault_plan(config.faults, model_cfg.num_hidden_layers)
     if ev.run and not os.path.isdir(os.path.join(os.path.expanduser(ev.run), "checkpoints")):
@@ -71,7 +71,7 @@ def load_policy(config, workdir: str):
     """(model config, host params, description, run status) of what config.evaluate names."""
     ev = config.evaluate
     if not ev.run:
-        model_cfg, params, info = warm_start(config, workdir)
+        model_cfg, params, info = warm_start(warm_start_spec(config), workdir)
         source = "config.model" if info.get("sft") == "off" else f"SFT, cache {info['cache']}"
         return model_cfg, jax.device_get(params), f"warm start ({source})", None
     model_cfg = model_config(config.model)
@@ -104,9 +104,7 @@ def run(config, workdir: str) -> None:
     spec = eval_spec(config)
     size = int(config.evaluate.size or config.trainer.val_size)
     test = load_split(config.data, "test")[:size]
-    with config.unlocked():
-        config.trainer.val_size = len(test)
-    check_prompt_lengths(config, tokenizer, test)
+    check_prompt_lengths(config.rollout, len(test), tokenizer, test)
     model_cfg, params, what, status = load_policy(config, workdir)
     mesh = parallel.make_mesh(config.mesh)
     params = parallel.put_global(params, parallel.param_shardings(logical_axes(model_cfg), mesh))

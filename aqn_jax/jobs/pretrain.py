@@ -5,9 +5,9 @@ python -m aqn_jax.launch --config=configs/base.py --config.job=pretrain
 
 from __future__ import annotations
 
-from aqn_jax.warm_start import tokenizer_for, warm_start
+from aqn_jax.warm_start import tokenizer_for, warm_start, warm_start_spec
 
 
 def run(config, workdir: str) -> None:
-    tokenizer_for(config)
-    warm_start(config, workdir)
+    tokenizer_for(config.tokenizer_path, config.model)
+    warm_start(warm_start_spec(config), workdir)

@@ -40,7 +40,7 @@ from aqn_jax.rl.sampler import Sampler
 from aqn_jax.rl.scoring import eval_scores
 from aqn_jax.rl.sft import sft_sequences
 from aqn_jax.study.config import check_severity
-from aqn_jax.warm_start import tokenizer_for, warm_start
+from aqn_jax.warm_start import tokenizer_for, warm_start, warm_start_spec
 
 FACTOR = "severity_layer_factor"  # the traced per-layer factor of the swept deadzone
 BASE = 0.5  # the Deadzone's own threshold; a point's value v is the factor v / BASE
@@ -52,7 +52,7 @@ def run(config, workdir: str) -> None:
     n_layers = model_cfg.num_hidden_layers
     layers, points = check_severity(config.severity, n_layers)
     check_data(config.data)
-    tokenizer = tokenizer_for(config)
+    tokenizer = tokenizer_for(config.tokenizer_path, config.model)
     dz = config.faults.deadzone
     kinds = expand_kinds((dz.site,) if isinstance(dz.site, str) else tuple(dz.site), "site")
     if dz.point not in POINTS:
@@ -75,7 +75,7 @@ def run(config, workdir: str) -> None:
 
     # -- Model ---------------------------------------------------------------------------------
     t0 = time.perf_counter()
-    model_cfg, params, _ = warm_start(config, workdir)
+    model_cfg, params, _ = warm_start(warm_start_spec(config), workdir)
     model = causal_lm(dataclasses.replace(model_cfg, remat=False))
     bs = int(config.trainer.val_batch_size)
     key = step_key(int(config.seed), 0, "eval")
