@@ -184,7 +184,11 @@ def tokenizer_for(tokenizer_path: str, model: Any) -> Tokenizer:
     `model` (config.model.hf_path), else the built-in one; raises when it has more ids than
     the model's vocabulary."""
     path = tokenizer_path or model.hf_path
-    tokenizer = load_tokenizer(path or None)
+    field = "config.tokenizer_path" if tokenizer_path else "config.model.hf_path"
+    try:
+        tokenizer = load_tokenizer(path or None)
+    except (OSError, ValueError) as e:  # a missing or foreign directory: the user's input
+        raise ValueError(f"{field}={path!r}; {e}") from e
     vocab = model_config(model).vocab_size
     if tokenizer.vocab_size > vocab:
         raise ValueError(

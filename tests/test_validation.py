@@ -139,6 +139,16 @@ CASES = [
         ("--config.algo.rollout_is=token", "--config.rollout.temperature=0"),
         "config.rollout.temperature=0 samples greedily",
     ),
+    (
+        "tokenizer_missing",
+        lambda tmp_path, _: (f"--config.tokenizer_path={tmp_path / 'nowhere'}",),
+        "config.tokenizer_path=",
+    ),
+    (
+        "tokenizer_foreign_dir",
+        lambda tmp_path, _: (f"--config.tokenizer_path={tmp_path}",),
+        "holds neither tokenizer.json",
+    ),
     ("cache_read_only", read_only_cache, "config.sft.cache_dir="),
     ("cache_under_file", cache_under_a_file, "config.sft.cache_dir="),
     (
