@@ -32,6 +32,22 @@ def cpu_description() -> str:
     return f"{model}, {os.cpu_count()} cores"
 
 
+def cpu_flags() -> str:
+    """The CPU flags that decide bf16 and f32 matmul speed (`avx512_bf16`: native bf16 dot
+    products; `amx_bf16`: tiles; without either XLA converts bf16 operands to f32). Machines
+    differ between sessions, so every measurement records them."""
+    wanted = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_tile")
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    have = set(line.split(":", 1)[1].split())
+                    return " ".join(w for w in wanted if w in have) or "none of " + str(wanted)
+    except OSError:
+        pass
+    return "unknown"
+
+
 def check_load() -> str:
     """The 1/5/15-min load average, printed with a warning when the machine is busy: other
     processes distort every timing on a 2-core VM."""

@@ -2,7 +2,7 @@
 weights, same shapes.
 
   pip install -e '.[bench]'
-  python bench/rl_step.py [--steps 12] [--settings ours1,trl1,ours2,trl2,trl2p]
+  python bench/rl_step.py [--steps 12] [--settings ours1,trl1,ours2,trl2,trl2p,...]
       [--arch tiny|qwen2p5_0p5b] [--smoke] [--record]
 
 Setup, the same on both sides:
@@ -24,7 +24,14 @@ Settings, each run in its own process, interleaved (ours, TRL, ours, TRL, ...):
   ours2  XLA default (2 intra-op threads);
   trl1   `torch.set_num_threads(1)`, pinned to one core;
   trl2   2 threads, default OpenMP (spins under contention);
-  trl2p  2 threads, `OMP_WAIT_POLICY=PASSIVE`.
+  trl2p  2 threads, `OMP_WAIT_POLICY=PASSIVE`;
+  <setting>_bf16  the same in bf16 compute with f32 master weights and optimizer state: ours
+         with `config.model.dtype=bfloat16` (bf16 matmul inputs, f32 accumulation, softmax
+         and logits; generation from a bf16 copy of the weights and a bf16 KV cache), read
+         from the snapshot directory (`model.hf_path`, SFT off: the shipped warm start's key
+         is the f32 config's); TRL with `bf16=True` in its GRPOConfig, which on CPU runs
+         the forward passes under `torch.autocast("cpu", torch.bfloat16)` (accelerate's
+         mixed precision), the weights and AdamW state staying f32.
 Per setting: the median RL step over steps 3..S (the first two include compile / warm-up),
 the breakdown (generation, log-probs = old + reference, update), the first step, completion
 length, and generated / trained tokens per second. Prints, per pairing of our best against
@@ -38,6 +45,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -56,26 +64,31 @@ SHAPES = {  # arch -> (prompts per step, samples per prompt, max new tokens)
 # --smoke (CI: both sides run, nothing timed): the same programs and settings at a smaller batch,
 # 4 prompts x 2 samples, at most 8 new tokens.
 SMOKE_SHAPE = (4, 2, 8)
-SETTINGS = ("ours1", "trl1", "ours2", "trl2", "trl2p")
+BASE_SETTINGS = ("ours1", "trl1", "ours2", "trl2", "trl2p")
+SETTINGS = BASE_SETTINGS + tuple(f"{s}_bf16" for s in ("ours1", "trl1", "ours2", "trl2p"))
 LR, KL = 3e-5, 0.001
 
 
 def weights_dir(arch: str, tmp: str) -> str:
+    """An HF snapshot both sides read, with our CharTokenizer saved in it (our side reads the
+    snapshot's tokenizer: the same ids as TRL's)."""
+    from aqn_jax.data.tokenizers import CharTokenizer
+
+    out = os.path.join(tmp, arch)
     if arch == "tiny":
         assets = sorted((ROOT / "aqn_jax" / "assets").glob("sft-*"))
         if not assets:
             raise SystemExit("no shipped warm start under aqn_jax/assets")
-        return str(assets[-1])
-    from common import random_params
+        shutil.copytree(assets[-1], out)
+    else:
+        from common import random_params
 
-    from aqn_jax.data.tokenizers import CharTokenizer
-    from aqn_jax.models.hf import save_hf_checkpoint
-    from aqn_jax.models.qwen2 import Qwen2Config
+        from aqn_jax.models.hf import save_hf_checkpoint
+        from aqn_jax.models.qwen2 import Qwen2Config
 
-    cfg = Qwen2Config.preset(arch)
-    out = os.path.join(tmp, arch)
-    save_hf_checkpoint(out, cfg, random_params(cfg))
-    CharTokenizer().save(out)  # our side reads the snapshot's tokenizer: the same ids as TRL's
+        cfg = Qwen2Config.preset(arch)
+        save_hf_checkpoint(out, cfg, random_params(cfg))
+    CharTokenizer().save(out)
     return out
 
 
@@ -94,10 +107,16 @@ def run_ours(setting: str, arch: str, wdir: str, steps: int, tmp: str, shape) ->
         f"--config.actor.mini_batch_prompts={prompts // 2}",
         f"--config.actor.micro_batch_rows={prompts // 2 * n}",
     ]  # fmt: skip
-    if arch != "tiny":
+    bf16 = setting.endswith("_bf16")
+    # The f32 tiny settings start from the shipped warm start through the SFT cache (the
+    # default study's path; the snapshot route gives bitwise the same run). bf16 changes the
+    # SFT cache key (config.model is part of it), so bf16 reads the same weights as a snapshot.
+    if arch != "tiny" or bf16:
         cmd += [f"--config.model.hf_path={wdir}", "--config.sft.enabled=False"]
+    if bf16:
+        cmd += ["--config.model.dtype=bfloat16"]
     env = dict(os.environ)
-    if setting == "ours1":
+    if setting.startswith("ours1"):
         env["XLA_FLAGS"] = (
             env.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false"
         ).strip()
@@ -153,14 +172,17 @@ def hf_char_tokenizer(tok):
 
 def run_trl(setting: str, arch: str, wdir: str, steps: int, tmp: str, shape) -> dict:
     env = dict(os.environ)
-    threads = 1 if setting == "trl1" else 2
-    if setting == "trl2p":
+    base = setting.removesuffix("_bf16")
+    threads = 1 if base == "trl1" else 2
+    if base == "trl2p":
         env["OMP_WAIT_POLICY"] = "PASSIVE"
     cmd = [sys.executable, __file__, "--_trl-worker", wdir, "--arch", arch, "--steps", str(steps)]
     cmd += ["--threads", str(threads)]
+    if setting.endswith("_bf16"):
+        cmd += ["--bf16"]
     if shape != SHAPES[arch]:
         cmd += ["--smoke"]
-    if setting == "trl1":
+    if base == "trl1":
         cmd = ["taskset", "-c", "0", *cmd]
     out = os.path.join(tmp, f"{setting}.json")
     cmd += ["--out", out]
@@ -173,7 +195,9 @@ def run_trl(setting: str, arch: str, wdir: str, steps: int, tmp: str, shape) -> 
     return res
 
 
-def trl_worker(wdir: str, arch: str, steps: int, threads: int, out: str, shape) -> None:
+def trl_worker(
+    wdir: str, arch: str, steps: int, threads: int, out: str, shape, bf16: bool = False
+) -> None:
     os.environ["HF_HUB_OFFLINE"] = "1"
     import torch
 
@@ -228,7 +252,7 @@ def trl_worker(wdir: str, arch: str, steps: int, threads: int, out: str, shape) 
         save_strategy="no",
         shuffle_dataset=False,
         seed=0,
-        bf16=False,
+        bf16=bf16,
         disable_dropout=True,
     )
     trainer = GRPOTrainer(
@@ -266,7 +290,18 @@ def trl_worker(wdir: str, arch: str, steps: int, threads: int, out: str, shape) 
             clock["step"].append(time.perf_counter() - self.t0)
 
     trainer.add_callback(StepTimer())
+    # What precision the forwards really ran in: a projection's output dtype, per grad mode (TRL
+    # computes its log-probs from lm_head.weight in tiles, so the lm_head module is only called
+    # by generation).
+    seen: dict[str, set] = {}
+
+    def probe(module, inputs, output):  # returns None: the output is left as it is
+        mode = "grad" if torch.is_grad_enabled() else "no_grad"
+        seen.setdefault(mode, set()).add(str(output.dtype).removeprefix("torch."))
+
+    trainer.model.model.layers[0].mlp.down_proj.register_forward_hook(probe)
     trainer.train()
+    weights = sorted({str(p.dtype) for p in trainer.model.parameters()})
     # One of our RL steps = 2 TRL optimizer steps (a generation, then 2 updates).
     rl = []
     for i in range(steps):
@@ -276,7 +311,16 @@ def trl_worker(wdir: str, arch: str, steps: int, threads: int, out: str, shape) 
             {"step": s, "gen": gen, "logprobs": gs - gen, "update": s - gs,
              "completion_len": clock["len"][i]}
         )  # fmt: skip
-    Path(out).write_text(json.dumps({"steps": rl, "rows": prompts * n}))
+    Path(out).write_text(
+        json.dumps(
+            {
+                "steps": rl,
+                "rows": prompts * n,
+                "proj_out": {k: sorted(v) for k, v in seen.items()},
+                "weights": weights,
+            }
+        )
+    )
 
 
 # -- report ----------------------------------------------------------------------------------------
@@ -307,12 +351,13 @@ def main() -> None:
     ap.add_argument("--_trl-worker", dest="trl_worker", default=None)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--bf16", action="store_true", help="(TRL worker) GRPOConfig(bf16=True)")
     args = ap.parse_args()
     if args.trl_worker:
         shape = SMOKE_SHAPE if args.smoke else SHAPES[args.arch]
-        trl_worker(args.trl_worker, args.arch, args.steps, args.threads, args.out, shape)
+        trl_worker(args.trl_worker, args.arch, args.steps, args.threads, args.out, shape, args.bf16)
         return
-    from common import check_load, cpu_description, record
+    from common import check_load, cpu_description, cpu_flags, record
 
     settings = ["ours1", "trl1"] if args.smoke else args.settings.split(",")
     bad = [s for s in settings if s not in SETTINGS]
@@ -320,7 +365,8 @@ def main() -> None:
         raise SystemExit(f"--settings has {bad}; allowed: {list(SETTINGS)}")
     steps = 1 if args.smoke else args.steps
     load = check_load()
-    print(cpu_description(), load)
+    flags = cpu_flags()
+    print(cpu_description(), load, "| CPU flags:", flags)
     shape = SMOKE_SHAPE if args.smoke else SHAPES[args.arch]
     prompts, n, new = shape
     results = {}
@@ -335,7 +381,12 @@ def main() -> None:
                 f"{s}: step {r['step']:.2f}s (gen {r['gen']:.2f}, log-probs {r['logprobs']:.2f},"
                 f" update {r['update']:.2f}); first step {r['first']:.1f}s; completion"
                 f" {r['len']:.1f} tokens; {r['gen_tok_s']:.0f} generated tok/s;"
-                f" process wall {res['wall_s']:.0f}s",
+                f" process wall {res['wall_s']:.0f}s"
+                + (
+                    f"; down_proj output {res['proj_out']}, weights {res['weights']}"
+                    if "proj_out" in res
+                    else ""
+                ),
                 flush=True,
             )
     lines = []
@@ -347,8 +398,9 @@ def main() -> None:
         best_t = min(trl, key=lambda s: trl[s]["step"])
         pairs.append(("best", best_o, best_t))
         for o, t in (("ours1", "trl1"), ("ours2", "trl2p")):
-            if o in ours and t in trl:
-                pairs.append((f"{o}_{t}", o, t))
+            for suffix in ("", "_bf16"):
+                if o + suffix in ours and t + suffix in trl:
+                    pairs.append((f"{o}_{t}{suffix}", o + suffix, t + suffix))
     for name, o, t in pairs:
         a, b = ours[o], trl[t]
         differ = abs(a["len"] - b["len"]) > 0.1 * max(a["len"], b["len"])
@@ -380,7 +432,7 @@ def main() -> None:
         intro = (
             f"`{args.arch}`: {prompts} prompts x {n} samples, <= {new} new tokens, KL {KL},"
             f" lr {LR}, 2 updates per step on both sides; medians over steps 3..{steps};"
-            f" load before: {load}.\n\n" + "\n".join(f"`{x}`" for x in lines)
+            f" load before: {load}; CPU flags: {flags}.\n\n" + "\n".join(f"`{x}`" for x in lines)
         )
         print("recorded in", record("bench/rl_step.py", intro, table))
 
