@@ -33,11 +33,13 @@ def run(
     manifest=None,
 ):
     """Logits, fault stats and (optionally) every module's output, with the plan active; the
-    trace's hits go into `manifest[phase]` when a dict is given."""
+    trace's hits go into `manifest[phase]` when a dict is given. The key and the values are
+    arguments of the program, not constants: runs that differ only in them share one compiled
+    program (the session's persistent XLA cache), as the trainer's steps do."""
     key = step_key(0, 0, phase) if key is None else key
 
-    def forward(params):
-        with plan.apply(phase, key=key, values=values or {}) as hits:
+    def forward(params, key, values):
+        with plan.apply(phase, key=key, values=values) as hits:
             out = model.apply(
                 {"params": params},
                 IDS,
@@ -48,7 +50,8 @@ def run(
             manifest[phase] = hits
         return out
 
-    logits, state = jax.jit(forward)(params)
+    values = {k: jnp.float32(v) for k, v in (values or {}).items()}
+    logits, state = jax.jit(forward)(params, key, values)
     return np.asarray(logits), state
 
 
@@ -181,9 +184,10 @@ def test_params_and_init_unchanged():
     _, state = run(plan)
     assert set(state) == {"fault_stats"}  # no params returned as mutated
     chex.assert_trees_all_equal(PARAMS, before)
+    init_fn = jax.jit(lambda key: MODEL.init(key, IDS))  # traced inside / outside the plan
     with plan.apply("train", key=jax.random.key(0)):
-        init = MODEL.init(jax.random.key(3), IDS)  # inactive during init
-    plain = MODEL.init(jax.random.key(3), IDS)
+        init = init_fn(jax.random.key(3))  # inactive during init
+    plain = jax.jit(lambda key: MODEL.init(key, IDS))(jax.random.key(3))
     chex.assert_trees_all_equal(nn.unbox(init), nn.unbox(plain))
 
 
