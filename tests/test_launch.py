@@ -23,11 +23,26 @@ def _launch(*args, workdir):
     return launch_cli(*args, workdir=workdir)
 
 
-def test_model_summary_embedded_default(tmp_path):
-    proc = _launch("--config=configs/model_summary.py", workdir=tmp_path)
+def test_model_summary_embedded_default_writes_to_runs_config_stem(tmp_path):
+    """The embedded default's model summary; without --workdir a job writes to
+    ./runs/<config file stem> (the README's commands). One run checks both."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", JAX_PLATFORMS="cpu")
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "aqn_jax.launch",
+            f"--config={os.path.join(REPO, 'configs', 'model_summary.py')}",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"total parameters: {TINY_PARAMS:,}" in proc.stdout
-    summary = json.loads((tmp_path / "model_summary.json").read_text())
+    summary = json.loads((tmp_path / "runs" / "model_summary" / "model_summary.json").read_text())
     assert summary["param_count"] == TINY_PARAMS == 1_609_856
     assert summary["config"]["num_hidden_layers"] == 8
     assert len(summary["top5_next_tokens"]) == 5
@@ -136,26 +151,6 @@ def test_bad_fault_config_fails_before_work(tmp_path):
         workdir=tmp_path,
     )
     assert proc.returncode == 1 and "Traceback" in proc.stderr
-
-
-def test_default_workdir_is_runs_config_stem(tmp_path):
-    """Without --workdir a job writes to ./runs/<config file stem> (the README's commands)."""
-    env = dict(os.environ, HF_HUB_OFFLINE="1", JAX_PLATFORMS="cpu")
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "aqn_jax.launch",
-            f"--config={os.path.join(REPO, 'configs', 'model_summary.py')}",
-        ],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert (tmp_path / "runs" / "model_summary" / "model_summary.json").exists()
 
 
 def test_every_config_takes_smoke_and_refuses_an_unknown_argument():
