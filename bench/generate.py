@@ -1,24 +1,30 @@
 """Generation throughput of our jitted sampler vs transformers' `model.generate` (PyTorch CPU).
 
-Purpose: on the same CPU, config and random f32 weights, the new tokens per second of
+Purpose: on the same CPU, config and random weights, the new tokens per second of
 `aqn_jax.rl.sampler.Sampler` (one jitted program: prefill + `lax.while_loop` of single-token
 steps over a preallocated KV cache) against `transformers.Qwen2ForCausalLM.generate` (KV cache
-on, greedy), for the `tiny` preset at batch 64 and the Qwen2.5-0.5B architecture at batch 8 and
-32; for 0.5B also as a percentage of the time floor this machine sets (memory bandwidth and f32
-matmul peak, both measured in the same process). Targets from the issue: >= 10x on tiny,
->= 2x on 0.5B at batch 8.
+on, greedy), for the `tiny` preset at batch 64 and the Qwen2.5-0.5B architecture at batch 8
+(batch 32 on request), each in f32 and in bf16; for 0.5B also as a percentage of the time floor
+this machine sets (memory bandwidth and the matmul peak of the case's dtype, measured in the
+same process). Targets (issue 32): >= 60% of the floor at 0.5B batch 8, and >= 2x transformers
+generate; the whole default run within 10 minutes on 2 cores.
 
 Command (from the repository root):
 
-    .venv/bin/python bench/generate.py [--configs tiny:64,qwen2p5_0p5b:8,qwen2p5_0p5b:32]
-        [--repeats R] [--prompt-len 32] [--new-tokens 64] [--record]
+    .venv/bin/python bench/generate.py [--configs tiny:64,qwen2p5_0p5b:8]
+        [--dtypes float32,bfloat16] [--repeats R] [--prompt-len 32] [--new-tokens 64] [--record]
 
 Method:
   * Weights: `common.random_params` (N(0, 0.02) f32, RMSNorm weights 1.0), written with
     `save_hf_checkpoint` into a temporary directory and loaded by
     `transformers.Qwen2ForCausalLM.from_pretrained(dir, dtype=torch.float32)`, so both
     frameworks hold identical weights. Consecutive configs of one preset share the weights and
-    the torch model; everything is freed (del, gc.collect, jax.clear_caches) between configs.
+    the torch models; everything is freed (del, gc.collect, jax.clear_caches) between configs.
+  * dtype bfloat16: the inference engines' bf16 weights on both sides. Ours: the model config's
+    `dtype='bfloat16'` (bf16 matmul inputs, f32 accumulation, softmax and logits; a bf16 KV
+    cache) with the weights cast to bf16 once outside the timed call, as the trainer's
+    `generation_weights` does; torch: the same f32 model `.to(torch.bfloat16)` (bf16 weights,
+    activations and KV cache). Tokens are compared within a dtype.
   * Prompts: `--prompt-len` random token ids per row, all rows the same length, full attention
     mask (left padding would be a no-op).
   * Ours: `Sampler(model, SamplingParams(new_tokens, eos_id=-1, pad_id=0, temperature=0.0,
@@ -44,8 +50,10 @@ Method:
     sums over a 1 GiB f32 array (jitted `jnp.sum` and `torch.sum`, the larger); f32 peak = best
     of 7 2048x2048 matmuls (jitted `jnp.dot` and `torch.mm`, the larger). Per decode step
     (one new token per row, attending over the c tokens in the cache incl. itself):
-    max(bytes / bandwidth, FLOPs / peak) with bytes = 4 * all params (embedding/lm_head tied,
-    counted once) + the K and V of c tokens of every layer and row, FLOPs = 2 * params * B +
+    max(bytes / bandwidth, FLOPs / peak) with bytes = (4 in f32, 2 in bf16) * all params
+    (embedding/lm_head tied, counted once) + the K and V of c tokens of every layer and row in
+    the same dtype, the peak that dtype's (bf16: 2048x2048 bf16 products, f32 accumulation),
+    FLOPs = 2 * params * B +
     4 * B * layers * heads * head_dim * c (scores and probs @ V). Prefill: max(weights bytes /
     bandwidth, FLOPs / peak), FLOPs = 2 * params * B * P (the lm_head for the last position
     only: generation needs no other logits) + causal attention. The whole call:
@@ -58,11 +66,13 @@ Method:
 Prints informational lines as it goes (load, bandwidth and peak, compile time, token
 agreement, times), then per config exactly one line
 
-    BENCH generate_<preset>_b<B> ratio=<ours/torch> ours_tok_s=.. torch_tok_s=..
+    BENCH generate_<preset>_b<B>[_bf16] ratio=<ours/torch> ours_tok_s=.. torch_tok_s=..
         [pct_floor_ours=.. pct_floor_torch=..] same_tokens=<fraction> new_tokens=64 prompt=32
 
-(on one line; the pct_floor fields for every preset but tiny). With --record (only then) a
-markdown table is appended to WORKSPACE.md via `common.record`.
+(on one line; the pct_floor fields for every preset but tiny), and per config with both dtypes
+`BENCH generate_<preset>_b<B>_best ratio=<ours' best / torch's best>` naming each side's
+dtype. With --record (only then) a markdown table is appended to WORKSPACE.md via
+`common.record`.
 """
 
 from __future__ import annotations
@@ -73,6 +83,7 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import argparse
+import dataclasses
 import gc
 import statistics
 import tempfile
@@ -83,16 +94,19 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 import transformers
-from common import check_load, random_params, record, time_calls
+from common import check_load, cpu_flags, random_params, record, time_calls
 from torch_ref import matmul_peaks, setup_torch
 
 from aqn_jax.models.hf import save_hf_checkpoint
 from aqn_jax.models.qwen2 import PRESETS, Qwen2Config, Qwen2ForCausalLM
 from aqn_jax.rl.sampler import Sampler, SamplingParams
 
-DEFAULT_CONFIGS = "tiny:64,qwen2p5_0p5b:8,qwen2p5_0p5b:32"
+# The default run must finish within 10 minutes on 2 cores (issue 32): 0.5B at batch 32 is on
+# request only, and 0.5B cases time 2 calls per side (each call decodes 64 tokens x 8 rows).
+DEFAULT_CONFIGS = "tiny:64,qwen2p5_0p5b:8"
+DEFAULT_DTYPES = "float32,bfloat16"
 DEFAULT_REPEATS = 3
-DEFAULT_REPEATS_SPECIAL = {("qwen2p5_0p5b", 32): 2}
+DEFAULT_REPEATS_SPECIAL = {("qwen2p5_0p5b", 8): 2, ("qwen2p5_0p5b", 32): 2}
 BLOCKS = 3  # timed blocks per framework
 PAD_ID = 0
 FIRST_STEPS = 4  # rows agreeing on their first tokens are reported for this many steps
@@ -128,17 +142,25 @@ def _time_sum_xla(a: np.ndarray) -> float:
     return best_time(lambda: total(ja).block_until_ready(), BW_TRIES)
 
 
-def kv_bytes_per_token(cfg: Qwen2Config) -> int:
-    """f32 K and V of one token, all layers."""
-    return cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.resolved_head_dim * 4
+def kv_bytes_per_token(cfg: Qwen2Config, itemsize: int = 4) -> int:
+    """K and V of one token, all layers, `itemsize` bytes an element."""
+    return cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.resolved_head_dim * itemsize
 
 
 def floor_seconds(
-    cfg: Qwen2Config, n_params: int, batch: int, prompt: int, new: int, bw: float, peak: float
+    cfg: Qwen2Config,
+    n_params: int,
+    batch: int,
+    prompt: int,
+    new: int,
+    bw: float,
+    peak: float,
+    itemsize: int = 4,
 ) -> float:
-    """Lower bound on one generate call (see the module docstring); bw in B/s, peak FLOP/s."""
+    """Lower bound on one generate call (see the module docstring); bw in B/s, peak FLOP/s,
+    weights and KV cache of `itemsize` bytes an element."""
     N, H, L = cfg.num_attention_heads, cfg.resolved_head_dim, cfg.num_hidden_layers
-    weight_bytes = 4 * n_params
+    weight_bytes = itemsize * n_params
     # Prefill: every projection for every prompt token, the lm_head (tied table, V x D) for
     # the last position only (generation needs no other logits), causal attention (query i
     # attends over i + 1 keys).
@@ -148,15 +170,16 @@ def floor_seconds(
     total = max(weight_bytes / bw, prefill_flops / peak)
     for t in range(1, new):  # decode steps feeding tokens 1 .. new-1 (token 0 from the prefill)
         c = prompt + t + 1  # tokens in the cache, this one included
-        step_bytes = weight_bytes + batch * c * kv_bytes_per_token(cfg)
+        step_bytes = weight_bytes + batch * c * kv_bytes_per_token(cfg, itemsize)
         step_flops = 2 * n_params * batch + 4 * batch * L * N * H * c
         total += max(step_bytes / bw, step_flops / peak)
     return total
 
 
 # --- one preset ---------------------------------------------------------------------------------
-def bench_batch(cfg, model, weights, hf, name, batch, prompt, new, repeats) -> dict:
-    """Time ours and torch on one batch size; the models are built by the caller."""
+def bench_batch(cfg, model, weights, hf, name, batch, prompt, new, repeats, dtype) -> dict:
+    """Time ours and torch on one batch size in one dtype; the models are built by the caller."""
+    name = name if dtype == "float32" else f"{name} {dtype}"
     V = cfg.vocab_size
     rng = np.random.default_rng(batch)
     ids = rng.integers(0, V, size=(batch, prompt), dtype=np.int32)
@@ -226,7 +249,8 @@ def bench_batch(cfg, model, weights, hf, name, batch, prompt, new, repeats) -> d
     )
     ours_s, torch_s = statistics.median(ours_times), statistics.median(torch_times)
     return dict(
-        preset=name,
+        preset=name.split()[0],
+        dtype=dtype,
         batch=batch,
         repeats=repeats,
         ours_s=ours_s,
@@ -238,7 +262,7 @@ def bench_batch(cfg, model, weights, hf, name, batch, prompt, new, repeats) -> d
     )
 
 
-def bench_preset(name, batches, repeats_of, prompt, new, bw, peak) -> list[dict]:
+def bench_preset(name, batches, repeats_of, prompt, new, dtypes, bw, peaks) -> list[dict]:
     cfg = Qwen2Config.preset(name)
     t0 = time.perf_counter()
     params_np = random_params(cfg)
@@ -248,23 +272,37 @@ def bench_preset(name, batches, repeats_of, prompt, new, bw, peak) -> list[dict]
     # memory-mapped from the safetensors file).
     ckpt_dir = tempfile.TemporaryDirectory(prefix="bench_generate_")
     save_hf_checkpoint(ckpt_dir.name, cfg, params_np)
-    hf = transformers.Qwen2ForCausalLM.from_pretrained(ckpt_dir.name, dtype=torch.float32)
-    hf.eval()
-    print(f"{name}: torch attn_implementation={hf.config._attn_implementation}")
-    model = Qwen2ForCausalLM(cfg)
-    weights = jax.device_put(params_np)
+    sides = {}  # dtype -> (our model, our weights, torch model)
+    for dtype in dtypes:
+        hf = transformers.Qwen2ForCausalLM.from_pretrained(
+            ckpt_dir.name, dtype=getattr(torch, dtype)
+        )
+        hf.eval()
+        print(f"{name} {dtype}: torch attn_implementation={hf.config._attn_implementation}")
+        model = Qwen2ForCausalLM(dataclasses.replace(cfg, dtype=dtype))
+        weights = jax.device_put(params_np)
+        if dtype != "float32":  # the generation weights: one cast, outside the timed calls
+            weights = jax.tree_util.tree_map(lambda x, dt=dtype: x.astype(dt), weights)
+        sides[dtype] = (model, weights, hf)
     del params_np
     gc.collect()
 
     results = []
     for batch in batches:
-        r = bench_batch(cfg, model, weights, hf, name, batch, prompt, new, repeats_of(batch))
-        # The sampler and its KV cache died with bench_batch's frame.
-        gc.collect()
-        jax.clear_caches()
-        r["floor_s"] = floor_seconds(cfg, n_params, batch, prompt, new, bw, peak)
-        results.append(r)
-    del weights, hf, model
+        for dtype in dtypes:
+            model, weights, hf = sides[dtype]
+            r = bench_batch(
+                cfg, model, weights, hf, name, batch, prompt, new, repeats_of(batch), dtype
+            )
+            # The sampler and its KV cache died with bench_batch's frame.
+            gc.collect()
+            jax.clear_caches()
+            itemsize = jnp.dtype(dtype).itemsize
+            r["floor_s"] = floor_seconds(
+                cfg, n_params, batch, prompt, new, bw, peaks[dtype], itemsize
+            )
+            results.append(r)
+    del sides, weights, hf, model
     gc.collect()
     jax.clear_caches()
     ckpt_dir.cleanup()
@@ -272,6 +310,10 @@ def bench_preset(name, batches, repeats_of, prompt, new, bw, peak) -> list[dict]
 
 
 # --- main ---------------------------------------------------------------------------------------
+def _suffix(r: dict) -> str:
+    return "" if r["dtype"] == "float32" else "_bf16"
+
+
 def bench_line(r: dict, prompt: int, new: int) -> str:
     floor = ""
     if r["preset"] != "tiny":
@@ -280,35 +322,57 @@ def bench_line(r: dict, prompt: int, new: int) -> str:
             f" pct_floor_torch={100 * r['floor_s'] / r['torch_s']:.1f}"
         )
     return (
-        f"BENCH generate_{r['preset']}_b{r['batch']} ratio={r['ours_tok_s'] / r['torch_tok_s']:.3f}"
+        f"BENCH generate_{r['preset']}_b{r['batch']}{_suffix(r)}"
+        f" ratio={r['ours_tok_s'] / r['torch_tok_s']:.3f}"
         f" ours_tok_s={r['ours_tok_s']:.1f} torch_tok_s={r['torch_tok_s']:.1f}{floor}"
         f" same_tokens={r['same_tokens']:.3f} new_tokens={new} prompt={prompt}"
     )
 
 
-def record_results(results, prompt, new, load, bw, peak):
+def best_lines(results: list[dict]) -> list[str]:
+    """Per (preset, batch) with several dtypes: each side's fastest dtype against the other's."""
+    lines = []
+    for key in dict.fromkeys((r["preset"], r["batch"]) for r in results):
+        rs = [r for r in results if (r["preset"], r["batch"]) == key]
+        if len(rs) < 2:
+            continue
+        o = max(rs, key=lambda r: r["ours_tok_s"])
+        t = max(rs, key=lambda r: r["torch_tok_s"])
+        lines.append(
+            f"BENCH generate_{key[0]}_b{key[1]}_best ratio={o['ours_tok_s'] / t['torch_tok_s']:.3f}"
+            f" ours_dtype={o['dtype']} torch_dtype={t['dtype']}"
+            f" ours_tok_s={o['ours_tok_s']:.1f} torch_tok_s={t['torch_tok_s']:.1f}"
+        )
+    return lines
+
+
+def record_results(results, prompt, new, load, bw, peaks, flags, lines):
     table = [
-        "| preset | B | R | ours s | torch s | ours tok/s | torch tok/s | ratio | floor s"
+        "| preset | dtype | B | R | ours s | torch s | ours tok/s | torch tok/s | ratio | floor s"
         " | % floor ours | % floor torch | same tokens | rows same first 4 |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         table.append(
-            f"| {r['preset']} | {r['batch']} | {r['repeats']} | {r['ours_s']:.3f}"
+            f"| {r['preset']} | {r['dtype']} | {r['batch']} | {r['repeats']} | {r['ours_s']:.3f}"
             f" | {r['torch_s']:.3f} | {r['ours_tok_s']:.1f} | {r['torch_tok_s']:.1f}"
             f" | {r['ours_tok_s'] / r['torch_tok_s']:.3f} | {r['floor_s']:.3f}"
             f" | {100 * r['floor_s'] / r['ours_s']:.1f} | {100 * r['floor_s'] / r['torch_s']:.1f}"
             f" | {r['same_tokens']:.3f} | {r['first_rows']:.3f} |"
         )
+    peak_text = ", ".join(f"{d} {p / 1e9:.1f}" for d, p in peaks.items())
     intro = (
         f"Greedy generation, prompt {prompt} random tokens (full mask), exactly {new} new tokens"
-        " per row, f32 random weights, median of R calls; tok/s = B*new / wall time of the whole"
-        " call (prefill included); ours = jitted Sampler, torch = transformers generate (KV"
-        " cache, sdpa). Floor = prefill + (new-1) decode steps, each max(weights+KV bytes /"
-        f" read bandwidth, FLOPs / f32 peak) with bandwidth {bw / 1e9:.1f} GB/s and peak"
-        f" {peak / 1e9:.1f} GFLOP/s measured in the same process (loose for tiny: its small"
-        " matmuls cannot run at the 2048² peak). Same tokens: fraction of identical tokens of"
-        f" the two frameworks over all B x {new} positions. Load average before the run: {load}."
+        " per row, random weights (bf16: the f32 weights cast once; ours computes in bf16 with"
+        " f32 accumulation, softmax and logits, torch in bf16), median of R calls; tok/s ="
+        " B*new / wall time of the whole call (prefill included); ours = jitted Sampler, torch"
+        " = transformers generate (KV cache, sdpa). Floor = prefill + (new-1) decode steps, each"
+        " max(weights+KV bytes / read bandwidth, FLOPs / peak), bytes in the case's dtype, with"
+        f" bandwidth {bw / 1e9:.1f} GB/s and peaks (GFLOP/s) {peak_text} measured in the same"
+        " process (loose for tiny: its small matmuls cannot run at the 2048² peak). Same"
+        f" tokens: fraction of identical tokens of the two frameworks over all B x {new}"
+        f" positions. Load average before the run: {load}; CPU flags: {flags}.\n\n"
+        + "\n".join(f"`{x}`" for x in lines)
     )
     return record("bench/generate.py", intro, table)
 
@@ -316,8 +380,9 @@ def record_results(results, prompt, new, load, bw, peak):
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--configs", default=DEFAULT_CONFIGS, help="preset:batch,...")
+    parser.add_argument("--dtypes", default=DEFAULT_DTYPES, help="float32,bfloat16 or one")
     parser.add_argument(
-        "--repeats", type=int, default=None, help="timed calls (default 3; 2 for 0.5B b32)"
+        "--repeats", type=int, default=None, help="timed calls (default 3; 2 for 0.5B)"
     )
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=64)
@@ -333,6 +398,10 @@ def main(argv: list[str] | None = None) -> None:
         if not batch.isdigit() or int(batch) < 1:
             parser.error(f"config {item!r}: expected preset:batch with batch >= 1")
         configs.append((preset, int(batch)))
+    dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    bad = [d for d in dtypes if d not in ("float32", "bfloat16")]
+    if bad or not dtypes:
+        parser.error(f"--dtypes={args.dtypes!r}; allowed: float32, bfloat16")
     if args.repeats is not None and args.repeats < 1:
         parser.error("--repeats must be >= 1")
     if args.prompt_len < 1 or args.new_tokens < 1:
@@ -340,13 +409,16 @@ def main(argv: list[str] | None = None) -> None:
 
     setup_torch()
     load = check_load()
+    flags = cpu_flags()
+    print(f"CPU flags: {flags}")
     bw_xla, bw_torch = read_bandwidth()
-    peak_xla, peak_torch = matmul_peaks()
-    bw, peak = max(bw_xla, bw_torch) * 1e9, max(peak_xla, peak_torch) * 1e9
-    print(
-        f"read bandwidth: jnp.sum {bw_xla:.1f} GB/s, torch.sum {bw_torch:.1f} GB/s;"
-        f" f32 matmul peak: jnp.dot {peak_xla:.1f}, torch.mm {peak_torch:.1f} GFLOP/s"
-    )
+    bw = max(bw_xla, bw_torch) * 1e9
+    peaks = {}
+    for dtype in dtypes:
+        peak_xla, peak_torch = matmul_peaks(dtype=dtype)
+        peaks[dtype] = max(peak_xla, peak_torch) * 1e9
+        print(f"{dtype} matmul peak: jnp.dot {peak_xla:.1f}, torch.mm {peak_torch:.1f} GFLOP/s")
+    print(f"read bandwidth: jnp.sum {bw_xla:.1f} GB/s, torch.sum {bw_torch:.1f} GB/s")
 
     def repeats_of(preset):
         return lambda b: args.repeats or DEFAULT_REPEATS_SPECIAL.get((preset, b), DEFAULT_REPEATS)
@@ -361,20 +433,31 @@ def main(argv: list[str] | None = None) -> None:
             batches.append(configs[i][1])
             i += 1
         for r in bench_preset(
-            preset, batches, repeats_of(preset), args.prompt_len, args.new_tokens, bw, peak
+            preset,
+            batches,
+            repeats_of(preset),
+            args.prompt_len,
+            args.new_tokens,
+            dtypes,
+            bw,
+            peaks,
         ):
             results.append(r)
             print(
-                f"{preset} b{r['batch']}: floor {r['floor_s']:.3f}s, ours {r['ours_s']:.3f}s,"
-                f" torch {r['torch_s']:.3f}s",
+                f"{preset} {r['dtype']} b{r['batch']}: floor {r['floor_s']:.3f}s,"
+                f" ours {r['ours_s']:.3f}s, torch {r['torch_s']:.3f}s",
                 flush=True,
             )
         gc.collect()
     print(f"benchmark time {time.perf_counter() - t_start:.0f}s")
-    for r in results:
-        print(bench_line(r, args.prompt_len, args.new_tokens))
+    lines = [bench_line(r, args.prompt_len, args.new_tokens) for r in results]
+    lines += best_lines(results)
+    for line in lines:
+        print(line)
     if args.record:
-        path = record_results(results, args.prompt_len, args.new_tokens, load, bw, peak)
+        path = record_results(
+            results, args.prompt_len, args.new_tokens, load, bw, peaks, flags, lines
+        )
         print(f"recorded in {path}")
 
 

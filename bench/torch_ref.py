@@ -27,8 +27,11 @@ def setup_torch() -> None:
     )
 
 
-def matmul_peaks(n: int = MATMUL_N, tries: int = MATMUL_TRIES) -> tuple[float, float]:
-    """Best-of-`tries` f32 n x n matmul GFLOP/s for XLA (jitted jnp.dot) and torch.mm.
+def matmul_peaks(
+    n: int = MATMUL_N, tries: int = MATMUL_TRIES, dtype: str = "float32"
+) -> tuple[float, float]:
+    """Best-of-`tries` n x n matmul GFLOP/s for XLA (jitted jnp.dot) and torch.mm, operands in
+    `dtype` (float32 or bfloat16; XLA accumulates bf16 products in f32, as the model does).
 
     The two frameworks' tries alternate, so that a slow spell of a shared host hits both.
     """
@@ -36,9 +39,12 @@ def matmul_peaks(n: int = MATMUL_N, tries: int = MATMUL_TRIES) -> tuple[float, f
     rng = np.random.default_rng(0)
     a = rng.standard_normal((n, n), dtype=np.float32)
     b = rng.standard_normal((n, n), dtype=np.float32)
-    dot = jax.jit(jnp.dot)
-    ja, jb = jax.device_put(a), jax.device_put(b)
-    ta, tb = torch.from_numpy(a), torch.from_numpy(b)
+    dot = jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32))
+    ja, jb = jax.device_put(a).astype(dtype), jax.device_put(b).astype(dtype)
+    ta, tb = (
+        torch.from_numpy(a).to(getattr(torch, dtype)),
+        torch.from_numpy(b).to(getattr(torch, dtype)),
+    )
     xla_times, torch_times = [], []
     with torch.inference_mode():
         dot(ja, jb).block_until_ready()
