@@ -100,7 +100,10 @@ def get_config(arg: str | None = None):
     config.model.preset = "qwen2p5_0p5b"  # the architecture; hf_path's config.json is used
     config.model.hf_path = ""  # required: the snapshot `python -m aqn_jax.models.gguf` wrote
     config.model.param_dtype = "float32"  # master weights and optimizer state
-    config.model.dtype = "float32"  # activations and matmuls (bf16: 1.39x slower on AVX2 CPUs)
+    # Activations and matmuls. bf16 depends on the CPU: 1.39x slower than f32 on AVX2 without
+    # AVX-512 BF16 (issue 30), 1.45x faster for 0.5B greedy decode on AVX-512 BF16 (issue 32,
+    # bench/generate.py); f32 stays, so this config's numbers do not depend on the machine.
+    config.model.dtype = "float32"
     config.model.remat = True  # the update's activations: one layer at a time
     config.tokenizer_path = ""  # the snapshot's tokenizer and ChatML template
 
