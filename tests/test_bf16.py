@@ -8,6 +8,7 @@ result cast back to bf16. Tiny shapes, every program jitted once."""
 import dataclasses
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -191,6 +192,49 @@ def test_bf16_forward_casts_matmul_inputs_and_keeps_f32_logits():
     # f32 config: the same program in f32 has no bf16 anywhere.
     jaxpr32 = jax.make_jaxpr(lambda p: _logp(F32_CFG, p, ids))(PARAMS)
     assert "bf16" not in str(jaxpr32)
+
+
+def _dot_precisions(fn, *args) -> list:
+    """The `precision` of every dot_general in fn's jaxpr, nested jaxprs (custom_vjp, jit)
+    included."""
+    out = []
+
+    def walk(jaxpr):
+        for e in jaxpr.eqns:
+            if e.primitive.name == "dot_general":
+                out.append(e.params["precision"])
+            for sub in jax.extend.core.jaxprs_in_params(e.params):
+                walk(sub)
+
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return out
+
+
+def test_f32_products_ask_for_float32_on_every_backend():
+    """XLA's DEFAULT precision lets a GPU multiply f32 operands in TF32 (an H100 put the f32
+    logits 0.004-0.013 from transformers', bound 1e-4): every f32 product of the forward, its
+    backward and the faulty matmul unit asks for HIGHEST. CPU computes the same bits either way,
+    so this is checked on the program, not on the numbers. bf16 operands keep DEFAULT (their
+    products are exact in the f32 accumulator): the negative control."""
+    highest = (jax.lax.Precision.HIGHEST, jax.lax.Precision.HIGHEST)
+    ids = jnp.asarray(np.random.default_rng(0).integers(0, 200, (2, 12)), jnp.int32)
+
+    def loss(cfg):
+        return lambda p: _logp(cfg, p, ids)[0].mean()
+
+    fwd32 = _dot_precisions(loss(F32_CFG), PARAMS)
+    assert len(fwd32) == 2 * 7 + 2 * 2 + 1 and set(fwd32) == {highest}
+    grad32 = _dot_precisions(jax.grad(loss(F32_CFG)), PARAMS)
+    assert len(grad32) == 3 * len(fwd32) and set(grad32) == {highest}  # forward + 2 per dot
+    x = jnp.ones((3, 4, 8), jnp.float32)
+    w = jnp.ones((8, 5), jnp.float32)
+
+    def faulty(x, w):
+        return ops.noisy_linear(x, w, None, jax.random.key(0), 0.1).sum()
+
+    unit = _dot_precisions(jax.grad(faulty, argnums=(0, 1)), x, w)
+    assert len(unit) == 3 and set(unit) == {highest}  # y, dX, dW
+    assert set(_dot_precisions(jax.grad(loss(BF16_CFG)), PARAMS)) == {None}
 
 
 def _step_static(model_cfg, arm):

@@ -31,6 +31,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from aqn_jax.models.precision import dot_precision
+
 GRANULARITIES = ("tensor", "token", "block")
 # How a deadzone's severity is stated: "amax", flush |x| < threshold * amax (the original
 # system's; its strength depends on the model's outliers), or "quantile", flush the `threshold`
@@ -385,7 +387,9 @@ def add_noise(kind: str, x: jax.Array, scale, key: jax.Array | None) -> jax.Arra
 
 def _linear(x: jax.Array, w: jax.Array, b: jax.Array | None) -> jax.Array:
     # The model's Linear module computes exactly this, so scale 0 is bit-identical to it.
-    y = jnp.einsum("...i,io->...o", x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+    y = jnp.einsum(
+        "...i,io->...o", x, w, preferred_element_type=jnp.float32, precision=dot_precision(x.dtype)
+    ).astype(x.dtype)
     if b is not None:
         y = y + b.astype(x.dtype)
     return y
@@ -412,8 +416,9 @@ def _noisy_linear_bwd(forward, backward, res, g):
     # Flatten the leading axes so dW and db sum over all of them (B and T for [B, T, D]).
     x_ND = x.reshape(-1, x.shape[-1])
     g_NO = g.reshape(-1, g.shape[-1])
-    dx = jnp.einsum("...o,io->...i", g, w, preferred_element_type=jnp.float32)
-    dw = jnp.einsum("ni,no->io", x_ND, g_NO, preferred_element_type=jnp.float32)
+    prec = dot_precision(jnp.promote_types(g.dtype, w.dtype))
+    dx = jnp.einsum("...o,io->...i", g, w, preferred_element_type=jnp.float32, precision=prec)
+    dw = jnp.einsum("ni,no->io", x_ND, g_NO, preferred_element_type=jnp.float32, precision=prec)
     if backward:
         # Each product gets error relative to itself, as a faulty matmul unit would produce.
         dx = dx + _relative_error_f32(dx, scale, jax.random.fold_in(key, 1))

@@ -29,6 +29,8 @@ import jax
 import jax.numpy as jnp
 from flax import errors as flax_errors
 
+from aqn_jax.models.precision import dot_precision
+
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
@@ -300,7 +302,11 @@ class Linear(nn.Module):
 def linear(x: jax.Array, kernel: jax.Array, bias: jax.Array | None, dtype: Any) -> jax.Array:
     """The computation of `Linear`, shared with fault transforms that redo it."""
     y = jnp.einsum(
-        "...i,io->...o", x.astype(dtype), kernel.astype(dtype), preferred_element_type=jnp.float32
+        "...i,io->...o",
+        x.astype(dtype),
+        kernel.astype(dtype),
+        preferred_element_type=jnp.float32,
+        precision=dot_precision(dtype),
     ).astype(dtype)
     return y if bias is None else y + bias.astype(dtype)
 
@@ -328,6 +334,7 @@ class LMHead(nn.Module):
                 x_BTD,
                 table_VD.astype(self.dtype),
                 preferred_element_type=jnp.float32,
+                precision=dot_precision(self.dtype),
             )
         kernel_DV = _param(
             self,
@@ -337,7 +344,11 @@ class LMHead(nn.Module):
             self.param_dtype,
         )
         return jnp.einsum(
-            "BTD,DV->BTV", x_BTD, kernel_DV.astype(self.dtype), preferred_element_type=jnp.float32
+            "BTD,DV->BTV",
+            x_BTD,
+            kernel_DV.astype(self.dtype),
+            preferred_element_type=jnp.float32,
+            precision=dot_precision(self.dtype),
         )
 
 
@@ -451,12 +462,18 @@ def _attend(q_BKGTH, k_BKSH, v_BKSH, key_mask_BS, query_slot_BT, dt):
     # Scores and softmax in float32: bf16 logits of the softmax lose the small differences
     # that decide the attention pattern.
     scores_BKGTS = jnp.einsum(
-        "BKGTH,BKSH->BKGTS", q_BKGTH, k_BKSH.astype(dt), preferred_element_type=jnp.float32
+        "BKGTH,BKSH->BKGTS",
+        q_BKGTH,
+        k_BKSH.astype(dt),
+        preferred_element_type=jnp.float32,
+        precision=dot_precision(dt),
     ) * (H**-0.5)
     # A large finite negative (not -inf) keeps fully masked rows (padding queries) finite.
     scores_BKGTS = jnp.where(allowed_BTS[:, None, None], scores_BKGTS, jnp.finfo(jnp.float32).min)
     probs_BKGTS = jax.nn.softmax(scores_BKGTS, axis=-1).astype(dt)
-    return jnp.einsum("BKGTS,BKSH->BKGTH", probs_BKGTS, v_BKSH.astype(dt))
+    return jnp.einsum(
+        "BKGTS,BKSH->BKGTH", probs_BKGTS, v_BKSH.astype(dt), precision=dot_precision(dt)
+    )
 
 
 class Qwen2MLP(nn.Module):
