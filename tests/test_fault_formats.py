@@ -402,6 +402,65 @@ def _nvfp4_cases():
 _nvfp4_jit = jax.jit(formats.quantize_nvfp4)
 
 
+def _division_operands(n=20000, seed=7):
+    """Positive float32 a, b over the ranges NVFP4's divisions see (and the dyadic values whose
+    ratios land on e2m1 ties), with their numpy (IEEE) quotients."""
+    rng = np.random.default_rng(seed)
+    a = np.concatenate(
+        [
+            rng.uniform(0, 2, n) * 2.0 ** rng.integers(-20, 1, n),
+            rng.integers(1, 97, n) * 2.0 ** rng.integers(-12, 3, n),
+        ]
+    ).astype(np.float32)
+    b = np.concatenate(
+        [rng.uniform(1e-7, 448, n), rng.integers(1, 449, n) * 2.0 ** rng.integers(-9, 1, n) / 7]
+    ).astype(np.float32)
+    return a, b, a / b
+
+
+def test_two_product_is_exact():
+    a, b, _ = _division_operands()
+    p, e = jax.jit(formats._two_product)(a, b)
+    exact = a.astype(np.float64) * b.astype(np.float64)  # 48 bits: exact in float64
+    got = np.asarray(p, np.float64) + np.asarray(e, np.float64)
+    np.testing.assert_array_equal(got, exact)
+    assert np.any(np.asarray(e) != 0)  # the low part is not vacuous: fl(a b) alone is inexact
+
+
+@pytest.mark.parametrize("ulps", [-2, -1, 0, 1, 2])
+def test_nearest_quotient_corrects_a_division_off_by_up_to_2_ulp(ulps):
+    """XLA:GPU's f32 division is within 2 ulp, not correctly rounded (an H100 changed 48 of
+    16,000 NVFP4 elements of the dyadic case by one e2m1 step). `_div` corrects the backend's
+    quotient to the IEEE one: emulated here by shifting numpy's quotient by `ulps`."""
+    a, b, ieee = _division_operands()
+    q0 = (ieee.view(np.int32) + np.int32(ulps)).view(np.float32)
+    assert ulps == 0 or not np.any(q0 == ieee)  # the approximation is really off
+    got = np.asarray(jax.jit(formats._nearest_quotient)(a, b, q0))
+    np.testing.assert_array_equal(got.view(np.int32), ieee.view(np.int32))
+    np.testing.assert_array_equal(np.asarray(jax.jit(formats._div)(a, b)), ieee)
+    # Non-finite quotients pass through; 0 / b stays 0.
+    odd = np.asarray(
+        formats._nearest_quotient(
+            np.float32([0, 1, 0]), np.float32([0, 1e-30, 3]), np.float32([np.nan, np.inf, 0])
+        )
+    )
+    assert np.isnan(odd[0]) and odd[1] == np.inf and odd[2] == 0
+
+
+def test_nvfp4_program_corrects_its_divisions_off_cpu_only():
+    """The quantiser exported for a GPU or TPU carries `_nearest_quotient` (its Veltkamp split
+    constant 4097); the CPU program keeps the plain IEEE division (same bits, half the cost)."""
+    from jax import export
+
+    x = np.ones((4, 16), np.float32)
+    text = {
+        p: export.export(jax.jit(formats.quantize_nvfp4), platforms=[p])(x).mlir_module()
+        for p in ("cpu", "cuda", "tpu")
+    }
+    assert "4.097" not in text["cpu"]
+    assert "4.097" in text["cuda"] and "4.097" in text["tpu"]
+
+
 @pytest.mark.parametrize("case", list(_nvfp4_cases()))
 def test_nvfp4_matches_te_reference(case):
     x = _nvfp4_cases()[case].astype(np.float32)
