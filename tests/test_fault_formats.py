@@ -448,8 +448,9 @@ def test_nearest_quotient_corrects_a_division_off_by_up_to_2_ulp(ulps):
 
 
 def test_nvfp4_program_corrects_its_divisions_off_cpu_only():
-    """The quantiser exported for a GPU or TPU carries `_nearest_quotient` (its Veltkamp split
-    constant 4097); the CPU program keeps the plain IEEE division (same bits, half the cost)."""
+    """The quantiser exported for a GPU or TPU carries `_nearest_quotient` (its split's mask,
+    the int32 constant -4096); the CPU program keeps the plain IEEE division (same bits, half
+    the cost)."""
     from jax import export
 
     x = np.ones((4, 16), np.float32)
@@ -457,8 +458,8 @@ def test_nvfp4_program_corrects_its_divisions_off_cpu_only():
         p: export.export(jax.jit(formats.quantize_nvfp4), platforms=[p])(x).mlir_module()
         for p in ("cpu", "cuda", "tpu")
     }
-    assert "4.097" not in text["cpu"]
-    assert "4.097" in text["cuda"] and "4.097" in text["tpu"]
+    assert "-4096" not in text["cpu"]
+    assert "-4096" in text["cuda"] and "-4096" in text["tpu"]
 
 
 @pytest.mark.parametrize("case", list(_nvfp4_cases()))

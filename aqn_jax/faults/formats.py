@@ -178,22 +178,26 @@ def _ieee(op, x, y) -> jax.Array:
     return op(x, y)
 
 
-_VELTKAMP = 4097.0  # 2**12 + 1: splits a float32 (24 bits) into two halves of <= 12 bits
-
-
 def _two_product(x: jax.Array, y: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """(p, e) with p = fl(x y) and p + e = x y exactly (Dekker's product; no FMA needed): each
-    factor is split into halves whose products are exact in float32. Needs x y and 4097 x, 4097 y
-    finite and no underflow, true for the normalised operands of `_div`."""
+    """(p, e) with p = fl(x y) and p + e = x y exactly (Dekker's product, no FMA needed), for
+    finite x, y whose product neither overflows nor underflows.
+
+    Each factor is split on its bits into a high half (the low 12 mantissa bits cleared) and the
+    exact remainder, so every partial product is exact in float32; a multiply-add contraction
+    of those cannot change a result. p is materialised (an optimisation barrier), so no backend
+    fuses the inexact x y into the subtractions that follow (a GPU's FMA contraction would
+    compute them from the exact product and break the identity).
+    """
 
     def split(v):
-        t = v * jnp.float32(_VELTKAMP)
-        hi = t - (t - v)
+        hi = lax.bitcast_convert_type(
+            lax.bitcast_convert_type(v, jnp.int32) & jnp.int32(~0xFFF), jnp.float32
+        )
         return hi, v - hi
 
     xh, xl = split(x)
     yh, yl = split(y)
-    p = x * y
+    p = lax.optimization_barrier(x * y)
     e = ((xh * yh - p) + xh * yl + xl * yh) + xl * yl
     return p, e
 
