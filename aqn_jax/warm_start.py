@@ -192,8 +192,8 @@ def tokenizer_for(tokenizer_path: str, model: Any) -> Tokenizer:
     vocab = model_config(model).vocab_size
     if tokenizer.vocab_size > vocab:
         raise ValueError(
-            f"config.tokenizer_path={path!r}: the tokenizer has {tokenizer.vocab_size} ids but the"
-            f" model's vocab_size is {vocab}"
+            f"{field}={path!r}: the tokenizer has {tokenizer.vocab_size} ids but the model's"
+            f" vocab_size is {vocab}"
         )
     return tokenizer
 

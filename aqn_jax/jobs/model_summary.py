@@ -22,23 +22,17 @@ from flax import traverse_util
 
 from aqn_jax.aqn.config import AQN_SIGMA, aqn_sigma
 from aqn_jax.aqn.plan import build_plan
-from aqn_jax.data.tokenizers import load_tokenizer
 from aqn_jax.diagnosis.profile import format_profile, residual_profile
 from aqn_jax.faults.intercept import FaultPlan, step_key, summarize_stats
 from aqn_jax.models.factory import load_model, logical_axes, model_config
 from aqn_jax.models.registry import causal_lm, layer_name
+from aqn_jax.warm_start import tokenizer_for
 
 
 def _check_config(config):
     """Every check that needs no compile, so bad input fails at once."""
     model_cfg = model_config(config.model)
-    tokenizer_path = config.tokenizer_path or config.model.hf_path
-    tokenizer = load_tokenizer(tokenizer_path or None)
-    if tokenizer.vocab_size > model_cfg.vocab_size:
-        raise ValueError(
-            f"config.tokenizer_path={tokenizer_path!r}: the tokenizer has {tokenizer.vocab_size}"
-            f" ids but the model's vocab_size is {model_cfg.vocab_size}"
-        )
+    tokenizer = tokenizer_for(config.tokenizer_path, config.model)
     if not config.prompt:
         raise ValueError("config.prompt='' ; give a non-empty user message")
     if config.phase not in ("rollout", "train", "eval"):
