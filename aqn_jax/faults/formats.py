@@ -286,8 +286,10 @@ def _mx_shared_exponent(amax: jax.Array, spec: FormatSpec, scale_rule: str) -> j
     return e_amax - e_max + (_mantissa_field(amax) > mant_max).astype(jnp.int32)
 
 
-def _mx_kernel(x, spec: FormatSpec, scale_rule: str, rounding: str):
-    """MX fake quantisation of float32 blocks x[..., n_blocks, block] -> (out, keep_grad)."""
+def _mx_kernel(x, spec: FormatSpec, scale_rule: str, rounding: str, scale_xor=None):
+    """MX fake quantisation of float32 blocks x[..., n_blocks, block] -> (out, keep_grad).
+    `scale_xor` ([..., n_blocks, 1] int32 in 0..255, or None): bits flipped in each block's
+    stored E8M0 scale after quantising (`quantize_scale_fault`)."""
     finite = jnp.isfinite(x)
     x = _flush_subnormals(x)
     mag = jnp.where(finite, jnp.abs(x), 0.0)
@@ -297,6 +299,10 @@ def _mx_kernel(x, spec: FormatSpec, scale_rule: str, rounding: str):
     poisoned = (e > _SCALE_EMAX) | ~jnp.all(finite, axis=-1, keepdims=True)
     e = jnp.clip(e, _SCALE_EMIN, _SCALE_EMAX)
     q = _round_to_element(_scale_by_pow2(mag, -e), spec, rounding)
+    if scale_xor is not None:  # the stored scale code (biased by 127) read back corrupted
+        code = (e + 127) ^ scale_xor
+        poisoned = poisoned | (code == 255)  # E8M0's NaN
+        e = code - 127
     out = _scale_by_pow2(q, e)  # flushes results below the float32 normal range
     keep = (out != 0) | (x == 0) | poisoned
     out = jnp.where(poisoned, jnp.nan, jnp.copysign(out, x))
@@ -364,8 +370,9 @@ def _mx_flush_threshold(amax: jax.Array, fmt: str, scale_rule: str) -> jax.Array
 # --------------------------------------------------------------------------------------------
 
 
-def _nvfp4_kernel(x, _spec: FormatSpec, _scale_rule: str, _rounding: str):
+def _nvfp4_kernel(x, _spec: FormatSpec, _scale_rule: str, _rounding: str, scale_xor=None):
     """NVFP4 fake quantisation of float32 blocks x[..., n_blocks, 16] -> (out, keep_grad).
+    `scale_xor` as `_mx_kernel`'s, on each block's stored E4M3 scale.
 
     Follows TE's recipe in this order of float32 operations: s_global = amax / 2688,
     s_block = e4m3(block_amax / 6 / s_global), q = e2m1(min(|x| / (s_block * s_global), 6)),
@@ -390,6 +397,10 @@ def _nvfp4_kernel(x, _spec: FormatSpec, _scale_rule: str, _rounding: str):
     live = denom > 0  # False for an all-zero tensor and for blocks in the second deadzone
     ratio = _div(mag, jnp.where(live, denom, 1.0))
     q = _round_to_element(jnp.minimum(ratio, jnp.float32(elem.max_normal)), elem, "even")
+    if scale_xor is not None:  # the stored E4M3 scale read back corrupted (0x7F/0xFF: NaN)
+        code = lax.bitcast_convert_type(s_block.astype(jnp.float8_e4m3fn), jnp.uint8)
+        code = code ^ scale_xor.astype(jnp.uint8)
+        s_block = lax.bitcast_convert_type(code, jnp.float8_e4m3fn).astype(jnp.float32)
     # q * s_block is exact (2 and 4 significant bits); then one rounding by s_global.
     out = _ieee(lax.mul, jnp.where(live, q * s_block, 0.0), s_global)
     out = _scale_by_pow2(out, k)  # flushes results below the float32 normal range
@@ -481,3 +492,69 @@ _fake_quantize.defvjp(_fake_quantize_fwd, _fake_quantize_bwd)
 # One compiled program per quantiser (a no-op inside an outer jit): called eagerly, dozens of
 # small ops would each be dispatched and compiled on their own.
 _apply = jax.jit(_fake_quantize, static_argnums=0)
+
+
+# --------------------------------------------------------------------------------------------
+# A corrupted block scale (GoldenEye's metadata fault)
+# --------------------------------------------------------------------------------------------
+
+
+def scale_blocks(x_shape, fmt: str, block_size: int = MX_BLOCK_SIZE) -> tuple[int, ...]:
+    """The shape of the block scales of a tensor of `x_shape` quantised along its last axis."""
+    bs = NVFP4_BLOCK_SIZE if fmt == "nvfp4" else block_size
+    if x_shape[-1] % bs:
+        raise ValueError(
+            f"the last axis of x (shape {tuple(x_shape)}) is not a multiple of the {fmt} block"
+            f" size {bs}"
+        )
+    return (*x_shape[:-1], x_shape[-1] // bs)
+
+
+def quantize_scale_fault(
+    x: jax.Array,
+    fmt: str,
+    scale_xor: jax.Array,
+    *,
+    block_size: int = MX_BLOCK_SIZE,
+    scale_rule: str = "floor",
+    rounding: str = "away",
+) -> jax.Array:
+    """x fake-quantised along its last axis (`quantize_mx` / `quantize_nvfp4`, fmt one of
+    MX_FORMATS or 'nvfp4') with each block's stored scale XOR `scale_xor` (ints 0..255 of
+    shape `scale_blocks(x.shape, fmt, block_size)`): one flipped scale bit rescales a whole
+    block by a power of two (MX's E8M0) or to another E4M3 value (NVFP4). A zero mask gives
+    the plain fake quantisation bit for bit. The gradient is straight-through."""
+    if fmt != "nvfp4":
+        _check_choice("fmt", fmt, MX_FORMATS)
+    kind, bs = ("nvfp4", NVFP4_BLOCK_SIZE) if fmt == "nvfp4" else ("mx", block_size)
+    quantizer = _Quantizer(kind, fmt, -1, bs, scale_rule, rounding, "ste")
+    xor = jnp.asarray(scale_xor, jnp.int32)
+    if tuple(xor.shape) != scale_blocks(x.shape, fmt, bs):
+        raise ValueError(
+            f"scale_xor.shape={tuple(xor.shape)}; x of shape {tuple(x.shape)} has block scales"
+            f" {scale_blocks(x.shape, fmt, bs)}"
+        )
+    return _apply_scale_fault(quantizer, jnp.asarray(x), xor)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _scale_faulted(quantizer: _Quantizer, x: jax.Array, xor: jax.Array) -> jax.Array:
+    n = x.shape[-1]
+    blocks = x.astype(jnp.float32).reshape(*x.shape[:-1], n // quantizer.block_size, -1)
+    spec = FORMAT_SPECS[quantizer.fmt]
+    kernel = _KERNELS[quantizer.kind]
+    out, _ = kernel(blocks, spec, quantizer.scale_rule, quantizer.rounding, xor[..., None])
+    return out.reshape(x.shape).astype(x.dtype)
+
+
+def _scale_faulted_fwd(quantizer, x, xor):
+    return _scale_faulted(quantizer, x, xor), None
+
+
+def _scale_faulted_bwd(quantizer, _, g):
+    return g, None
+
+
+_scale_faulted.defvjp(_scale_faulted_fwd, _scale_faulted_bwd)
+# One compiled program per quantiser, as `_apply`.
+_apply_scale_fault = jax.jit(_scale_faulted, static_argnums=0)

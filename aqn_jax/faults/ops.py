@@ -385,7 +385,7 @@ def add_noise(kind: str, x: jax.Array, scale, key: jax.Array | None) -> jax.Arra
 # --------------------------------------------------------------------------------------------
 
 
-def _linear(x: jax.Array, w: jax.Array, b: jax.Array | None) -> jax.Array:
+def linear(x: jax.Array, w: jax.Array, b: jax.Array | None) -> jax.Array:
     # The model's Linear module computes exactly this, so scale 0 is bit-identical to it.
     y = jnp.einsum(
         "...i,io->...o", x, w, preferred_element_type=jnp.float32, precision=dot_precision(x.dtype)
@@ -401,7 +401,7 @@ def _relative_error_f32(v: jax.Array, scale: jax.Array, key: jax.Array) -> jax.A
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _noisy_linear(forward: bool, backward: bool, x, w, b, key, scale):
-    y = _linear(x, w, b)
+    y = linear(x, w, b)
     if forward:
         y = y + noise_error("relative_gaussian", y, scale, jax.random.fold_in(key, 0))
     return y
@@ -411,19 +411,26 @@ def _noisy_linear_fwd(forward, backward, x, w, b, key, scale):
     return _noisy_linear(forward, backward, x, w, b, key, scale), (x, w, b, key, scale)
 
 
-def _noisy_linear_bwd(forward, backward, res, g):
-    x, w, b, key, scale = res
+def linear_grads(x, w, b, g):
+    """The backward products of `_linear` on the matmul unit: (dX, dW) in float32 (before the
+    cast to x's and w's dtypes) and db in b's dtype (None without a bias)."""
     # Flatten the leading axes so dW and db sum over all of them (B and T for [B, T, D]).
     x_ND = x.reshape(-1, x.shape[-1])
     g_NO = g.reshape(-1, g.shape[-1])
     prec = dot_precision(jnp.promote_types(g.dtype, w.dtype))
     dx = jnp.einsum("...o,io->...i", g, w, preferred_element_type=jnp.float32, precision=prec)
     dw = jnp.einsum("ni,no->io", x_ND, g_NO, preferred_element_type=jnp.float32, precision=prec)
+    db = None if b is None else jnp.sum(g_NO.astype(jnp.float32), axis=0).astype(b.dtype)
+    return dx, dw, db
+
+
+def _noisy_linear_bwd(forward, backward, res, g):
+    x, w, b, key, scale = res
+    dx, dw, db = linear_grads(x, w, b, g)
     if backward:
         # Each product gets error relative to itself, as a faulty matmul unit would produce.
         dx = dx + _relative_error_f32(dx, scale, jax.random.fold_in(key, 1))
         dw = dw + _relative_error_f32(dw, scale, jax.random.fold_in(key, 2))
-    db = None if b is None else jnp.sum(g_NO.astype(jnp.float32), axis=0).astype(b.dtype)
     return dx.astype(x.dtype), dw.astype(w.dtype), db, None, None
 
 
