@@ -2,6 +2,8 @@
 fault kinds at module sites (manifest, telemetry, steps, permanent lanes), the backward
 products, the MX/NVFP4 scale flip, ABFT and the config's errors."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -16,6 +18,7 @@ from aqn_jax.faults.bitfaults import (
     Bits,
     BitsLinear,
     ScaleFlip,
+    abft_check,
 )
 from aqn_jax.faults.config import check_bit_dtypes, fault_plan, faults_config
 from aqn_jax.faults.intercept import FaultPlan, Injection, step_key, summarize_stats
@@ -274,3 +277,165 @@ def test_bit_positions_checked_against_the_dtype_and_other_kinds():
     assert isinstance(plan.injections[0].transform, ScaleFlip)
     plan = fault_plan(bit_config(count=1, point="dx", phases=("train",)), 2)
     assert isinstance(plan.injections[0].transform, BitsLinear)
+
+
+# --- ABFT ------------------------------------------------------------------------------------
+def one_flip_per_row(y, bit_of_row, key):
+    """y [N, O] with one element of each row flipped at bit `bit_of_row[i]` (column random)."""
+    n, o = y.shape
+    cols = jax.random.randint(key, (n,), 0, o)
+    u = bits.uint_of(y.dtype)
+    mask = jnp.zeros((n, o), u).at[jnp.arange(n), cols].set((1 << bit_of_row).astype(u))
+    return bits.apply_bits(y, mask)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_abft_catches_flips_above_its_tolerance_and_claims_none_below(dtype):
+    from aqn_jax.faults.ops import linear
+
+    width = bits.layout(dtype)[0]
+    kx, kw, kb, kc = jax.random.split(jax.random.key(3), 4)
+    N, K, O = 512, 64, 128
+    x = jax.random.normal(kx, (N, K)).astype(dtype)
+    w = (jax.random.normal(kw, (K, O)) / 8).astype(dtype)
+    b = jax.random.normal(kb, (O,)).astype(dtype)
+    y = linear(x, w, b)  # the Linear module's expression
+    flagged, resid, tol = abft_check(x, w, b, y)
+    assert not np.any(flagged)  # clean: no false positive
+    # Every bit position, N / width rows each; the planted change is |y' - y| per row.
+    bit_of_row = jnp.arange(N) % width
+    y2 = one_flip_per_row(y, bit_of_row, kc)
+    flagged2, _, _ = abft_check(x, w, b, y2)
+    with np.errstate(invalid="ignore"):  # inf - inf where a flip made an inf
+        delta = np.abs(np.asarray(y2, np.float64) - np.asarray(y, np.float64)).sum(1)
+    delta = np.where(np.isfinite(delta), delta, np.inf)
+    tol = np.asarray(tol)
+    # Above twice the tolerance a flip cannot hide behind rounding (|residual| <= tol): caught.
+    # (bf16's tolerance is 2^-7 of the row's sum of |y|: its exponent flips of large elements.)
+    above = delta > 2 * tol
+    assert above.sum() > N // (4 if dtype == jnp.float32 else 16)
+    assert np.all(np.asarray(flagged2)[above])
+    # A change under the clean residual's headroom (tol - |residual|) is never claimed.
+    below = delta < tol - np.asarray(resid)
+    assert below.sum() > N // 8 and not np.any(np.asarray(flagged2)[below])
+    # The lowest mantissa bit is always below: ABFT does not claim it.
+    assert np.all(below[np.asarray(bit_of_row) == 0])
+
+
+def test_abft_no_false_positive_over_200_clean_forwards_f32_and_bf16():
+    # 200 clean forward passes of a one-layer tiny model (random token batches; one layer keeps
+    # the compile short), ABFT on its 7 linears: no row is flagged in f32 or bf16 compute.
+    import dataclasses
+
+    from aqn_jax.faults.bitfaults import Abft
+
+    plan = FaultPlan([Injection("abft", SiteSelector(("linear",), "all"), Abft())])
+    params = random_params(dataclasses.replace(CONFIG, num_hidden_layers=1), seed=1)
+    for dtype in ("float32", "bfloat16"):
+        model = Qwen2ForCausalLM(dataclasses.replace(CONFIG, num_hidden_layers=1, dtype=dtype))
+
+        @jax.jit
+        def detected(params, keys, model=model):
+            def one(key):
+                ids = jax.random.randint(key, IDS.shape, 0, CONFIG.vocab_size)
+                with plan.apply("train"):
+                    _, st = model.apply({"params": params}, ids, mutable=["fault_stats"])
+                leaves = jax.tree_util.tree_leaves_with_path(st)
+                det = [v for p, v in leaves if "detected" in jax.tree_util.keystr(p)]
+                rows = [v for p, v in leaves if "rows" in jax.tree_util.keystr(p)]
+                return sum(jnp.sum(v) for v in det), sum(jnp.sum(v) for v in rows)
+
+            return jax.lax.map(one, keys)
+
+        det, rows = detected(params, jax.random.split(jax.random.key(11), 200))
+        assert float(np.sum(rows)) == 200 * 7 * IDS.size  # 7 linears, every row of each
+        assert float(np.sum(det)) == 0.0, dtype
+
+
+# --- gradients and AdamW moments (optax) -----------------------------------------------------
+def test_gradient_fault_flips_one_selected_element_and_recompute_draws_anew():
+    import optax
+
+    from aqn_jax.faults.bitfaults import TreeBits
+    from aqn_jax.rl.optim import tree_fault_flips, with_tree_faults
+
+    # The MLPs of both layers (a small tree keeps the compile short); layer 1's are selected.
+    params = {f"layers_{i}": {"mlp": PARAMS[f"layers_{i}"]["mlp"]} for i in (0, 1)}
+    g = jax.tree_util.tree_map(lambda p: jnp.full(p.shape, 0.5, p.dtype), params)
+    sel = SiteSelector(("mlp",), (1,))
+    paths = TreeBits(BitFault(count=1), "gradient").paths(params, sel)
+    assert paths == [f"layers_1/mlp/{k}/kernel" for k in ("down_proj", "gate_proj", "up_proj")]
+
+    @functools.cache
+    def program(fault):  # step and attempt are traced: one compile per fault
+        opt = with_tree_faults(optax.identity(), [(TreeBits(fault, "gradient"), sel)], (), 0)
+        update = lambda st, step, att: opt.update(g, st, params, sdc_step=step, sdc_attempt=att)
+        return opt.init(params), jax.jit(update)
+
+    def corrupted(fault, step, attempt):
+        st0, update = program(fault)
+        u, st = update(st0, step, attempt)
+        changed = {
+            jax.tree_util.keystr(p): np.argwhere(np.asarray(a) != 0.5)
+            for p, a in jax.tree_util.tree_leaves_with_path(u)
+            if np.any(np.asarray(a) != 0.5)
+        }
+        return u, changed, int(tree_fault_flips(st))
+
+    fault = BitFault(bits=(30,), count=1)
+    u, changed, flips = corrupted(fault, 3, 0)
+    # One element of each selected leaf: 0.5 with bit 30 set is 0.5 * 2^128.
+    assert flips == 3 and len(changed) == 3
+    assert all("layers_1" in k and "mlp" in k and len(v) == 1 for k, v in changed.items())
+    k = np.asarray(u["layers_1"]["mlp"]["up_proj"]["kernel"])
+    assert k.max() == np.float32(0.5) * np.float32(2.0**64) * np.float32(2.0**64)
+    _, again, _ = corrupted(fault, 3, 1)  # the next attempt: a fresh draw
+    assert any(not np.array_equal(again[k], changed[k]) for k in changed)
+    once = BitFault(bits=(30,), count=1, steps=(3,))
+    assert corrupted(once, 3, 0)[2] == 3 and corrupted(once, 3, 1)[2] == 0
+    assert corrupted(once, 4, 0)[2] == 0
+
+
+def test_moment_fault_and_the_range_check():
+    from aqn_jax.faults.bitfaults import TreeBits
+    from aqn_jax.rl import optim
+
+    params = {"layers_0": {"self_attn": {"q_proj": PARAMS["layers_0"]["self_attn"]["q_proj"]}}}
+    g = jax.tree_util.tree_map(lambda p: jnp.full(p.shape, 1e-3, p.dtype), params)
+    bound = optim.moment_bound(1.0, 10)
+    in_range_of = jax.jit(lambda st: optim.moments_in_range(st, bound))
+    sel = SiteSelector(("q_proj",), (0,))
+    for fault, in_range in (
+        (BitFault(bits=(30,), rate=0.0), True),  # negative control
+        (BitFault(bits=(30,), count=1), False),  # |mu| * 2^128 > 1: out of range
+        (BitFault(bits="sign", count=1), False),  # a negative nu
+    ):
+        opt = optim.with_tree_faults(
+            optim.adamw(1e-3, grad_clip=1.0), (), [(TreeBits(fault, "optimizer"), sel)], 0
+        )
+        _, st = jax.jit(opt.update)(g, opt.init(params), params)
+        assert bool(in_range_of(st)) == in_range
+        assert int(optim.tree_fault_flips(st)) == (0 if in_range else 4)  # q_proj kernel + bias
+
+
+def test_guard_verdicts():
+    from aqn_jax.rl.guard import Guard, GuardSpec, robust_z
+
+    rng = np.random.RandomState(0)
+    history = list(1.0 + 0.01 * rng.randn(12))
+    # log-MAD of ~1% noise is below the 5% floor: z = log(x) / 0.05.
+    assert robust_z(np.exp(0.3), [1.0] * 8) == pytest.approx(6.0)
+    guard = Guard(GuardSpec("recompute", z=6.0))
+    for v in history:
+        guard.accept({"actor/grad_norm": v, "sdc/update_rms": v * 1e-4})
+    ok = {"actor/pg_loss": 0.1, "actor/grad_norm": 1.05, "sdc/update_rms": 1.05e-4}
+    assert guard.verdict(ok) is None
+    assert "anomaly" in guard.verdict({**ok, "actor/grad_norm": 3.0})
+    assert "non-finite actor/grad_norm" in guard.verdict({**ok, "actor/grad_norm": np.inf})
+    assert "moment" in guard.verdict({**ok, "sdc/moments_ok": 0.0})
+    assert "ABFT" in guard.verdict({**ok, "sdc/detected_abft_train": 2.0})
+    skip = Guard(GuardSpec("skip"))
+    for v in history:
+        skip.accept({"actor/grad_norm": v})
+    assert skip.verdict({**ok, "actor/grad_norm": 3.0}) is None  # skip acts on non-finite only
+    assert skip.verdict({**ok, "actor/pg_loss": np.nan}).startswith("non-finite")

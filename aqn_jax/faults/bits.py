@@ -47,7 +47,7 @@ _LAYOUTS = {
 }
 _UINTS = {32: jnp.uint32, 16: jnp.uint16, 8: jnp.uint8}
 _UNSIGNED = (np.dtype(jnp.float8_e8m0fnu),)
-# `count` mode draws distinct elements by a permutation up to this many elements; above it,
+# `count` mode draws distinct elements (top-k of uniforms) up to this many elements; above it,
 # with replacement (a collision then costs one flip, with probability ~ count^2 / 2n).
 _DISTINCT_MAX = 1 << 24
 
@@ -141,8 +141,8 @@ def draw_mask(key, shape, dtype, pos: tuple[int, ...], *, rate=None, count=None)
     n = math.prod(shape)
     k = min(int(count), n)
     k_elem, k_bit = jax.random.split(key)
-    if n <= _DISTINCT_MAX:
-        idx = jax.random.choice(k_elem, n, (k,), replace=False)
+    if n <= _DISTINCT_MAX:  # the k largest of n uniforms: a uniform k-subset, one pass
+        idx = jax.lax.top_k(jax.random.uniform(k_elem, (n,)), k)[1]
     else:
         idx = jax.random.randint(k_elem, (k,), 0, n)
     which = jax.random.randint(k_bit, (k,), 0, len(pos))
