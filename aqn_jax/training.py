@@ -30,10 +30,12 @@ from aqn_jax.checkpoint import (
 from aqn_jax.checks import check_train
 from aqn_jax.data.config import load_split
 from aqn_jax.diagnosis import srdd
+from aqn_jax.faults.config import with_abft
 from aqn_jax.metrics import open_run, progress
 from aqn_jax.models.registry import causal_lm
 from aqn_jax.report import print_summary, run_summary, summary_spec, write_run_report
 from aqn_jax.rl import step as rl_step
+from aqn_jax.rl.guard import RollbackNeeded
 from aqn_jax.rl.trainer import Trainer, loop_spec, prompt_batcher
 from aqn_jax.warm_start import warm_start
 
@@ -89,6 +91,9 @@ def run(config, workdir: str) -> None:
         srdd_sigmas=srdd_sigmas,
         srdd_layers=None if diagnosis is None else diagnosis["verdict"]["layers"],
     )
+    sdc = config.get("sdc")  # SDC detection: ABFT checks after the faults (rl/guard.py)
+    if sdc is not None and sdc.abft:
+        plan = with_abft(plan)
     print(plan.describe())
     manifest = {
         phase: plan.trace_manifest(causal_lm(model_cfg), params, phase)
@@ -115,11 +120,12 @@ def run(config, workdir: str) -> None:
         in_shardings=(sh.state, ref_sh, sh.rows, sh.scores, rep, rep),
         out_shardings=(sh.rows, rep),
     )
+    guarded = static.sdc is not None and static.sdc.guard.on
     update = jax.jit(
         functools.partial(rl_step.update_step, static),
         in_shardings=(sh.state, sh.rows, rep, rep),
         out_shardings=(sh.state, rep),
-        donate_argnums=0,
+        donate_argnums=() if guarded else 0,  # a guard may keep the state before the step
     )
     loop = Trainer(
         spec, static, sh, prepare, update, ref_params, batcher, tokenizer, test_examples, hw_plan
@@ -168,9 +174,30 @@ def run(config, workdir: str) -> None:
     stop = Preemption()
     bar = progress(total, "RL")
     bar.update(start)
+    data0 = batcher.state()
+
+    def rollback(e: RollbackNeeded):
+        """The state and data position of the last checkpoint (the initial ones without one),
+        and the step to run next."""
+        loop.note_rollback(e.step)
+        print(f"{e}")
+        got = ckpt.restore_latest(state)
+        if got is None:
+            batcher.load_state(data0)
+            return rl_step.init_state(static, params, sh)[0], start + 1
+        back, restored, meta = got
+        batcher.load_state(meta["data"])
+        return restored, int(back) + 1
+
     try:
-        for step in range(start + 1, total + 1):
-            state, m = loop.step(state, step)
+        step = start + 1
+        while step <= total:
+            try:
+                state, m = loop.step(state, step)
+            except RollbackNeeded as e:  # the guard's last resort (config.sdc.guard)
+                state, step = rollback(e)
+                del history[step:]  # the rows of the steps to redo
+                continue
             if config.trainer.val_every and step % config.trainer.val_every == 0 and step < total:
                 last_val = eval_now(state.params, step)
                 m.update(last_val)
@@ -189,6 +216,7 @@ def run(config, workdir: str) -> None:
             if stop.requested and step < total:
                 print(f"SIGTERM: saved RL step {step} to {ckpt.directory}; rerun to resume")
                 raise SystemExit(143)
+            step += 1
     finally:  # also on a crash: SIGTERM given back, async saves finished
         stop.close()
         bar.close()

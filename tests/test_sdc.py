@@ -165,7 +165,7 @@ def test_bitflip_count_at_one_site_manifest_and_telemetry():
 def test_steps_fire_on_the_first_attempt_only_and_permanent_lanes_stay():
     once = BitFault("flip", bits="sign", count=4, steps=(3,))
     plan = FaultPlan([Injection("bitflip", SiteSelector(("o_proj",), (0,)), Bits(once))])
-    assert plan._value_names() == {SDC_STEP, SDC_ATTEMPT}
+    assert plan.value_names() == {SDC_STEP, SDC_ATTEMPT}
     site = "bitflip.flips/layers_0/self_attn/o_proj"
     run = program(plan)
     assert run(values={SDC_STEP: 3, SDC_ATTEMPT: 0})[1][site] == 4.0

@@ -20,7 +20,16 @@ from typing import Any
 import ml_collections
 
 from . import bits, ops
-from .bitfaults import BACKWARD_POINTS, TARGETS, BitFault, Bits, BitsLinear, ScaleFlip, TreeBits
+from .bitfaults import (
+    BACKWARD_POINTS,
+    TARGETS,
+    Abft,
+    BitFault,
+    Bits,
+    BitsLinear,
+    ScaleFlip,
+    TreeBits,
+)
 from .fields import check_choice, check_phases, parse_layers
 from .intercept import PHASES, FaultPlan, Injection
 from .sites import LINEAR_KINDS, POINTS, SiteSelector, expand_kinds
@@ -389,3 +398,10 @@ def fault_plan(faults: Any, num_layers: int) -> FaultPlan:
     plan = FaultPlan(fault_injections(faults, num_layers))
     plan.validate(num_layers)
     return plan
+
+
+def with_abft(plan: FaultPlan, phases=("rollout", "train")) -> FaultPlan:
+    """`plan` with ABFT row checksums on every linear of every layer (`config.sdc.abft`),
+    after the faults at each site: detection, not a fault (`bitfaults.Abft`)."""
+    check = Injection("abft", SiteSelector(("linear",), "all", "output"), Abft(), phases)
+    return FaultPlan((*plan.injections, check))

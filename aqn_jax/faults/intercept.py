@@ -220,7 +220,7 @@ class FaultPlan:
         """Trace one forward abstractly (`jax.eval_shape`, nothing runs) and return the hits of
         `phase`, {injection name: [site:point]}; an injection that hits nothing raises."""
         ids = jax.ShapeDtypeStruct((1, seq_len), jnp.int32)
-        values = {name: jnp.float32(1.0) for name in self._value_names()}
+        values = {name: jnp.float32(1.0) for name in self.value_names()}
         traced: dict[str, list[str]] = {}
 
         def forward(params, ids):
@@ -239,7 +239,8 @@ class FaultPlan:
                     )
         return traced
 
-    def _value_names(self) -> set[str]:
+    def value_names(self) -> set[str]:
+        """The traced values the plan's transforms read (`plan.apply(values=...)`)."""
         return {name for inj in self.injections for name in inj.transform.value_names()}
 
 

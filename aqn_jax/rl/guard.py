@@ -32,8 +32,9 @@ MIN_HISTORY = 5
 # at 5% (0.05 in log units): a run whose norms vary by less would otherwise call its ordinary
 # step-to-step noise an anomaly.
 _LOG_MAD_FLOOR = 0.05
-WATCHED = ("actor/grad_norm", "sdc/update_rms")
-FINITE = ("actor/pg_loss", "actor/grad_norm", "sdc/update_rms")
+# sdc/grad_norm: the gradient as the optimizer received it (after gradient faults, if any).
+WATCHED = ("actor/grad_norm", "sdc/grad_norm", "sdc/update_rms")
+FINITE = ("actor/pg_loss", *WATCHED)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -141,6 +141,16 @@ class TreeFaultState(NamedTuple):
     flips: jax.Array
 
 
+class GradientFaultState(NamedTuple):
+    """`TreeFaultState` of the gradient faults, with the global norm of the gradient as they
+    left it (what the optimizer received: the guard watches it)."""
+
+    key: jax.Array
+    count: jax.Array
+    flips: jax.Array
+    norm: jax.Array
+
+
 def _tree_fault_state(seed: int, tag: int) -> TreeFaultState:
     key = jax.random.key_data(jax.random.fold_in(jax.random.key(seed), tag))
     zero = jnp.zeros((), jnp.int32)
@@ -169,12 +179,13 @@ def gradient_faults(faults: Sequence, seed: int) -> optax.GradientTransformation
 
     def init(params):
         del params
-        return _tree_fault_state(seed, 0x6AD)
+        return GradientFaultState(*_tree_fault_state(seed, 0x6AD), jnp.zeros((), jnp.float32))
 
     def update(updates, state, params=None, *, sdc_step=0, sdc_attempt=0, **extra):
         del params, extra
         updates, flips = _apply_tree_faults(faults, updates, state, sdc_step, sdc_attempt, "g/")
-        return updates, state._replace(count=state.count + 1, flips=state.flips + flips)
+        norm = optax.tree.norm(updates).astype(jnp.float32)
+        return updates, state._replace(count=state.count + 1, flips=state.flips + flips, norm=norm)
 
     return optax.GradientTransformationExtraArgs(init, update)
 
@@ -236,9 +247,20 @@ def with_tree_faults(
 
 def tree_fault_flips(opt_state) -> jax.Array:
     """The bits the tree faults in `opt_state` have changed so far (0 without any)."""
-    is_state = lambda s: isinstance(s, TreeFaultState)  # noqa: E731
-    found = [s.flips for s in jax.tree_util.tree_leaves(opt_state, is_leaf=is_state) if is_state(s)]
+    found = [s.flips for s in _fault_states(opt_state)]
     return sum(found, jnp.zeros((), jnp.int32))
+
+
+def _fault_states(opt_state) -> list:
+    is_state = lambda s: isinstance(s, (TreeFaultState, GradientFaultState))  # noqa: E731
+    return [s for s in jax.tree_util.tree_leaves(opt_state, is_leaf=is_state) if is_state(s)]
+
+
+def faulty_grad_norm(opt_state) -> jax.Array | None:
+    """The global norm of the gradient the last update received after the gradient faults
+    (None without them)."""
+    found = [s.norm for s in _fault_states(opt_state) if isinstance(s, GradientFaultState)]
+    return found[0] if found else None
 
 
 def moment_bound(grad_clip: float, total_updates: int) -> float | None:
