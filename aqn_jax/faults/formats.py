@@ -286,8 +286,10 @@ def _mx_shared_exponent(amax: jax.Array, spec: FormatSpec, scale_rule: str) -> j
     return e_amax - e_max + (_mantissa_field(amax) > mant_max).astype(jnp.int32)
 
 
-def _mx_kernel(x, spec: FormatSpec, scale_rule: str, rounding: str):
-    """MX fake quantisation of float32 blocks x[..., n_blocks, block] -> (out, keep_grad)."""
+def mx_encode(x, spec: FormatSpec, scale_rule: str, rounding: str):
+    """MX encoding of float32 blocks x[..., n_blocks, block]: (element magnitudes (values of
+    the element format), negative sign bits, shared exponents [..., n_blocks, 1] clamped to
+    E8M0's range, poisoned blocks). `mx_decode` of the first three is the kernel's output."""
     finite = jnp.isfinite(x)
     x = _flush_subnormals(x)
     mag = jnp.where(finite, jnp.abs(x), 0.0)
@@ -297,10 +299,21 @@ def _mx_kernel(x, spec: FormatSpec, scale_rule: str, rounding: str):
     poisoned = (e > _SCALE_EMAX) | ~jnp.all(finite, axis=-1, keepdims=True)
     e = jnp.clip(e, _SCALE_EMIN, _SCALE_EMAX)
     q = _round_to_element(_scale_by_pow2(mag, -e), spec, rounding)
+    return q, jnp.signbit(x), e, poisoned
+
+
+def mx_decode(q: jax.Array, negative: jax.Array, e: jax.Array) -> jax.Array:
+    """float32 values of MX elements (magnitudes `q`, signs, shared exponents `e`)."""
     out = _scale_by_pow2(q, e)  # flushes results below the float32 normal range
+    return jnp.where(negative, -out, out)
+
+
+def _mx_kernel(x, spec: FormatSpec, scale_rule: str, rounding: str):
+    """MX fake quantisation of float32 blocks x[..., n_blocks, block] -> (out, keep_grad)."""
+    q, negative, e, poisoned = mx_encode(x, spec, scale_rule, rounding)
+    out = mx_decode(q, negative, e)
     keep = (out != 0) | (x == 0) | poisoned
-    out = jnp.where(poisoned, jnp.nan, jnp.copysign(out, x))
-    return out, keep
+    return jnp.where(poisoned, jnp.nan, out), keep
 
 
 def quantize_mx(
@@ -364,8 +377,11 @@ def _mx_flush_threshold(amax: jax.Array, fmt: str, scale_rule: str) -> jax.Array
 # --------------------------------------------------------------------------------------------
 
 
-def _nvfp4_kernel(x, _spec: FormatSpec, _scale_rule: str, _rounding: str):
-    """NVFP4 fake quantisation of float32 blocks x[..., n_blocks, 16] -> (out, keep_grad).
+def nvfp4_encode(x):
+    """NVFP4 encoding of float32 blocks x[..., n_blocks, 16]: (e2m1 magnitudes, negative sign
+    bits, e4m3 block scales [..., n_blocks, 1] (as float32), the float32 global scale and the
+    power-of-two normaliser k (scalars), poisoned blocks). `nvfp4_decode` of the first five
+    is the kernel's output.
 
     Follows TE's recipe in this order of float32 operations: s_global = amax / 2688,
     s_block = e4m3(block_amax / 6 / s_global), q = e2m1(min(|x| / (s_block * s_global), 6)),
@@ -390,13 +406,27 @@ def _nvfp4_kernel(x, _spec: FormatSpec, _scale_rule: str, _rounding: str):
     live = denom > 0  # False for an all-zero tensor and for blocks in the second deadzone
     ratio = _div(mag, jnp.where(live, denom, 1.0))
     q = _round_to_element(jnp.minimum(ratio, jnp.float32(elem.max_normal)), elem, "even")
+    poisoned = ~jnp.all(finite, axis=-1, keepdims=True)
+    return q, jnp.signbit(x), s_block, s_global, k, poisoned
+
+
+def nvfp4_decode(q, negative, s_block, s_global, k) -> jax.Array:
+    """float32 values of NVFP4 elements (e2m1 magnitudes `q`, signs, e4m3 block scales, the
+    global scale and normaliser of `nvfp4_encode`)."""
+    live = s_block * s_global > 0
     # q * s_block is exact (2 and 4 significant bits); then one rounding by s_global.
     out = _ieee(lax.mul, jnp.where(live, q * s_block, 0.0), s_global)
     out = _scale_by_pow2(out, k)  # flushes results below the float32 normal range
-    poisoned = ~jnp.all(finite, axis=-1, keepdims=True)
+    return jnp.where(negative, -out, out)
+
+
+def _nvfp4_kernel(x, _spec: FormatSpec, _scale_rule: str, _rounding: str):
+    """NVFP4 fake quantisation of float32 blocks x[..., n_blocks, 16] -> (out, keep_grad);
+    see `nvfp4_encode` for the exact arithmetic."""
+    q, negative, s_block, s_global, k, poisoned = nvfp4_encode(x)
+    out = nvfp4_decode(q, negative, s_block, s_global, k)
     keep = (out != 0) | (x == 0) | poisoned
-    out = jnp.where(poisoned, jnp.nan, jnp.copysign(out, x))
-    return out, keep
+    return jnp.where(poisoned, jnp.nan, out), keep
 
 
 def quantize_nvfp4(x: jax.Array, *, axis: int = -1, grad: str = "ste") -> jax.Array:

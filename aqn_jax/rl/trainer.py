@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from aqn_jax import parallel
+from aqn_jax import parallel, quant_base
 from aqn_jax.aqn.config import AQN_SIGMA, AqnSchedule
 from aqn_jax.data.gsm8k import Example, PromptBatcher
 from aqn_jax.data.tokenizers import Tokenizer
@@ -37,7 +37,7 @@ from aqn_jax.rl.scoring import eval_scores
 
 from .rollout_correction import correct
 from .sampler import Sampler, SamplingParams
-from .step import RLState, Shardings, Static
+from .step import RLState, Shardings, Static, policy_weights
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,9 +141,11 @@ class Trainer:
         model_cfg = static.model_cfg
         if jnp.dtype(model_cfg.dtype) != jnp.dtype(model_cfg.param_dtype):
             dt = jnp.dtype(model_cfg.dtype)
+            # A packed base keeps its codes and dequantises to dt (its tree's static dtype
+            # changes, so the output shardings are the inputs', propagated).
             self._cast = jax.jit(
-                lambda p: jax.tree_util.tree_map(lambda x: x.astype(dt), p),
-                out_shardings=sh.params,
+                lambda p: quant_base.cast(p, dt),
+                out_shardings=None if static.lora.enabled else sh.params,
             )
 
     def generation_weights(self, params):
@@ -167,7 +169,7 @@ class Trainer:
         batch = self.batcher.next_batch()
         sigma = self.spec.aqn.sigma(step, self.static.total_steps)
         t0 = time.perf_counter()
-        out = self.rollout(state.params, batch, step, sigma)
+        out = self.rollout(policy_weights(self.static, state), batch, step, sigma)
         t_gen = time.perf_counter() - t0
         texts = [
             self.tokenizer.decode(t[m > 0])
@@ -180,8 +182,8 @@ class Trainer:
         dev = parallel.put_batch({k: v for k, v in tb.items() if k != "scores"}, self.mesh)
         train_key = step_key(self.seed, step, "train")
         scores_dev = parallel.put_batch(tb["scores"], self.mesh)
-        sig = np.float32(sigma)
-        prep, train_stats = self.prepare(state, self.ref_params, dev, scores_dev, train_key, sig)
+        values = {AQN_SIGMA: np.float32(sigma)}
+        prep, train_stats = self.prepare(state, self.ref_params, dev, scores_dev, train_key, values)
         prep = jax.block_until_ready(prep)
         t_prep = time.perf_counter() - t0
         upd = {k: dev[k] for k in ("ids", "mask", "tokens", "rmask")}
@@ -204,7 +206,7 @@ class Trainer:
                 upd[key] = parallel.put_batch(value, self.mesh)
         t_corr = time.perf_counter() - t0
         t0 = time.perf_counter()
-        state, mets = self.update(state, upd, train_key, sig)
+        state, mets = self.update(state, upd, train_key, values)
         mets = {k: float(parallel.to_host(v)) for k, v in mets.items()}
         t_upd = time.perf_counter() - t0
 
