@@ -10,14 +10,17 @@ import os
 import jax
 import numpy as np
 
-from aqn_jax import parallel, planner
+from aqn_jax import parallel, planner, quant_base
 from aqn_jax.aqn.plan import build_plan
 from aqn_jax.checkpoint import check_final
 from aqn_jax.data.config import check_data, load_split
 from aqn_jax.data.gsm8k import tokenize_prompts
 from aqn_jax.diagnosis.srdd import check_config as check_diagnosis
 from aqn_jax.faults.config import check_bit_dtypes, fault_plan
+from aqn_jax.lora import check_ranks, lora_spec
 from aqn_jax.models.factory import model_config
+from aqn_jax.models.hf import abstract_params
+from aqn_jax.models.registry import family_of
 from aqn_jax.rl.advantages import ESTIMATORS
 from aqn_jax.rl.optim import check_optimizer
 from aqn_jax.rl.sampler import check_rollout
@@ -141,6 +144,44 @@ def check_trainer(trainer, checkpoint) -> None:
     check_final(ck.get("final", "state"))
 
 
+EXPORTS = ("none", "hf")
+
+
+def check_qerl(config, model_cfg, training: bool) -> None:
+    """config.lora, config.model.weight_format and config.checkpoint.export, against the
+    model's shapes (from `jax.eval_shape`: nothing compiles)."""
+    spec = lora_spec(config.get("lora"))
+    fmt = config.model.get("weight_format", "none")
+    quant_base.check_format(fmt)
+    export = config.get("checkpoint", {}).get("export", "none")
+    if export not in EXPORTS:
+        raise ValueError(f"config.checkpoint.export={export!r}; allowed: {EXPORTS}")
+    if fmt == "none" and not spec.enabled:
+        return
+    site_of = family_of(model_cfg).site_of
+    shapes = abstract_params(model_cfg)
+    if spec.enabled:
+        check_ranks(spec, shapes, site_of)
+    if fmt != "none":
+        if training and not spec.enabled:
+            raise ValueError(
+                f"config.model.weight_format={fmt!r} freezes the base: training it needs"
+                " config.lora.rank > 0 (QeRL mode), or weight_format='none' for full fine-tuning"
+            )
+        kernels = quant_base.linear_kernel_paths(shapes, site_of)
+        quant_base.check_shapes(
+            {"/".join(p[:-1]): _leaf(shapes, p).shape for p in kernels},
+            fmt,
+            "config.model.weight_format",
+        )
+
+
+def _leaf(tree, path):
+    for k in path:
+        tree = tree[k]
+    return tree
+
+
 class Checked(tuple):
     """`check_train`'s result: unpacks as (model config, tokenizer, hardware plan, memory plan);
     `train_prompts` / `train_prompts_dropped` count the train split and the prompts the batcher
@@ -172,6 +213,7 @@ def check_train(config, workdir: str | None = None, cache: dict | None = None) -
         check_optimizer(config.critic, "lr_warmup_steps", "config.critic")
     check_trainer(config.trainer, config.checkpoint)
     model_cfg = model_config(config.model)
+    check_qerl(config, model_cfg, training=True)
     n = model_cfg.num_hidden_layers
     tokenizer = tokenizer_for(config.tokenizer_path, config.model)
     check_data(config.data)

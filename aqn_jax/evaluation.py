@@ -40,6 +40,7 @@ from aqn_jax.data.tokenizers import Tokenizer
 from aqn_jax.faults.intercept import FaultPlan, Injection, step_key
 from aqn_jax.faults.sites import LINEAR_KINDS, SiteSelector
 from aqn_jax.faults.transforms import Noise, Quantize, Scale
+from aqn_jax.forward import forward, token_nll
 from aqn_jax.models.registry import ModelConfig, causal_lm
 from aqn_jax.rewards import METHODS, score_batch
 from aqn_jax.rl.sampler import Sampler, SamplingParams
@@ -374,12 +375,8 @@ def heldout_loss(
     def make():
         @jax.jit
         def batch_nll(params, ids, mask, loss_mask, key):
-            with plan.apply("eval", key=key, values={}):
-                logits = model.apply({"params": params}, ids, attention_mask=mask)
-            logp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1)
-            nll = -jnp.take_along_axis(logp, ids[:, 1:, None], axis=-1)[..., 0]
-            w = loss_mask[:, 1:].astype(jnp.float32)
-            return jnp.sum(nll * w), jnp.sum(w)
+            logits = forward(model, params, ids, mask, plan=plan, phase="eval", key=key)
+            return token_nll(logits, ids, loss_mask)
 
         return batch_nll
 

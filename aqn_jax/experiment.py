@@ -40,6 +40,7 @@ from aqn_jax.data.config import data_config
 from aqn_jax.diagnosis.srdd import diagnosis_config
 from aqn_jax.evaluation import evaluate_config
 from aqn_jax.faults.config import faults_config
+from aqn_jax.lora import lora_section
 from aqn_jax.models.factory import model_section
 from aqn_jax.parallel import distributed_config, mesh_config
 from aqn_jax.planner import planner_config
@@ -154,6 +155,12 @@ def base_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # What the last step saves: state (resumable) | params (params only, a third of the state's
     # bytes under AdamW: an evaluation-sized run) | none (no checkpoint at the end).
     config.checkpoint.final = "state"
+    # hf: at the end, <workdir>/export/ is an HF snapshot of the trained policy (LoRA merged:
+    # W + alpha/rank A B over the dequantised base) with config.json and the tokenizer, which
+    # transformers and `configs/evaluate.py --config.model.hf_path=` load | none.
+    config.checkpoint.export = "none"
+    # LoRA adapters on a frozen base (QeRL mode; aqn_jax/lora.py): rank 0 = full fine-tuning.
+    config.lora = lora_section()
 
     config.mesh = mesh_config()  # devices as (data, fsdp, tensor) (aqn_jax/parallel.py)
     config.distributed = distributed_config()  # several hosts (launch/*.py set it)

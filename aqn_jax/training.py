@@ -18,7 +18,7 @@ import time
 
 import jax
 
-from aqn_jax import parallel
+from aqn_jax import parallel, quant_base
 from aqn_jax.aqn.plan import build_plan, needs_srdd
 from aqn_jax.checkpoint import (
     Checkpointer,
@@ -30,9 +30,12 @@ from aqn_jax.checkpoint import (
 from aqn_jax.checks import check_train
 from aqn_jax.data.config import load_split
 from aqn_jax.diagnosis import srdd
+from aqn_jax.export import EXPORT_DIR, export_policy
 from aqn_jax.faults.config import with_abft
+from aqn_jax.lora import fingerprint as lora_fingerprint
+from aqn_jax.lora import merged as lora_merged
 from aqn_jax.metrics import open_run, progress
-from aqn_jax.models.registry import causal_lm
+from aqn_jax.models.registry import causal_lm, family_of
 from aqn_jax.report import print_summary, run_summary, summary_spec, write_run_report
 from aqn_jax.rl import step as rl_step
 from aqn_jax.rl.guard import RollbackNeeded
@@ -65,6 +68,15 @@ def run(config, workdir: str) -> None:
     # Warm start
     # ---------------------------------------------------------------------------------------
     model_cfg, params, sft_info = warm_start(checked.warm_start, workdir)
+    float_params = params  # the warm start as it is: the manifest's trace, the export's base
+    lora_spec = rl_step.lora_spec_of(config)
+    weight_format = config.model.get("weight_format", "none")
+    base_print = None
+    if lora_spec.enabled:
+        # QeRL mode: the warm start is the frozen base (its decoder linears packed in the
+        # format), and a checkpoint holds its fingerprint instead of its bytes.
+        base_print = f"{weight_format}:{lora_fingerprint(params)}"
+        params = quant_base.pack(params, weight_format, family_of(model_cfg).site_of)
 
     # ---------------------------------------------------------------------------------------
     # Diagnose (SRDD) where the AQN arm needs it
@@ -96,7 +108,7 @@ def run(config, workdir: str) -> None:
         plan = with_abft(plan)
     print(plan.describe())
     manifest = {
-        phase: plan.trace_manifest(causal_lm(model_cfg), params, phase)
+        phase: plan.trace_manifest(causal_lm(model_cfg), float_params, phase)
         for phase in ("rollout", "train", "eval")
         if plan.active(phase)
     }
@@ -113,8 +125,10 @@ def run(config, workdir: str) -> None:
     total = rl_step.total_steps_of(config.trainer, batcher.batches_per_epoch)
     static = rl_step.static_from(rl_step.step_spec(config), model_cfg, plan, hw_plan, total)
     sh = rl_step.shardings(static, mesh)
-    state, ref_params = rl_step.init_state(static, params, sh)
-    rep, ref_sh = sh.replicated, sh.params if static.use_ref else sh.replicated
+    lora_key = jax.random.fold_in(jax.random.key(int(config.seed)), 0x10AA)
+    state, ref_params = rl_step.init_state(static, params, sh, lora_key)
+    del params  # the state holds them (placed), or the base and the adapters
+    rep, ref_sh = sh.replicated, sh.replicated if ref_params is None else sh.params
     prepare = jax.jit(
         functools.partial(rl_step.prepare_step, static),
         in_shardings=(sh.state, ref_sh, sh.rows, sh.scores, rep, rep),
@@ -135,9 +149,9 @@ def run(config, workdir: str) -> None:
     val_size = min(int(config.trainer.val_size), len(test_examples))
     val_bs = int(config.trainer.val_batch_size)
 
-    def eval_now(params, step):
+    def eval_now(state, step):
         t0 = time.perf_counter()
-        v = loop.eval_accuracy(params, step, val_size, val_bs)
+        v = loop.eval_accuracy(rl_step.policy_weights(static, state), step, val_size, val_bs)
         v["timing_s/testing"] = time.perf_counter() - t0
         return v
 
@@ -146,15 +160,23 @@ def run(config, workdir: str) -> None:
     # ---------------------------------------------------------------------------------------
     # Orbax never lists a half-written checkpoint; the per-step outputs then hold exactly the
     # rows up to it, or none (metrics.open_run).
-    restored = ckpt.restore_latest(state)
+    restored = ckpt.restore_latest(rl_step.saveable(state))
     start = 0 if restored is None else int(restored[0])
+    if restored is not None and restored[2].get("base") != base_print:
+        ckpt.close()
+        raise ValueError(
+            f"{ckpt.directory}/{start} was trained over base {restored[2].get('base')} but this"
+            f" run's base is {base_print} (config.model / config.sft / weight_format changed);"
+            " use a new --workdir"
+        )
     writer, history = open_run(workdir, None if restored is None else start)
     if restored is not None:
-        _, state, meta = restored
+        _, saved, meta = restored
+        state = saved.replace(base=state.base)
         batcher.load_state(meta["data"])
         print(f"resumed from {ckpt.directory}/{start} (RL step {start} of {total})")
     else:
-        val0 = eval_now(state.params, 0)
+        val0 = eval_now(state, 0)
         writer.write(0, val0)
         history = [{"step": 0, **val0}]
     val0 = {k: v for k, v in history[0].items() if k != "step"}
@@ -174,17 +196,19 @@ def run(config, workdir: str) -> None:
     stop = Preemption()
     bar = progress(total, "RL")
     bar.update(start)
-    data0 = batcher.state()
+    # The loop's first state and data position: a rollback's target without a checkpoint (a
+    # guard keeps the update from donating the state, so these buffers stay valid).
+    state0, data0 = state, batcher.state()
 
     def rollback(e: RollbackNeeded):
-        """The state and data position of the last checkpoint (the initial ones without one),
-        and the step to run next."""
+        """The state and data position of the last checkpoint (the loop's first ones without
+        one), and the step to run next."""
         loop.note_rollback(e.step)
         print(f"{e}")
         got = ckpt.restore_latest(state)
         if got is None:
             batcher.load_state(data0)
-            return rl_step.init_state(static, params, sh)[0], start + 1
+            return state0, start + 1
         back, restored, meta = got
         batcher.load_state(meta["data"])
         return restored, int(back) + 1
@@ -199,10 +223,10 @@ def run(config, workdir: str) -> None:
                 del history[step:]  # the rows of the steps to redo
                 continue
             if config.trainer.val_every and step % config.trainer.val_every == 0 and step < total:
-                last_val = eval_now(state.params, step)
+                last_val = eval_now(state, step)
                 m.update(last_val)
             if step == total:
-                last_val = eval_now(state.params, step)
+                last_val = eval_now(state, step)
                 m.update(last_val)
             writer.write(step, m)
             history.append(m)
@@ -211,8 +235,10 @@ def run(config, workdir: str) -> None:
                 reward=f"{m['critic/score/mean']:.3f}", acc=f"{last_val['val-core/acc']:.3f}"
             )
             if ckpt.due(step) or step == total or stop.requested:
-                check_sane(step, state, m, config.trainer)  # else nothing is saved
-                ckpt.save(step, state, {"step": step, "data": batcher.state()}, step == total)
+                saved = rl_step.saveable(state)
+                check_sane(step, saved, m, config.trainer)  # else nothing is saved
+                meta = {"step": step, "data": batcher.state(), "base": base_print}
+                ckpt.save(step, saved, meta, step == total)
             if stop.requested and step < total:
                 print(f"SIGTERM: saved RL step {step} to {ckpt.directory}; rerun to resume")
                 raise SystemExit(143)
@@ -222,6 +248,28 @@ def run(config, workdir: str) -> None:
         bar.close()
         ckpt.close()
         writer.close()
+
+    # ---------------------------------------------------------------------------------------
+    # Export (an HF snapshot of the trained policy, LoRA merged)
+    # ---------------------------------------------------------------------------------------
+    if ck.get("export", "none") == "hf" and primary:
+        trained = jax.device_get(state.params)
+        plain = (
+            lora_merged(
+                lora_spec,
+                quant_base.pack(float_params, weight_format, family_of(model_cfg).site_of),
+                trained,
+            )
+            if lora_spec.enabled
+            else trained
+        )
+        out = export_policy(
+            os.path.join(workdir, EXPORT_DIR),
+            model_cfg,
+            plain,
+            config.tokenizer_path or config.model.hf_path,
+        )
+        print(f"export: {out} (transformers loads it; evaluate with --config.model.hf_path={out})")
 
     # ---------------------------------------------------------------------------------------
     # Summary

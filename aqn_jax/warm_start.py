@@ -116,8 +116,13 @@ def warm_start_spec(config: Any) -> WarmStartSpec:
     d = config.data
     seed = sft_seed(config.sft, config.seed)
     # num_layers at its default (0, the preset's depth) is left out: the keys of warm starts
-    # made before the field existed, the shipped one included, stay what they were.
-    model = {k: v for k, v in config.model.to_dict().items() if k != "num_layers" or v}
+    # made before the field existed, the shipped one included, stay what they were. The base's
+    # weight_format is applied to the warm start after it is made (QeRL mode): not part of it.
+    model = {
+        k: v
+        for k, v in config.model.to_dict().items()
+        if (k != "num_layers" or v) and k != "weight_format"
+    }
     parts = {
         "model": model,
         "tokenizer": config.tokenizer_path,

@@ -281,7 +281,11 @@ def test_rl_step_gradient_in_bf16_is_close_to_f32(arm, min_cos, pg_tol):
         return jax.tree_util.tree_map(lambda x: jnp.asarray(x)[None], b)
 
     def grads(static, mb):
-        fn = jax.jit(lambda p, m: rl_step.minibatch_grads(static, p, m, jax.random.key(0), 0, 0.0))
+        fn = jax.jit(
+            lambda p, m: rl_step.minibatch_grads(
+                static, p, m, jax.random.key(0), 0, {AQN_SIGMA: 0.0}
+            )
+        )
         g, mets, _ = fn(params, mb)
         return jnp.concatenate([x.ravel() for x in jax.tree_util.tree_leaves(g)]), g, mets
 

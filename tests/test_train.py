@@ -195,6 +195,7 @@ SHARDED = textwrap.dedent(
     plan, hw = build_plan(config.faults, config.aqn, 8), fault_plan(config.faults, 8)
     static = rl_step.static_from(rl_step.step_spec(config), model_cfg, plan, hw, 4)
     sigma, key = np.float32(0.05), jax.random.key(7)
+    values = {{"aqn_sigma": sigma}}
 
     def misplaced(tree, shardings):
         # A wrong placement rule: every device holds the mirror block of its own along each
@@ -220,13 +221,13 @@ SHARDED = textwrap.dedent(
             parallel.put_global = saved
         dev = parallel.put_batch({{k: v for k, v in tb.items() if k != "scores"}}, mesh)
         prep, _ = jax.jit(lambda *a: rl_step.prepare_step(static, *a))(
-            state, ref, dev, parallel.put_batch(tb["scores"], mesh), key, sigma
+            state, ref, dev, parallel.put_batch(tb["scores"], mesh), key, values
         )
         upd = {{k: dev[k] for k in ("ids", "mask", "tokens", "rmask")}}
         upd.update({{k: prep[k] for k in ("old_logp", "advantages", "ref_logp")}})
         first = jax.tree_util.tree_map(lambda x: x[0], rl_step.mini_batches(static, upd))
         g, mets, _ = jax.jit(
-            lambda p, mb: rl_step.minibatch_grads(static, p, mb, key, 0, sigma),
+            lambda p, mb: rl_step.minibatch_grads(static, p, mb, key, 0, values),
             out_shardings=(sh.params, sh.replicated, sh.replicated),
         )(state.params, first)
         shard = g["layers_0"]["mlp"]["up_proj"]["kernel"].sharding

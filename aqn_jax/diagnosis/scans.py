@@ -42,6 +42,7 @@ import numpy as np
 from aqn_jax.faults.intercept import FaultPlan, Injection, fault_trial
 from aqn_jax.faults.sites import SiteSelector, classify
 from aqn_jax.faults.transforms import Deadzone
+from aqn_jax.forward import forward
 
 METRICS = ("instability", "gain", "kurtosis", "min_gain", "max_gain", "dead", "out_std")
 
@@ -160,7 +161,8 @@ class _BatchedProbe:
         with fault_trial(0):
             out0, kv = next_fun(*args, **kwargs)
         host = _LayerHost(module.config, module.name, type(module))
-        variables = {"params": {module.name: nn.unbox(module.variables["params"])}}
+        # The layer's own variables: its params and, in QeRL mode, its LoRA adapters.
+        variables = {c: {module.name: nn.unbox(v)} for c, v in module.variables.items()}
 
         def again(x_in, trial):
             self._inside = True
@@ -204,8 +206,17 @@ def make_scan(
         probe = _BatchedProbe(settings, probe_key, mask)
         # The probe is entered first, so it is the outer interceptor: the layer calls it makes
         # go through the fault plan's interceptor (faults inside and at the layer apply).
-        with nn.intercept_methods(probe), plan.apply(phase, key=fault_key, values=values):
-            model.apply({"params": params}, ids, attention_mask=mask)
+        forward(
+            model,
+            params,
+            ids,
+            mask,
+            plan=plan,
+            phase=phase,
+            key=fault_key,
+            values=values,
+            interceptors=(probe,),
+        )
         return _stack(probe.results, num_layers)
 
     return scan
@@ -303,8 +314,17 @@ def scan_layers_naive(
         @jax.jit
         def run(params, delta, trial):
             probe = _OneLayerProbe(target, delta, trial)
-            with nn.intercept_methods(probe), plan.apply(phase, key=fault_key, values=values):
-                model.apply({"params": params}, ids, attention_mask=mask)
+            forward(
+                model,
+                params,
+                ids,
+                mask,
+                plan=plan,
+                phase=phase,
+                key=fault_key,
+                values=values,
+                interceptors=(probe,),
+            )
             return probe.x, probe.out
 
         return run

@@ -189,33 +189,44 @@ class ScaleFlip(TransformBase):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _bits_linear(which: str, mode: str, x, w, b, mask):
-    return ops.linear(x, w, b)
+def _bits_linear(which: str, mode: str, x, w, b, lora, mask):
+    return ops.linear(x, w, b, lora)
 
 
-def _bits_linear_fwd(which, mode, x, w, b, mask):
-    return ops.linear(x, w, b), (x, w, b, mask)
+def _bits_linear_fwd(which, mode, x, w, b, lora, mask):
+    y, vjp = jax.vjp(ops.linear, x, w, b, lora)
+    return y, (vjp, mask)
 
 
 def _bits_linear_bwd(which, mode, res, g):
-    x, w, b, mask = res
-    dx, dw, db = ops.linear_grads(x, w, b, g)
-    dx, dw = dx.astype(x.dtype), dw.astype(w.dtype)
-    # The product as the unit writes it back, in its own dtype, then corrupted.
+    vjp, mask = res
+    dx, dw, db, dlora = vjp(g)  # the products autodiff forms, in x's and w's dtypes
+    # The product as the unit writes it back, then corrupted.
     if which == "dx":
         dx = bits.apply_bits(dx, mask, mode)
     else:
         dw = bits.apply_bits(dw, mask, mode)
-    return dx, dw, db, None
+    return dx, dw, db, dlora, None
 
 
 _bits_linear.defvjp(_bits_linear_fwd, _bits_linear_bwd)
 
 
+def _module_linear(module, args):
+    """(x, kernel, bias, lora) of a Linear call in its compute dtype (`NoisyLinear`'s read)."""
+    params = nn.unbox(module.variables["params"])
+    dtype, bias = module.dtype, params.get("bias")
+    lora = module.variables.get("lora")
+    lora = None if lora is None else tuple(nn.unbox(lora[n]) for n in ("a", "b", "scale"))
+    b = None if bias is None else bias.astype(dtype)
+    return args[0].astype(dtype), params["kernel"].astype(dtype), b, lora
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class BitsLinear(TransformBase):
-    """A linear whose backward product `which` (dx: g Wᵀ, dw: xᵀ g) has bits flipped or stuck;
-    its forward is the module's own expression (`ops.linear`)."""
+    """A linear whose backward product `which` (dx: g Wᵀ (plus the adapter's term), dw: xᵀ g)
+    has bits flipped or stuck; its forward is the module's own expression (`ops.linear`,
+    with the LoRA adapter when the module has one: under LoRA the base's dW is unused)."""
 
     fault: BitFault
     which: str = "dx"
@@ -228,16 +239,12 @@ class BitsLinear(TransformBase):
             raise ValueError(f"which={self.which!r}; allowed: {BACKWARD_POINTS}")
 
     def __call__(self, module, args, ctx: Ctx):
-        params = nn.unbox(module.variables["params"])
-        dtype, bias = module.dtype, params.get("bias")
-        x = args[0].astype(dtype)
-        w = params["kernel"].astype(dtype)
+        x, w, b, lora = _module_linear(module, args)
         shape = x.shape if self.which == "dx" else w.shape
         tag = f"{ctx.site}:{ctx.name}"
-        mask = self.fault.mask(lambda: ctx.key, tag, shape, dtype, ctx.values, ctx.site)
+        mask = self.fault.mask(lambda: ctx.key, tag, shape, x.dtype, ctx.values, ctx.site)
         ctx.sow("flips", bits.popcount(mask).astype(jnp.float32))
-        b = None if bias is None else bias.astype(dtype)
-        return _bits_linear(self.which, self.fault.mode, x, w, b, mask)
+        return _bits_linear(self.which, self.fault.mode, x, w, b, lora, mask)
 
     def value_names(self) -> frozenset[str]:
         return self.fault.value_names()

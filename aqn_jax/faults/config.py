@@ -314,8 +314,6 @@ def _bit_injection(kind: str, sec: Any, num_layers: int, mode: str) -> list[Inje
             f"{f}.phases={phases}: {backward} exist only in phase 'train' (rollout and"
             f" eval run no backward pass); set {f}.phases=('train',)"
         )
-    if target == "weight":
-        raise ValueError(f"{f}.target='weight': needs the forward seam (not wired yet)")
     if target != "activation":
         transform = TreeBits(fault, target, kind)
         point = "output"

@@ -286,10 +286,10 @@ def _mx_shared_exponent(amax: jax.Array, spec: FormatSpec, scale_rule: str) -> j
     return e_amax - e_max + (_mantissa_field(amax) > mant_max).astype(jnp.int32)
 
 
-def _mx_kernel(x, spec: FormatSpec, scale_rule: str, rounding: str, scale_xor=None):
-    """MX fake quantisation of float32 blocks x[..., n_blocks, block] -> (out, keep_grad).
-    `scale_xor` ([..., n_blocks, 1] int32 in 0..255, or None): bits flipped in each block's
-    stored E8M0 scale after quantising (`quantize_scale_fault`)."""
+def mx_encode(x, spec: FormatSpec, scale_rule: str, rounding: str):
+    """MX encoding of float32 blocks x[..., n_blocks, block]: (element magnitudes (values of
+    the element format), negative sign bits, shared exponents [..., n_blocks, 1] clamped to
+    E8M0's range, poisoned blocks). `mx_decode` of the first three is the kernel's output."""
     finite = jnp.isfinite(x)
     x = _flush_subnormals(x)
     mag = jnp.where(finite, jnp.abs(x), 0.0)
@@ -299,14 +299,21 @@ def _mx_kernel(x, spec: FormatSpec, scale_rule: str, rounding: str, scale_xor=No
     poisoned = (e > _SCALE_EMAX) | ~jnp.all(finite, axis=-1, keepdims=True)
     e = jnp.clip(e, _SCALE_EMIN, _SCALE_EMAX)
     q = _round_to_element(_scale_by_pow2(mag, -e), spec, rounding)
-    if scale_xor is not None:  # the stored scale code (biased by 127) read back corrupted
-        code = (e + 127) ^ scale_xor
-        poisoned = poisoned | (code == 255)  # E8M0's NaN
-        e = code - 127
+    return q, jnp.signbit(x), e, poisoned
+
+
+def mx_decode(q: jax.Array, negative: jax.Array, e: jax.Array) -> jax.Array:
+    """float32 values of MX elements (magnitudes `q`, signs, shared exponents `e`)."""
     out = _scale_by_pow2(q, e)  # flushes results below the float32 normal range
+    return jnp.where(negative, -out, out)
+
+
+def _mx_kernel(x, spec: FormatSpec, scale_rule: str, rounding: str):
+    """MX fake quantisation of float32 blocks x[..., n_blocks, block] -> (out, keep_grad)."""
+    q, negative, e, poisoned = mx_encode(x, spec, scale_rule, rounding)
+    out = mx_decode(q, negative, e)
     keep = (out != 0) | (x == 0) | poisoned
-    out = jnp.where(poisoned, jnp.nan, jnp.copysign(out, x))
-    return out, keep
+    return jnp.where(poisoned, jnp.nan, out), keep
 
 
 def quantize_mx(
@@ -370,9 +377,11 @@ def _mx_flush_threshold(amax: jax.Array, fmt: str, scale_rule: str) -> jax.Array
 # --------------------------------------------------------------------------------------------
 
 
-def _nvfp4_kernel(x, _spec: FormatSpec, _scale_rule: str, _rounding: str, scale_xor=None):
-    """NVFP4 fake quantisation of float32 blocks x[..., n_blocks, 16] -> (out, keep_grad).
-    `scale_xor` as `_mx_kernel`'s, on each block's stored E4M3 scale.
+def nvfp4_encode(x):
+    """NVFP4 encoding of float32 blocks x[..., n_blocks, 16]: (e2m1 magnitudes, negative sign
+    bits, e4m3 block scales [..., n_blocks, 1] (as float32), the float32 global scale and the
+    power-of-two normaliser k (scalars), poisoned blocks). `nvfp4_decode` of the first five
+    is the kernel's output.
 
     Follows TE's recipe in this order of float32 operations: s_global = amax / 2688,
     s_block = e4m3(block_amax / 6 / s_global), q = e2m1(min(|x| / (s_block * s_global), 6)),
@@ -397,17 +406,27 @@ def _nvfp4_kernel(x, _spec: FormatSpec, _scale_rule: str, _rounding: str, scale_
     live = denom > 0  # False for an all-zero tensor and for blocks in the second deadzone
     ratio = _div(mag, jnp.where(live, denom, 1.0))
     q = _round_to_element(jnp.minimum(ratio, jnp.float32(elem.max_normal)), elem, "even")
-    if scale_xor is not None:  # the stored E4M3 scale read back corrupted (0x7F/0xFF: NaN)
-        code = lax.bitcast_convert_type(s_block.astype(jnp.float8_e4m3fn), jnp.uint8)
-        code = code ^ scale_xor.astype(jnp.uint8)
-        s_block = lax.bitcast_convert_type(code, jnp.float8_e4m3fn).astype(jnp.float32)
+    poisoned = ~jnp.all(finite, axis=-1, keepdims=True)
+    return q, jnp.signbit(x), s_block, s_global, k, poisoned
+
+
+def nvfp4_decode(q, negative, s_block, s_global, k) -> jax.Array:
+    """float32 values of NVFP4 elements (e2m1 magnitudes `q`, signs, e4m3 block scales, the
+    global scale and normaliser of `nvfp4_encode`)."""
+    live = s_block * s_global > 0
     # q * s_block is exact (2 and 4 significant bits); then one rounding by s_global.
     out = _ieee(lax.mul, jnp.where(live, q * s_block, 0.0), s_global)
     out = _scale_by_pow2(out, k)  # flushes results below the float32 normal range
-    poisoned = ~jnp.all(finite, axis=-1, keepdims=True)
+    return jnp.where(negative, -out, out)
+
+
+def _nvfp4_kernel(x, _spec: FormatSpec, _scale_rule: str, _rounding: str):
+    """NVFP4 fake quantisation of float32 blocks x[..., n_blocks, 16] -> (out, keep_grad);
+    see `nvfp4_encode` for the exact arithmetic."""
+    q, negative, s_block, s_global, k, poisoned = nvfp4_encode(x)
+    out = nvfp4_decode(q, negative, s_block, s_global, k)
     keep = (out != 0) | (x == 0) | poisoned
-    out = jnp.where(poisoned, jnp.nan, jnp.copysign(out, x))
-    return out, keep
+    return jnp.where(poisoned, jnp.nan, out), keep
 
 
 def quantize_nvfp4(x: jax.Array, *, axis: int = -1, grad: str = "ste") -> jax.Array:
@@ -521,9 +540,10 @@ def quantize_scale_fault(
 ) -> jax.Array:
     """x fake-quantised along its last axis (`quantize_mx` / `quantize_nvfp4`, fmt one of
     MX_FORMATS or 'nvfp4') with each block's stored scale XOR `scale_xor` (ints 0..255 of
-    shape `scale_blocks(x.shape, fmt, block_size)`): one flipped scale bit rescales a whole
-    block by a power of two (MX's E8M0) or to another E4M3 value (NVFP4). A zero mask gives
-    the plain fake quantisation bit for bit. The gradient is straight-through."""
+    shape `scale_blocks(x.shape, fmt, block_size)`), read back by the decoder: one flipped
+    scale bit rescales a whole block by a power of two (MX's E8M0; code 255 is NaN) or to
+    another E4M3 value (NVFP4; its sign bit flips the block's signs, 0x7F/0xFF are NaN). A zero
+    mask gives the plain fake quantisation bit for bit. The gradient is straight-through."""
     if fmt != "nvfp4":
         _check_choice("fmt", fmt, MX_FORMATS)
     kind, bs = ("nvfp4", NVFP4_BLOCK_SIZE) if fmt == "nvfp4" else ("mx", block_size)
@@ -537,13 +557,27 @@ def quantize_scale_fault(
     return _apply_scale_fault(quantizer, jnp.asarray(x), xor)
 
 
+def _scale_fault_kernel(quantizer: _Quantizer, blocks: jax.Array, xor: jax.Array) -> jax.Array:
+    """The encoder's output decoded with corrupted scales (`xor`: [..., n_blocks, 1])."""
+    if quantizer.kind == "mx":
+        spec = FORMAT_SPECS[quantizer.fmt]
+        q, negative, e, poisoned = mx_encode(blocks, spec, quantizer.scale_rule, quantizer.rounding)
+        code = (e + 127) ^ xor  # the stored E8M0 code (exponent biased by 127)
+        return jnp.where(poisoned | (code == 255), jnp.nan, mx_decode(q, negative, code - 127))
+    q, negative, s_block, s_global, k, poisoned = nvfp4_encode(blocks)
+    code = lax.bitcast_convert_type(s_block.astype(jnp.float8_e4m3fn), jnp.uint8)
+    read = lax.bitcast_convert_type(code ^ xor.astype(jnp.uint8), jnp.float8_e4m3fn)
+    live = s_block * s_global > 0  # a block the encoder flushed stays zero
+    out = _ieee(lax.mul, jnp.where(live, q * read.astype(jnp.float32), 0.0), s_global)
+    out = _scale_by_pow2(out, k)
+    return jnp.where(poisoned, jnp.nan, jnp.where(negative, -out, out))
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _scale_faulted(quantizer: _Quantizer, x: jax.Array, xor: jax.Array) -> jax.Array:
     n = x.shape[-1]
     blocks = x.astype(jnp.float32).reshape(*x.shape[:-1], n // quantizer.block_size, -1)
-    spec = FORMAT_SPECS[quantizer.fmt]
-    kernel = _KERNELS[quantizer.kind]
-    out, _ = kernel(blocks, spec, quantizer.scale_rule, quantizer.rounding, xor[..., None])
+    out = _scale_fault_kernel(quantizer, blocks, xor[..., None])
     return out.reshape(x.shape).astype(x.dtype)
 
 

@@ -156,6 +156,15 @@ class FaultPlan:
             raise ValueError(f"phase={phase!r}; allowed: {PHASES}")
         return [(i, inj) for i, inj in enumerate(self.injections) if phase in inj.phases]
 
+    def tree_faults(self, phase: str, target: str) -> list[tuple[int, Injection]]:
+        """The active tree-level injections of `phase` on `target` (weight | gradient |
+        optimizer), with their plan indices."""
+        return [
+            (i, inj)
+            for i, inj in self.active(phase)
+            if inj.transform.level == "tree" and inj.transform.target == target
+        ]
+
     def describe(self) -> str:
         if not self.injections:
             return "fault plan: empty (clean model)"

@@ -385,14 +385,35 @@ def add_noise(kind: str, x: jax.Array, scale, key: jax.Array | None) -> jax.Arra
 # --------------------------------------------------------------------------------------------
 
 
-def linear(x: jax.Array, w: jax.Array, b: jax.Array | None) -> jax.Array:
+def _linear(x: jax.Array, w: jax.Array, b: jax.Array | None, lora=None) -> jax.Array:
     # The model's Linear module computes exactly this, so scale 0 is bit-identical to it.
-    y = jnp.einsum(
-        "...i,io->...o", x, w, preferred_element_type=jnp.float32, precision=dot_precision(x.dtype)
-    ).astype(x.dtype)
+    prec = dot_precision(x.dtype)
+    y = jnp.einsum("...i,io->...o", x, w, preferred_element_type=jnp.float32, precision=prec)
+    y = y.astype(x.dtype)
     if b is not None:
         y = y + b.astype(x.dtype)
+    if lora is not None:  # the adapter, factored, after the bias (qwen2.lora_delta's order)
+        a, bl, s = lora
+        h = jnp.einsum(
+            "...i,ir->...r",
+            x,
+            a.astype(x.dtype),
+            preferred_element_type=jnp.float32,
+            precision=prec,
+        ).astype(x.dtype)
+        d = jnp.einsum(
+            "...r,ro->...o",
+            h,
+            bl.astype(x.dtype),
+            preferred_element_type=jnp.float32,
+            precision=prec,
+        )
+        y = y + (s * d).astype(x.dtype)
     return y
+
+
+# The model's Linear expression, for the op-level faults elsewhere (bitfaults.py).
+linear = _linear
 
 
 def _relative_error_f32(v: jax.Array, scale: jax.Array, key: jax.Array) -> jax.Array:
@@ -400,38 +421,45 @@ def _relative_error_f32(v: jax.Array, scale: jax.Array, key: jax.Array) -> jax.A
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _noisy_linear(forward: bool, backward: bool, x, w, b, key, scale):
-    y = linear(x, w, b)
+def _noisy_linear(forward: bool, backward: bool, x, w, b, key, scale, lora=None):
+    y = _linear(x, w, b, lora)
     if forward:
         y = y + noise_error("relative_gaussian", y, scale, jax.random.fold_in(key, 0))
     return y
 
 
-def _noisy_linear_fwd(forward, backward, x, w, b, key, scale):
-    return _noisy_linear(forward, backward, x, w, b, key, scale), (x, w, b, key, scale)
+def _noisy_linear_fwd(forward, backward, x, w, b, key, scale, lora=None):
+    out = _noisy_linear(forward, backward, x, w, b, key, scale, lora)
+    return out, (x, w, b, key, scale, lora)
 
 
-def linear_grads(x, w, b, g):
-    """The backward products of `_linear` on the matmul unit: (dX, dW) in float32 (before the
-    cast to x's and w's dtypes) and db in b's dtype (None without a bias)."""
+def _noisy_linear_bwd(forward, backward, res, g):
+    x, w, b, key, scale, lora = res
     # Flatten the leading axes so dW and db sum over all of them (B and T for [B, T, D]).
     x_ND = x.reshape(-1, x.shape[-1])
     g_NO = g.reshape(-1, g.shape[-1])
     prec = dot_precision(jnp.promote_types(g.dtype, w.dtype))
     dx = jnp.einsum("...o,io->...i", g, w, preferred_element_type=jnp.float32, precision=prec)
     dw = jnp.einsum("ni,no->io", x_ND, g_NO, preferred_element_type=jnp.float32, precision=prec)
-    db = None if b is None else jnp.sum(g_NO.astype(jnp.float32), axis=0).astype(b.dtype)
-    return dx, dw, db
-
-
-def _noisy_linear_bwd(forward, backward, res, g):
-    x, w, b, key, scale = res
-    dx, dw, db = linear_grads(x, w, b, g)
+    dlora = None
+    if lora is not None:
+        # y += s (x A) B: dX += s (g Bᵀ) Aᵀ, dA = s xᵀ (g Bᵀ), dB = s (x A)ᵀ g, on the same unit.
+        a, bl, s = lora
+        gb = jnp.einsum("no,ro->nr", g_NO, bl, preferred_element_type=jnp.float32, precision=prec)
+        xa = jnp.einsum("ni,ir->nr", x_ND, a, preferred_element_type=jnp.float32, precision=prec)
+        dx = dx + s * jnp.einsum("...r,ir->...i", gb.reshape(*g.shape[:-1], -1), a, precision=prec)
+        da = s * jnp.einsum("ni,nr->ir", x_ND, gb, precision=prec)
+        dbl = s * jnp.einsum("nr,no->ro", xa, g_NO, precision=prec)
+        if backward:
+            da = da + _relative_error_f32(da, scale, jax.random.fold_in(key, 3))
+            dbl = dbl + _relative_error_f32(dbl, scale, jax.random.fold_in(key, 4))
+        dlora = (da.astype(a.dtype), dbl.astype(bl.dtype), None)
     if backward:
         # Each product gets error relative to itself, as a faulty matmul unit would produce.
         dx = dx + _relative_error_f32(dx, scale, jax.random.fold_in(key, 1))
         dw = dw + _relative_error_f32(dw, scale, jax.random.fold_in(key, 2))
-    return dx.astype(x.dtype), dw.astype(w.dtype), db, None, None
+    db = None if b is None else jnp.sum(g_NO.astype(jnp.float32), axis=0).astype(b.dtype)
+    return dx.astype(x.dtype), dw.astype(w.dtype), db, None, None, dlora
 
 
 _noisy_linear.defvjp(_noisy_linear_fwd, _noisy_linear_bwd)
@@ -446,8 +474,13 @@ def noisy_linear(
     *,
     forward: bool = True,
     backward: bool = True,
+    lora=None,
 ) -> jax.Array:
     """`y = x W (+ b)` on a faulty matmul unit: relative error on y, dX and dW.
+
+    lora: a LoRA adapter (A, B, scale) computed by the same unit: y includes `scale (x A) B`
+    (after the bias, as the model's Linear), dX its term, and dA, dB get their own relative
+    error (folds 3 and 4).
 
     The product is `einsum("...i,io->...o", x, w, preferred_element_type=float32)` cast to
     x's dtype, plus `b` cast to x's dtype: the Linear module's expression, so with scale 0 this
@@ -477,4 +510,4 @@ def noisy_linear(
         raise ValueError("key=None: noisy_linear draws its errors from key; pass a PRNG key")
     _check_concrete_nonnegative("scale", scale)
     scale = jnp.asarray(scale, jnp.float32)
-    return _noisy_linear(bool(forward), bool(backward), x, w, b, key, scale)
+    return _noisy_linear(bool(forward), bool(backward), x, w, b, key, scale, lora)

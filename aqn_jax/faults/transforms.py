@@ -393,6 +393,9 @@ class NoisyLinear(_Scaled):
     def __call__(self, module, args, ctx: Ctx):
         params = nn.unbox(module.variables["params"])
         dtype, bias = module.dtype, params.get("bias")
+        # The device computes the LoRA adapter too (`forward.py`'s `lora` collection).
+        lora = module.variables.get("lora")
+        lora = None if lora is None else tuple(nn.unbox(lora[n]) for n in ("a", "b", "scale"))
         return ops.noisy_linear(
             args[0].astype(dtype),
             params["kernel"].astype(dtype),
@@ -401,6 +404,7 @@ class NoisyLinear(_Scaled):
             self.scale.at(ctx.site, ctx.values),
             forward=self.forward,
             backward=self.backward,
+            lora=lora,
         )
 
     def describe(self) -> str:

@@ -23,7 +23,7 @@ from flax import traverse_util
 from aqn_jax.aqn.config import AQN_SIGMA, aqn_sigma
 from aqn_jax.aqn.plan import build_plan
 from aqn_jax.diagnosis.profile import format_profile, residual_profile
-from aqn_jax.faults.intercept import FaultPlan, step_key, summarize_stats
+from aqn_jax.faults.intercept import step_key, summarize_stats
 from aqn_jax.models.factory import load_model, logical_axes, model_config
 from aqn_jax.models.registry import causal_lm, layer_name
 from aqn_jax.warm_start import tokenizer_for
@@ -92,10 +92,16 @@ def run(config, workdir: str) -> None:
     sigma = np.float32(aqn_sigma(config.aqn, config.step, config.total_steps))
 
     def forward(params, ids, sigma, faulty: bool):
-        active = plan if faulty else FaultPlan()
-        key = step_key(config.seed, config.step, config.phase)
-        with active.apply(config.phase, key=key, values={AQN_SIGMA: sigma}):
-            return model.apply({"params": params}, ids, mutable=["fault_stats"])
+        return forward(
+            model,
+            params,
+            ids,
+            plan=plan if faulty else None,
+            phase=config.phase,
+            key=step_key(config.seed, config.step, config.phase),
+            values={AQN_SIGMA: sigma},
+            mutable=["fault_stats"],
+        )
 
     clean_fn = jax.jit(lambda p, ids, s: forward(p, ids, s, False))
     faulty_fn = jax.jit(lambda p, ids, s: forward(p, ids, s, True))

@@ -24,7 +24,6 @@ import os
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from aqn_jax.data.config import check_data, load_split, task_of
@@ -34,6 +33,7 @@ from aqn_jax.faults.intercept import FaultPlan, Injection, step_key, summarize_s
 from aqn_jax.faults.sites import SiteSelector, expand_kinds
 from aqn_jax.faults.transforms import Deadzone
 from aqn_jax.files import write_json
+from aqn_jax.forward import forward, token_nll
 from aqn_jax.models.factory import model_config
 from aqn_jax.models.registry import causal_lm, layer_name
 from aqn_jax.rl.sampler import Sampler
@@ -150,14 +150,18 @@ def run(config, workdir: str) -> None:
 def _stats_program(model, plan):
     @jax.jit
     def fn(params, ids, mask, loss_mask, key, values):
-        with plan.apply("eval", key=key, values=values):
-            logits, state = model.apply(
-                {"params": params}, ids, attention_mask=mask, mutable=["fault_stats"]
-            )
-        logp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1)
-        nll = -jnp.take_along_axis(logp, ids[:, 1:, None], axis=-1)[..., 0]
-        w = loss_mask[:, 1:].astype(jnp.float32)
-        return jnp.sum(nll * w), jnp.sum(w), state["fault_stats"]
+        logits, state = forward(
+            model,
+            params,
+            ids,
+            mask,
+            plan=plan,
+            phase="eval",
+            key=key,
+            values=values,
+            mutable=["fault_stats"],
+        )
+        return (*token_nll(logits, ids, loss_mask), state["fault_stats"])
 
     return fn
 

@@ -32,6 +32,10 @@ def model_section(preset: str = "tiny") -> ml_collections.ConfigDict:
     c.param_dtype = "float32"  # float32 | bfloat16 | float16
     c.dtype = "float32"  # activation / matmul dtype
     c.remat = False  # rematerialise each decoder layer in the backward pass
+    # The frozen base's decoder linears in a 4-bit format (QeRL's NVFP4A16 / MXFP4A16), packed
+    # and dequantised in every forward (aqn_jax/quant_base.py): none | nvfp4 | mxfp4. Training
+    # needs config.lora.rank > 0 (a quantised base is frozen); evaluate takes it as a device.
+    c.weight_format = "none"
     return c
 
 

@@ -296,11 +296,25 @@ class Linear(nn.Module):
                 (self.features,),
                 self.param_dtype,
             )
-        return linear(x, kernel, bias, self.dtype)
+        return linear(x, kernel, bias, self.dtype, adapter(self))
 
 
-def linear(x: jax.Array, kernel: jax.Array, bias: jax.Array | None, dtype: Any) -> jax.Array:
-    """The computation of `Linear`, shared with fault transforms that redo it."""
+def adapter(module: nn.Module) -> tuple[jax.Array, jax.Array, jax.Array] | None:
+    """(A `[in, r]`, B `[r, out]`, scale) of a linear's LoRA adapter in the optional `lora`
+    collection, or None. The adapters are variables the caller passes (`aqn_jax/forward.py`);
+    this file only computes with them."""
+    if not module.has_variable("lora", "a"):
+        return None
+    return tuple(nn.unbox(module.get_variable("lora", n)) for n in ("a", "b", "scale"))
+
+
+def linear(
+    x: jax.Array, kernel: jax.Array, bias: jax.Array | None, dtype: Any, lora=None
+) -> jax.Array:
+    """The computation of `Linear`, shared with fault transforms that redo it.
+
+    lora: (A, B, scale) adds `scale * (x A) B` in the factored form (PEFT's order: after the
+    bias), so training never forms W + A B and autodiff gives dA and dB, not a full dW."""
     y = jnp.einsum(
         "...i,io->...o",
         x.astype(dtype),
@@ -308,7 +322,25 @@ def linear(x: jax.Array, kernel: jax.Array, bias: jax.Array | None, dtype: Any) 
         preferred_element_type=jnp.float32,
         precision=dot_precision(dtype),
     ).astype(dtype)
-    return y if bias is None else y + bias.astype(dtype)
+    y = y if bias is None else y + bias.astype(dtype)
+    return y if lora is None else y + lora_delta(x, lora, dtype)
+
+
+def lora_delta(x: jax.Array, lora, dtype: Any) -> jax.Array:
+    """`scale * (x A) B` in `dtype`, each product accumulated in float32."""
+    a, b, scale = lora
+    prec = dot_precision(dtype)
+    h = jnp.einsum(
+        "...i,ir->...r",
+        x.astype(dtype),
+        a.astype(dtype),
+        preferred_element_type=jnp.float32,
+        precision=prec,
+    ).astype(dtype)
+    d = jnp.einsum(
+        "...r,ro->...o", h, b.astype(dtype), preferred_element_type=jnp.float32, precision=prec
+    )
+    return (scale * d).astype(dtype)
 
 
 class LMHead(nn.Module):

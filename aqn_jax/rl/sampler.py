@@ -37,6 +37,7 @@ import numpy as np
 from aqn_jax import parallel
 from aqn_jax.faults.intercept import FaultPlan
 from aqn_jax.faults.transforms import STATE_COLLECTION, STATS_COLLECTION
+from aqn_jax.forward import forward
 from aqn_jax.models.registry import init_cache
 
 NEG_INF = -1e30  # masks logits that may never be sampled (finite: no NaN in log-softmax)
@@ -252,18 +253,20 @@ def _forward(p: _Program, weights, ids, mask, cache, fault_state, fault_key, val
     """One prefill or decode step of program `p`. fault_state: the running statistics of
     causal-scope faults (`faults.intercept`), carried next to the KV cache ({} before the
     prefill)."""
-    variables = {"params": weights}
-    if fault_state:
-        variables[STATE_COLLECTION] = fault_state
-    with p.plan.apply(p.phase, key=fault_key, values=values):
-        (logits, cache), state = p.model.apply(
-            variables,
-            ids,
-            attention_mask=mask,
-            cache=cache,
-            last_only=True,  # only the next token's logits are needed
-            mutable=[STATS_COLLECTION, STATE_COLLECTION],
-        )
+    (logits, cache), state = forward(
+        p.model,
+        weights,
+        ids,
+        mask,
+        plan=p.plan,
+        phase=p.phase,
+        key=fault_key,
+        values=values,
+        state={STATE_COLLECTION: fault_state} if fault_state else None,
+        mutable=[STATS_COLLECTION, STATE_COLLECTION],
+        cache=cache,
+        last_only=True,  # only the next token's logits are needed
+    )
     return logits, cache, state.get(STATS_COLLECTION, {}), state.get(STATE_COLLECTION, {})
 
 

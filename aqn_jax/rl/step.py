@@ -5,19 +5,20 @@ policy and critic modules, the fault plans and the optimizers. The job then jits
 `NamedSharding`s (`shardings`) and the state donated to the update:
 
   init_state(static, params, sh)                        -> (RLState, reference params)
-  prepare_step(static, state, ref_params, batch, scores, key, sigma)
+  prepare_step(static, state, ref_params, batch, scores, key, values)
                                                         -> (per-row arrays, fault statistics)
-  update_step(static, state, batch, key, sigma)         -> (RLState, metrics)
+  update_step(static, state, batch, key, values)        -> (RLState, metrics)
 
 `prepare_step` computes the old and reference log-probs (and values), the token rewards and the
 advantages; between the two the trainer applies the rollout correction
 (rl/rollout_correction.py: `is_weights` added to the batch, `rmask` without rejected tokens,
 `old_logp` = the sampler's in bypass mode); `update_step` runs the PPO epochs over mini-batches
-(lax.scan) with gradient accumulation over micro-batches. `sigma` is AQN's traced noise level of
-this step (a new sigma does not recompile). A batch row is the left-padded prompt `[bucket]`
-followed by the `max_new_tokens` response slots; the prompt length is read from the shapes, so
-each program compiles once per prompt bucket. Log-probs use logits / rollout temperature, as the
-sampler's do (verl).
+(lax.scan) with gradient accumulation over micro-batches. `values` are the step's traced
+per-step knobs by name (AQN's sigma under `aqn.config.AQN_SIGMA`, a fault's rate ramp): a new
+value does not recompile, and a new knob needs no signature change. A batch row is the
+left-padded prompt `[bucket]` followed by the `max_new_tokens` response slots; the prompt
+length is read from the shapes, so each program compiles once per prompt bucket. Log-probs use
+logits / rollout temperature, as the sampler's do (verl).
 
 Fault randomness: each forward pass draws its own fault noise (a noisy device never repeats its
 error), keyed by the step's 'train' key folded with the pass index; the deterministic faults
@@ -38,12 +39,14 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding
 
-from aqn_jax import parallel
-from aqn_jax.aqn.config import AQN_SIGMA
+from aqn_jax import lora as lora_lib
+from aqn_jax import parallel, quant_base
 from aqn_jax.faults.bitfaults import SDC_ATTEMPT, SDC_STEP
 from aqn_jax.faults.intercept import FaultPlan
+from aqn_jax.forward import Weights, forward
+from aqn_jax.lora import LoraSpec
 from aqn_jax.models.factory import logical_axes
-from aqn_jax.models.registry import ModelConfig, causal_lm
+from aqn_jax.models.registry import ModelConfig, causal_lm, family_of
 
 from . import advantages as adv_lib
 from . import losses
@@ -55,11 +58,38 @@ from .rollout_correction import RolloutCorrection, correction_from
 
 @flax.struct.dataclass
 class RLState:
+    """The train state. `params` is what the actor's optimizer trains: the whole policy, or in
+    QeRL mode (config.lora.rank > 0) only `{"lora": adapters}` (+ `{"norms": ...}`), with the
+    frozen (possibly packed) base in `base`, which checkpoints leave out (`saveable`)."""
+
     step: jax.Array
     params: Any
     opt_state: Any
     critic_params: Any = None
     critic_opt_state: Any = None
+    base: Any = None
+
+
+def policy_weights(static: Static, state: RLState, trainable=None):
+    """What the device reads for the policy: the params, or the base with the adapters."""
+    trainable = state.params if trainable is None else trainable
+    if not static.lora.enabled:
+        return trainable
+    return lora_lib.weights(static.lora, state.base, trainable)
+
+
+def reference_weights(static: Static, state: RLState, ref_params):
+    """The reference policy: the frozen copy of full fine-tuning, or in QeRL mode the base with
+    the adapters off (no second copy of the weights)."""
+    if static.lora.enabled:
+        return Weights(state.base, None, None, static.lora.scale) if static.use_ref else None
+    return ref_params
+
+
+def saveable(state: RLState) -> RLState:
+    """The state a checkpoint holds: without the frozen base (a LoRA checkpoint holds the
+    adapters, their optimizer state and, in its meta, the base's fingerprint)."""
+    return state.replace(base=None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,6 +200,8 @@ class Static:
     total_steps: int  # RL steps of the run (the LR and AQN schedules run over them)
     updates: int  # optimizer updates per RL step: ppo_epochs x mini-batches
     sdc: SdcSpec | None = None  # bit faults on trees, the guard's metrics (None: neither)
+    lora: LoraSpec = LoraSpec(0, 16.0, lora_lib.TARGETS, False)  # config.lora (rank 0: off)
+    weight_format: str = "none"  # config.model.weight_format: the frozen base's storage
 
     @property
     def use_critic(self) -> bool:
@@ -249,6 +281,13 @@ class StepSpec:
     critic_faults: bool  # config.critic.faults: the critic runs the hardware faults
     seed: int = 0  # config.seed (the tree faults' keys)
     guard: GuardSpec = GuardSpec()  # config.sdc
+    lora: LoraSpec = LoraSpec(0, 16.0, lora_lib.TARGETS, False)  # config.lora
+    weight_format: str = "none"  # config.model.weight_format
+
+
+def lora_spec_of(config) -> LoraSpec:
+    """config.lora, typed (off when the section is absent)."""
+    return lora_lib.lora_spec(config.get("lora"))
 
 
 def step_spec(config) -> StepSpec:
@@ -261,6 +300,8 @@ def step_spec(config) -> StepSpec:
         critic_faults=bool(config.critic.faults),
         seed=int(config.seed),
         guard=guard_spec(config.get("sdc")),
+        lora=lora_spec_of(config),
+        weight_format=str(config.model.get("weight_format", "none")),
     )
 
 
@@ -294,6 +335,8 @@ def static_from(
         total_steps=int(total_steps),
         updates=updates,
         sdc=sdc,
+        lora=spec.lora,
+        weight_format=spec.weight_format,
     )
 
 
@@ -307,10 +350,11 @@ def total_steps_of(trainer, batches_per_epoch: int) -> int:
 # -- shardings and the initial state ---------------------------------------------------------------
 class Shardings(NamedTuple):
     state: RLState  # of NamedShardings: params and moments by logical axes, counters replicated
-    params: Any  # the policy's params (and the reference params)
+    params: Any  # the trained params (the whole policy, and the reference; or the adapters)
     rows: NamedSharding  # [rows, T] arrays: rows over ('data', 'fsdp')
     scores: NamedSharding  # [rows]
     replicated: NamedSharding
+    policy: Any = None  # of what `policy_weights` returns (the params, or base + adapters)
 
 
 def init_critic(model_cfg: ModelConfig, policy_params):
@@ -322,20 +366,47 @@ def init_critic(model_cfg: ModelConfig, policy_params):
     return {**jax.tree_util.tree_map(np.array, backbone), "value_head": head}
 
 
-def _fresh_state(static: Static, params, critic_params) -> RLState:
+def _fresh_state(static: Static, params, critic_params, base) -> RLState:
     return RLState(
         step=jnp.zeros((), jnp.int32),
         params=params,
         opt_state=static.actor_opt.init(params),
         critic_params=critic_params,
         critic_opt_state=None if critic_params is None else static.critic_opt.init(critic_params),
+        base=base,
+    )
+
+
+def _site_of(static: Static):
+    return family_of(static.model_cfg).site_of
+
+
+def trainable_shapes(static: Static, base_shapes):
+    """The trained tree's shapes (`jax.eval_shape`): the params, or the adapters (+ norms)."""
+    if not static.lora.enabled:
+        return base_shapes
+    return jax.eval_shape(
+        lambda: lora_lib.init_trainable(
+            static.lora, base_shapes, _site_of(static), jax.random.key(0)
+        )
     )
 
 
 def shardings(static: Static, mesh: Mesh) -> Shardings:
     """Shape-first (`jax.eval_shape`): the state's shardings without allocating it."""
     rep = parallel.replicated(mesh)
-    params = parallel.param_shardings(logical_axes(static.model_cfg), mesh)
+    full = parallel.param_shardings(logical_axes(static.model_cfg), mesh)
+    params, base, policy = full, None, full
+    if static.lora.enabled:
+        axes = logical_axes(static.model_cfg)
+        packed = quant_base.packed_axes(
+            axes, static.weight_format, _site_of(static), static.model_cfg.param_dtype
+        )
+        base = parallel.param_shardings(packed, mesh)
+        params = parallel.param_shardings(
+            lora_lib.trainable_axes(static.lora, axes, _site_of(static)), mesh
+        )
+        policy = Weights(base, params["lora"], params.get("norms"), static.lora.scale)
     critic = None
     if static.use_critic:
         critic = parallel.param_shardings(logical_axes(static.model_cfg, head="value"), mesh)
@@ -359,6 +430,7 @@ def shardings(static: Static, mesh: Mesh) -> Shardings:
         opt_state=opt_sharding(static.actor_opt, params),
         critic_params=critic,
         critic_opt_state=None if critic is None else opt_sharding(static.critic_opt, critic),
+        base=base,
     )
     return Shardings(
         state=state,
@@ -366,23 +438,40 @@ def shardings(static: Static, mesh: Mesh) -> Shardings:
         rows=parallel.batch_sharding(mesh, 2),
         scores=parallel.batch_sharding(mesh, 1),
         replicated=rep,
+        policy=policy,
     )
 
 
-def init_state(static: Static, params, sh: Shardings) -> tuple[RLState, Any]:
+def init_state(
+    static: Static, params, sh: Shardings, lora_key: jax.Array | None = None
+) -> tuple[RLState, Any]:
     """(the initial train state, the frozen reference params or None) from host `params`,
-    placed with `sh`. The state aliases the placed params (the update then donates them)."""
+    placed with `sh`. The state aliases the placed params (the update then donates them).
+
+    QeRL mode: `params` is the frozen base (its decoder kernels packed when
+    config.model.weight_format is set), the trained params are fresh adapters (A from
+    `lora_key`, B zero) and the reference is the base itself (None is returned)."""
     # Host values in, global arrays out: every process holds only its own shards.
     host_params = jax.device_get(params)
+    base = None
+    if static.lora.enabled:
+        base = parallel.put_global(host_params, sh.state.base)
+        key = jax.random.key(0) if lora_key is None else lora_key
+        host_params = jax.device_get(
+            lora_lib.init_trainable(static.lora, host_params, _site_of(static), key)
+        )
     params = parallel.put_global(host_params, sh.params)
     critic_params = None
     if static.use_critic:
         critic_params = parallel.put_global(
-            init_critic(static.model_cfg, host_params), sh.state.critic_params
+            init_critic(static.model_cfg, jax.device_get(quant_base.dequantize(base or params))),
+            sh.state.critic_params,
         )
-    ref_params = jax.tree_util.tree_map(jnp.copy, params) if static.use_ref else None
-    init = jax.jit(lambda p, cp: _fresh_state(static, p, cp), out_shardings=sh.state)
-    return init(params, critic_params), ref_params
+    ref_params = None
+    if static.use_ref and not static.lora.enabled:
+        ref_params = jax.tree_util.tree_map(jnp.copy, params)
+    init = jax.jit(lambda p, cp, b: _fresh_state(static, p, cp, b), out_shardings=sh.state)
+    return init(params, critic_params, base), ref_params
 
 
 # -- the forward passes ----------------------------------------------------------------------------
@@ -398,22 +487,32 @@ def token_logprobs(logits_NTV, tokens_NT, temperature: float):
 
 def _policy_logits(static: Static, params, batch, key, values):
     plen = batch["ids"].shape[1] - static.max_new
-    with static.plan.apply("train", key=key, values=values):
-        logits, state = static.policy.apply(
-            {"params": params},
-            batch["ids"],
-            attention_mask=batch["mask"],
-            mutable=["fault_stats"],
-        )
+    logits, state = forward(
+        static.policy,
+        params,
+        batch["ids"],
+        batch["mask"],
+        plan=static.plan,
+        phase="train",
+        key=key,
+        values=values,
+        mutable=["fault_stats"],
+    )
     return response_logits(logits, plen, static.max_new), state
 
 
 def _values(static: Static, critic_params, batch, key, values):
     plen = batch["ids"].shape[1] - static.max_new
-    with static.critic_plan.apply("train", key=key, values=values):
-        v = static.critic.apply(
-            {"params": critic_params}, batch["ids"], attention_mask=batch["mask"]
-        )
+    v = forward(
+        static.critic,
+        critic_params,
+        batch["ids"],
+        batch["mask"],
+        plan=static.critic_plan,
+        phase="train",
+        key=key,
+        values=values,
+    )
     return response_logits(v[..., None], plen, static.max_new)[..., 0]
 
 
@@ -422,7 +521,7 @@ def _prepare_chunk(static: Static, state: RLState, ref_params, key, values, xs):
     h = static.h
     j, mic = xs
     logits, fstate = _policy_logits(
-        static, state.params, mic, jax.random.fold_in(key, 3 * j), values
+        static, policy_weights(static, state), mic, jax.random.fold_in(key, 3 * j), values
     )
     o = {
         "old_logp": token_logprobs(logits, mic["tokens"], h.temperature),
@@ -441,7 +540,7 @@ def _prepare_chunk(static: Static, state: RLState, ref_params, key, values, xs):
     return o
 
 
-def prepare_step(static: Static, state: RLState, ref_params, batch, scores, key, sigma):
+def prepare_step(static: Static, state: RLState, ref_params, batch, scores, key, values):
     """(per-row arrays, fault statistics): old and reference log-probs (and values), token
     rewards and advantages, then the train pass's fault statistics (means over the chunks).
 
@@ -450,13 +549,13 @@ def prepare_step(static: Static, state: RLState, ref_params, batch, scores, key,
     of the whole batch, and a tensor-wide fault statistic (a deadzone's amax) sees the
     same rows here as in the update, so the first PPO ratio compares like with like."""
     h = static.h
-    values = {AQN_SIGMA: sigma}
     rows = batch["ids"].shape[0]
     C = h.mini_batches * h.micro_batches
     mics = {
         k: batch[k].reshape(C, rows // C, *batch[k].shape[1:])
         for k in ("ids", "mask", "tokens", "rmask")
     }
+    ref_params = reference_weights(static, state, ref_params)
     outs = jax.lax.map(
         lambda xs: _prepare_chunk(static, state, ref_params, key, values, xs),
         (jnp.arange(C), mics),
@@ -558,24 +657,24 @@ def mini_batches(static: Static, batch):
     return {k: v.reshape(M, G, v.shape[0] // (M * G), *v.shape[1:]) for k, v in batch.items()}
 
 
-def minibatch_grads(static: Static, params, mb, key, idx, sigma):
+def minibatch_grads(static: Static, params, mb, key, idx, values, frozen=None):
     """(actor gradient, its metrics, the loss denominator) of mini-batch `mb`, the `idx`-th
-    update of the step: what `update_step` feeds the actor's optimizer."""
+    update of the step: what `update_step` feeds the actor's optimizer. `params` are the
+    trained ones; in QeRL mode the adapters over the `frozen` base (no gradient reaches it)."""
     h = static.h
-    values = {AQN_SIGMA: sigma}
     denom = losses.agg_denominator(mb["rmask"].reshape(-1, mb["rmask"].shape[-1]), h.agg)
     base = jax.random.fold_in(key, 10 + idx)
 
     def loss(p, mic, d, k):
-        return actor_loss(static, p, mic, d, k, values)
+        weights = lora_lib.weights(static.lora, frozen, p) if static.lora.enabled else p
+        return actor_loss(static, weights, mic, d, k, values)
 
     grads, mets = accumulate(loss, params, mb, denom, base)
     return grads, mets, denom
 
 
-def _minibatch_update(static: Static, key, sigma, mbatch, st: RLState, idx):
+def _minibatch_update(static: Static, key, values, mbatch, st: RLState, idx):
     h = static.h
-    values = {AQN_SIGMA: sigma}
     mb = jax.tree_util.tree_map(lambda x: x[idx % h.mini_batches], mbatch)
     mets = {}
     cparams, copt = st.critic_params, st.critic_opt_state
@@ -591,7 +690,7 @@ def _minibatch_update(static: Static, key, sigma, mbatch, st: RLState, idx):
         cparams = optax.apply_updates(cparams, cu)
         mets.update({f"critic/{k}": v for k, v in cm.items()})
         mets["critic/grad_norm"] = optax.tree.norm(cg)
-    g, am, _ = minibatch_grads(static, st.params, mb, key, idx, sigma)
+    g, am, _ = minibatch_grads(static, st.params, mb, key, idx, values, st.base)
     grad_norm = optax.tree.norm(g)
     # No actor update during the critic warm-up (verl critic_warmup).
     live = st.step >= h.critic_warmup if static.use_critic else jnp.bool_(True)
@@ -614,14 +713,14 @@ def _minibatch_update(static: Static, key, sigma, mbatch, st: RLState, idx):
     return st, mets
 
 
-def update_step(static: Static, state: RLState, batch, key, sigma) -> tuple[RLState, dict]:
+def update_step(static: Static, state: RLState, batch, key, values) -> tuple[RLState, dict]:
     """PPO epochs over mini-batches (lax.scan), gradient accumulation over micro-batches;
     returns the next state and the step's metrics (means over the updates)."""
     h = static.h
     mbatch = mini_batches(static, batch)
     before = state
     state, mets = jax.lax.scan(
-        lambda st, idx: _minibatch_update(static, key, sigma, mbatch, st, idx),
+        lambda st, idx: _minibatch_update(static, key, values, mbatch, st, idx),
         state,
         jnp.arange(h.ppo_epochs * h.mini_batches),
     )

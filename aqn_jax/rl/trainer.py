@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from aqn_jax import parallel
+from aqn_jax import parallel, quant_base
 from aqn_jax.aqn.config import AQN_SIGMA, AqnSchedule
 from aqn_jax.data.gsm8k import Example, PromptBatcher
 from aqn_jax.data.tokenizers import Tokenizer
@@ -39,7 +39,7 @@ from aqn_jax.rl.scoring import eval_scores
 from .guard import Guard, RollbackNeeded
 from .rollout_correction import correct
 from .sampler import Sampler, SamplingParams
-from .step import SDC_KINDS, RLState, Shardings, Static, sdc_site_counts
+from .step import SDC_KINDS, RLState, Shardings, Static, policy_weights, sdc_site_counts
 
 # Folded into a recomputed attempt's train key (attempt >= 1): a stream apart from the passes'.
 ATTEMPT_TAG = 1 << 30
@@ -168,9 +168,11 @@ class Trainer:
         model_cfg = static.model_cfg
         if jnp.dtype(model_cfg.dtype) != jnp.dtype(model_cfg.param_dtype):
             dt = jnp.dtype(model_cfg.dtype)
+            # A packed base keeps its codes and dequantises to dt (its tree's static dtype
+            # changes, so the output shardings are the inputs', propagated).
             self._cast = jax.jit(
-                lambda p: jax.tree_util.tree_map(lambda x: x.astype(dt), p),
-                out_shardings=sh.params,
+                lambda p: quant_base.cast(p, dt),
+                out_shardings=None if static.lora.enabled else sh.params,
             )
 
     def generation_weights(self, params):
@@ -202,7 +204,7 @@ class Trainer:
         batch = self.batcher.next_batch()
         sigma = self.spec.aqn.sigma(step, self.static.total_steps)
         t0 = time.perf_counter()
-        out = self.rollout(state.params, batch, step, sigma)
+        out = self.rollout(policy_weights(self.static, state), batch, step, sigma)
         t_gen = time.perf_counter() - t0
         texts = [
             self.tokenizer.decode(t[m > 0])
@@ -211,10 +213,10 @@ class Trainer:
         truths = [g for g in batch["ground_truth"] for _ in range(self.static.h.n)]
         scores = score_batch(texts, truths, method=self.spec.reward_method)
         tb = train_batch(out, scores)
-        train = self._train(state, step, tb, np.float32(sigma), 0)
+        train = self._train(state, step, tb, sigma, 0)
         sdc: dict[str, float] = {}
         if self.guard is not None:
-            train, sdc = self._guarded(state, step, tb, np.float32(sigma), train)
+            train, sdc = self._guarded(state, step, tb, sigma, train)
         state, prep, train_stats, corr, mets, old_logp, t_prep, t_corr, t_upd = train
 
         rmask = tb["rmask"]
@@ -267,7 +269,7 @@ class Trainer:
         check_finite(step, m, self.sdc_note)
         return state, m
 
-    def _train(self, state: RLState, step: int, tb, sig, attempt: int) -> _Train:
+    def _train(self, state: RLState, step: int, tb, sigma: float, attempt: int) -> _Train:
         """Prepare, rollout correction and update of one attempt at a step (the rollout `tb` is
         the step's, whatever the attempt)."""
         t0 = time.perf_counter()
@@ -276,7 +278,8 @@ class Trainer:
         if attempt:  # a recomputed step draws its faults anew: (seed, step, attempt, phase)
             train_key = jax.random.fold_in(train_key, ATTEMPT_TAG + attempt)
         scores_dev = parallel.put_batch(tb["scores"], self.mesh)
-        prep, train_stats = self.prepare(state, self.ref_params, dev, scores_dev, train_key, sig)
+        values = {AQN_SIGMA: np.float32(sigma), **self.sdc_values(step, attempt)}
+        prep, train_stats = self.prepare(state, self.ref_params, dev, scores_dev, train_key, values)
         prep = jax.block_until_ready(prep)
         t_prep = time.perf_counter() - t0
         upd = {k: dev[k] for k in ("ids", "mask", "tokens", "rmask")}
@@ -299,7 +302,7 @@ class Trainer:
                 upd[key] = parallel.put_batch(value, self.mesh)
         t_corr = time.perf_counter() - t0
         t0 = time.perf_counter()
-        state, mets = self.update(state, upd, train_key, sig)
+        state, mets = self.update(state, upd, train_key, values)
         mets = {k: float(parallel.to_host(v)) for k, v in mets.items()}
         t_upd = time.perf_counter() - t0
         if self.static.sdc is not None and self.static.sdc.sites:  # prepare's passes, in all
@@ -311,13 +314,13 @@ class Trainer:
             )
         return _Train(state, prep, train_stats, corr, mets, old_logp, t_prep, t_corr, t_upd)
 
-    def _guarded(self, state: RLState, step: int, tb, sig, train: _Train):
+    def _guarded(self, state: RLState, step: int, tb, sigma: float, train: _Train):
         """The guard's verdict on each attempt (rl/guard.py): skip, recompute with a fresh
         fault draw, or ask the job for a rollback; (the accepted attempt, sdc/* metrics)."""
         t0, skipped = time.perf_counter(), False
         first = attempt = self.first_attempt.get(step, 0)
         if first:  # after a rollback the step starts past the attempts that failed
-            train = self._train(state, step, tb, sig, first)
+            train = self._train(state, step, tb, sigma, first)
         while (reason := self.guard.verdict(train.mets)) is not None:
             if self.guard.spec.mode == "skip":  # the update is dropped; the step counts
                 skipped = True
@@ -328,7 +331,7 @@ class Trainer:
             if attempt - first > self.guard.spec.max_recomputes:
                 raise RollbackNeeded(step, reason)
             print(f"RL step {step}: {reason}; recomputing (attempt {attempt})")
-            train = self._train(state, step, tb, sig, attempt)
+            train = self._train(state, step, tb, sigma, attempt)
         if not skipped:
             self.guard.accept(train.mets)
         rolled, self.rolled_back = self.rolled_back, False

@@ -1,0 +1,177 @@
+"""One forward: compose the weights the device reads, enter the fault plan, apply the model.
+
+Every caller that runs the model (the sampler, the trainer's policy and critic passes,
+evaluation, the severity curve, SRDD's scans) goes through `forward`, so that what attaches to
+the weights attaches in one place:
+
+  * LoRA adapters (`Weights.lora`, the `lora` collection read by the family's `Linear`:
+    `y = x W + (alpha / rank) (x A) B`, the factored form, see `aqn_jax/lora.py`);
+  * trained RMSNorm weights over a frozen base (`Weights.norms`, QeRL's `--ln`);
+  * a packed low-precision base (`aqn_jax/quant_base.py`: NVFP4/MXFP4 codes and scales,
+    dequantised here, inside the jitted program, on every call);
+  * `weight_transform`, a params -> params function applied to the weights exactly as the
+    forward reads them, then the plan's weight faults of this phase (`bitfaults.TreeBits` with
+    target 'weight': bit flips or stuck bits of the weights as read, the stored ones untouched;
+    their flips are reported in `fault_stats` under `weights`).
+
+`params` is either a plain param tree (full fine-tuning, the reference, the embedded default:
+nothing changes for it) or a `Weights`. The fault plan's interceptor is entered inside this
+function, so it must be called inside the jitted program (DESIGN.md, decision 2).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import flax
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from aqn_jax import quant_base
+from aqn_jax.faults.intercept import FaultPlan
+from aqn_jax.faults.transforms import STATS_COLLECTION as STATS
+
+LORA_COLLECTION = "lora"
+_NO_FAULTS = FaultPlan()
+
+
+@flax.struct.dataclass
+class Weights:
+    """A policy's weights as the device reads them.
+
+    base: the full param tree (its decoder linear kernels may be `quant_base.Packed`); frozen.
+    lora: the adapters, `{<module path>: {"a": [in, r], "b": [r, out]}}` nested like `base`,
+      or None (the base alone: the reference policy of a LoRA run).
+    norms: trained RMSNorm weights, nested like `base`, that replace the base's, or None.
+    scale: alpha / rank, static (a compile-time constant of every program).
+    """
+
+    base: Any
+    lora: Any = None
+    norms: Any = None
+    scale: float = flax.struct.field(pytree_node=False, default=1.0)
+
+    def without_adapters(self) -> Weights:
+        """The base alone (QeRL's reference policy: no second copy of the weights)."""
+        return Weights(self.base, None, None, self.scale)
+
+
+def override(tree, leaves):
+    """`tree` with the leaves of the (sparse, same nesting) `leaves` put in."""
+    if leaves is None:
+        return tree
+    if not isinstance(leaves, Mapping):
+        return leaves
+    out = dict(tree)
+    for k, v in leaves.items():
+        out[k] = override(tree[k], v)
+    return out
+
+
+def _scaled(lora, scale: float):
+    """The adapters as the `lora` collection: each linear's {a, b} plus its scale."""
+
+    def walk(node):
+        if "a" in node and "b" in node and not isinstance(node["a"], Mapping):
+            return {"a": node["a"], "b": node["b"], "scale": jnp.float32(scale)}
+        return {k: walk(v) for k, v in node.items()}
+
+    return walk(lora)
+
+
+def variables(params, weight_transform: Callable | None = None) -> dict[str, Any]:
+    """The Flax variables of `params` (a param tree or `Weights`): packed kernels dequantised,
+    trained norms put in, adapters in their collection, then `weight_transform` on the params."""
+    lora = None
+    if isinstance(params, Weights):
+        lora = None if params.lora is None else _scaled(params.lora, params.scale)
+        params = override(params.base, params.norms)
+    params = quant_base.dequantize(params)
+    if weight_transform is not None:
+        params = weight_transform(params)
+    out = {"params": params}
+    if lora is not None:
+        out[LORA_COLLECTION] = lora
+    return out
+
+
+def forward(
+    model: nn.Module,
+    params,
+    ids: jax.Array,
+    mask: jax.Array | None = None,
+    *,
+    plan: FaultPlan | None = None,
+    phase: str = "eval",
+    key: jax.Array | None = None,
+    values: Mapping[str, Any] | None = None,
+    state: Mapping[str, Any] | None = None,
+    mutable: Sequence[str] = (),
+    interceptors: Sequence[Callable] = (),
+    weight_transform: Callable | None = None,
+    **kwargs,
+):
+    """`model.apply` of `params` on `ids` (attention `mask`) on the device of `plan` in `phase`.
+
+    key/values: the fault plan's base key and traced per-step values (`FaultPlan.apply`).
+    state: extra variable collections passed in (e.g. the causal-scope `fault_state`).
+    mutable: collections returned; with any, the result is `(out, {collection: tree})`.
+    interceptors: entered outside the fault plan's (SRDD's probes: the layer calls they make
+      go through the plan). kwargs: the model's own (cache, last_only, positions).
+    """
+    plan = plan or _NO_FAULTS
+    flips: list[jax.Array] = []
+    faults = plan.tree_faults(phase, "weight")
+    if faults:  # weight faults: on the weights as this forward reads them, after the rest
+        weight_transform = _with_weight_faults(weight_transform, faults, key, values, flips)
+    vs = variables(params, weight_transform)
+    if state:
+        vs.update(state)
+    with contextlib.ExitStack() as stack:
+        for icpt in interceptors:
+            stack.enter_context(nn.intercept_methods(icpt))
+        stack.enter_context(plan.apply(phase, key=key, values=values or {}))
+        if mutable:
+            out, got = model.apply(vs, ids, attention_mask=mask, mutable=list(mutable), **kwargs)
+            if flips and STATS in mutable:  # the weight faults' telemetry, as a site's
+                n = sum(flips).astype(jnp.float32)
+                stats = {**got.get(STATS, {}), "weights": {f"{faults[0][1].name}.flips": (n,)}}
+                got = {**got, STATS: stats}
+            return out, got
+        return model.apply(vs, ids, attention_mask=mask, **kwargs)
+
+
+def _with_weight_faults(weight_transform, faults, key, values, flips: list):
+    """`weight_transform` followed by the plan's weight faults (`bitfaults.TreeBits`), keyed
+    by the forward's fault key (seed, step, phase) and each injection's index; the bits they
+    change are appended to `flips`."""
+    if key is None:
+        raise ValueError(
+            f"weight faults ({', '.join(inj.name for _, inj in faults)}) need the forward's"
+            " fault key: forward(..., key=step_key(seed, step, phase))"
+        )
+
+    def transform(params):
+        if weight_transform is not None:
+            params = weight_transform(params)
+        for index, inj in faults:
+            params, n = inj.transform.apply(
+                params, inj.sites, jax.random.fold_in(key, index), values or {}, tag="w/"
+            )
+            flips.append(n)
+        return params
+
+    return transform
+
+
+def token_nll(logits_BTV: jax.Array, ids_BT: jax.Array, loss_mask_BT: jax.Array):
+    """(sum, count) of the next-token cross-entropy of `ids` where `loss_mask` is 1 (the
+    prediction of token t+1 from position t, in float32): the held-out loss of evaluation and
+    of the severity curve."""
+    logp = jax.nn.log_softmax(logits_BTV[:, :-1].astype(jnp.float32), axis=-1)
+    nll = -jnp.take_along_axis(logp, ids_BT[:, 1:, None], axis=-1)[..., 0]
+    w = loss_mask_BT[:, 1:].astype(jnp.float32)
+    return jnp.sum(nll * w), jnp.sum(w)
