@@ -439,3 +439,78 @@ def test_guard_verdicts():
         skip.accept({"actor/grad_norm": v})
     assert skip.verdict({**ok, "actor/grad_norm": 3.0}) is None  # skip acts on non-finite only
     assert skip.verdict({**ok, "actor/pg_loss": np.nan}).startswith("non-finite")
+
+
+# --- the guard, end to end ---------------------------------------------------------------------
+def test_guard_recomputes_a_planted_gradient_flip_and_the_control_diverges(sft_cache, tmp_path):
+    # Step 1's gradient of layer 1's q_proj kernel gets bit 30 set in every element: each |g| < 1
+    # becomes |g| 2^128, their squares overflow, the global norm is inf and clipping makes the
+    # update NaN. Without a guard the run stops on the non-finite step, naming the step and the
+    # fault (the negative control); with config.sdc.guard=recompute the step is recomputed with
+    # the next attempt's draw (the planted flip fires on the first attempt only) and the run
+    # ends with the clean run's metrics: the same computations on the same inputs, the update
+    # program differing only by the guard's extra reductions and no donation (asserted equal
+    # to float32 rounding of the reductions: rtol 1e-5, far below any effect of the fault).
+    from aqn_jax.launch import run
+    from aqn_jax.metrics import read_metrics
+
+    from conftest import load_config, shallow
+
+    def config(**over):
+        c = load_config("clean", "smoke")
+        c.sft.cache_dir = sft_cache
+        return shallow(c, **over)
+
+    planted = {
+        "faults.bitflip.enabled": True,
+        "faults.bitflip.target": "gradient",
+        "faults.bitflip.sites": ("q_proj",),
+        "faults.bitflip.layers": "1",
+        "faults.bitflip.phases": ("train",),
+        "faults.bitflip.bits": "(30,)",
+        "faults.bitflip.rate": 1.0,
+        "faults.bitflip.steps": "(1,)",
+    }
+    with pytest.raises(FloatingPointError, match=r"RL step 1: non-finite .*bitflip"):
+        run(config(**planted), str(tmp_path / "control"))
+    run(config(**planted, **{"sdc.guard": "recompute"}), str(tmp_path / "guarded"))
+    run(config(), str(tmp_path / "clean"))
+    guarded, clean = read_metrics(str(tmp_path / "guarded")), read_metrics(str(tmp_path / "clean"))
+    assert guarded[1]["sdc/recomputed"] == 1.0 and guarded[2]["sdc/recomputed"] == 0.0
+    assert guarded[1]["sdc/injected"] == 0.0  # the accepted attempt flipped nothing
+    for g, c in zip(guarded, clean, strict=True):
+        for k, v in c.items():
+            if k.startswith("timing_s"):
+                continue
+            np.testing.assert_allclose(g[k], v, rtol=1e-5, atol=1e-7, err_msg=k)
+
+
+# --- the vulnerability study's pieces ----------------------------------------------------------
+def test_study_bit_labels_outcomes_and_wilson(tmp_path):
+    from aqn_jax.jobs.vulnerability import bit_position
+    from aqn_jax.study import sdc as study
+
+    assert [bit_position(b, "float32") for b in ("sign", "e7", "e0", "m1", "m2")] == [
+        31,
+        30,
+        23,
+        22,
+        21,
+    ]
+    assert [bit_position(b, "bfloat16") for b in ("sign", "e7", "e0", "m1")] == [15, 14, 7, 6]
+    with pytest.raises(ValueError, match="'e8'; allowed"):
+        bit_position("e8", "float32")
+    # Wilson 95% for 8/10: centre (0.8 + 1.92/10) / 1.384, half-width 1.96 sqrt(0.016 +
+    # 0.0096) / 1.384: [0.4902, 0.9433].
+    lo, hi = study.wilson(8, 10)
+    assert lo == pytest.approx(0.4902, abs=1e-4) and hi == pytest.approx(0.9433, abs=1e-4)
+    clean = [{"step": 1, "actor/grad_norm": 1.0, "actor/pg_loss": 0.1, "val-core/acc": 0.5}]
+    row = dict(clean[0])
+    assert study.classify([row], clean, 128, False) == "masked"
+    assert study.classify([{**row, "actor/grad_norm": 3.0}], clean, 128, False) == "spike_recover"
+    # 0.5 of 128: the Wilson interval's lower end is 0.415; 0.40 is below it, 0.42 above.
+    assert study.classify([{**row, "val-core/acc": 0.40}], clean, 128, False) == "degraded"
+    assert study.classify([{**row, "val-core/acc": 0.42}], clean, 128, False) == "masked"
+    assert study.classify([row], clean, 128, True) == "diverged"
+    summary = study.cell_summary(["masked", "degraded", "diverged", "spike_recover"])
+    assert summary["bad_share"] == 0.5 and summary["ci"] == list(study.wilson(2, 4))
