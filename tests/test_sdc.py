@@ -13,6 +13,7 @@ import pytest
 from aqn_jax.faults import bits, formats
 from aqn_jax.faults.bitfaults import (
     SDC_ATTEMPT,
+    SDC_BIT,
     SDC_STEP,
     BitFault,
     Bits,
@@ -153,6 +154,10 @@ def test_bitflip_count_at_one_site_manifest_and_telemetry():
     out, stats = forward(plan)
     assert stats["bitflip.flips/layers_1/mlp/down_proj"] == 3.0  # three elements, one bit each
     assert not np.array_equal(out, clean)
+    # The bit as a traced value (one program for every bit): the same flips.
+    traced = BitFault("flip", bits=(30,), count=3, traced_bit=True)
+    plan_t = FaultPlan([Injection("bitflip", SiteSelector(("down_proj",), (1,)), Bits(traced))])
+    np.testing.assert_array_equal(forward(plan_t, values={SDC_BIT: 30})[0], out)
     # Negative control: a zero rate flips nothing and leaves the logits bit for bit.
     zero = FaultPlan(
         [Injection("bitflip", SiteSelector(("down_proj",), (1,)), Bits(BitFault(rate=0.0)))]

@@ -42,6 +42,7 @@ from .sites import LINEAR_KINDS, Site, SiteSelector
 from .transforms import Ctx, TransformBase, traced_value
 
 SDC_STEP, SDC_ATTEMPT = "sdc_step", "sdc_attempt"  # the traced values of a `steps` fault
+SDC_BIT = "sdc_bit"  # the traced bit position of a `traced_bit` fault
 TARGETS = ("activation", "weight", "gradient", "optimizer")
 BACKWARD_POINTS = ("dx", "dw")  # a linear's backward products
 
@@ -54,7 +55,9 @@ class BitFault:
     positions (resolved against the value's dtype when it is seen). rate: per (element, bit);
     count: elements per tensor per call, one bit each; exactly one is set. permanent: fixed
     lanes from `lane_seed`. steps: the RL steps a transient fault fires at (first attempt
-    only); None fires at every step."""
+    only); None fires at every step. traced_bit: `bits` is one position, read at run time
+    from the traced value `sdc_bit` (the caller passes `bits[0]`), so faults that differ only
+    in the bit compile to the same program (the vulnerability study's cells)."""
 
     mode: str = "flip"
     bits: str | tuple[int, ...] = "exponent"
@@ -63,6 +66,7 @@ class BitFault:
     permanent: bool = False
     lane_seed: int = 0
     steps: tuple[int, ...] | None = None
+    traced_bit: bool = False
 
     def __post_init__(self):
         if self.mode not in bits.MODES:
@@ -77,6 +81,8 @@ class BitFault:
             raise ValueError(f"rate={self.rate}; must be in [0, 1]")
         if self.count is not None and not (isinstance(self.count, int) and self.count >= 1):
             raise ValueError(f"count={self.count!r}; must be an int >= 1")
+        if self.traced_bit and (isinstance(self.bits, str) or len(self.bits) != 1):
+            raise ValueError(f"bits={self.bits!r} with traced_bit=True; give one bit position")
         if self.steps is not None:
             if self.permanent:
                 raise ValueError(
@@ -85,7 +91,8 @@ class BitFault:
             object.__setattr__(self, "steps", tuple(int(s) for s in self.steps))
 
     def value_names(self) -> frozenset[str]:
-        return frozenset({SDC_STEP, SDC_ATTEMPT}) if self.steps is not None else frozenset()
+        names = {SDC_STEP, SDC_ATTEMPT} if self.steps is not None else set()
+        return frozenset(names | ({SDC_BIT} if self.traced_bit else set()))
 
     def fires(self, values: Mapping[str, Any], site: Site | None) -> jax.Array | None:
         """Whether it fires at this call (None: always)."""
@@ -102,6 +109,8 @@ class BitFault:
         axis (broadcast over the others), or every element of a tree's leaf (`tree`).
         `key_fn()` gives the transient key (called only when transient)."""
         pos = bits.positions(self.bits, dtype)
+        if self.traced_bit:  # draw bit 0, then shift it to the traced position
+            pos = (0,)
         draw = functools.partial(bits.draw_mask, dtype=dtype, pos=pos, rate=self.rate)
         draw = functools.partial(draw, count=self.count)
         if self.permanent:
@@ -109,6 +118,9 @@ class BitFault:
             mask = jnp.broadcast_to(draw(bits.lane_key(self.lane_seed, tag), lanes), shape)
         else:
             mask = draw(key_fn(), tuple(shape))
+        if self.traced_bit:
+            bit = traced_value(values, SDC_BIT, site).astype(mask.dtype)
+            mask = jax.lax.shift_left(mask, bit)
         fire = self.fires(values, site)
         return mask if fire is None else jnp.where(fire, mask, jnp.zeros((), mask.dtype))
 
@@ -384,3 +396,16 @@ class Abft(TransformBase):
 
     def describe(self) -> str:
         return "abft(row checksums, derived tolerance)"
+
+
+def traced_bit(plan) -> int | None:
+    """The bit position a plan's `traced_bit` faults read from `sdc_bit` (one per plan), or
+    None."""
+    found = {
+        inj.transform.fault.bits[0]
+        for inj in plan.injections
+        if getattr(inj.transform, "fault", None) is not None and inj.transform.fault.traced_bit
+    }
+    if len(found) > 1:
+        raise ValueError(f"traced_bit faults with different bits {sorted(found)}: one per plan")
+    return found.pop() if found else None

@@ -246,6 +246,9 @@ def _bit_section(**extra) -> ml_collections.ConfigDict:
     c.steps = "all"  # RL steps a transient fault fires at (first attempt only): 'all' | (3,)
     c.permanent = False  # fixed lanes: an activation's last axis, a tree leaf's elements
     c.lane_seed = 0  # seed of a permanent fault's lanes
+    # One bit position passed to the programs at run time, not compiled in: runs differing only
+    # in `bits` share their compiled programs (the vulnerability study); needs one position.
+    c.traced_bit = False
     c.update(extra)
     return c
 
@@ -302,6 +305,7 @@ def _bit_injection(kind: str, sec: Any, num_layers: int, mode: str) -> list[Inje
             permanent=bool(sec.permanent),
             lane_seed=int(sec.lane_seed),
             steps=parse_steps(sec.steps, f"{f}.steps"),
+            traced_bit=bool(sec.get("traced_bit", False)),
         )
         if not isinstance(fault.bits, str):  # the widest storage; the dtype's own width is
             bits.positions(fault.bits, "float32")  # checked by `check_bit_dtypes`

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from aqn_jax.faults.bitfaults import SDC_ATTEMPT, SDC_STEP
+from aqn_jax.faults.bitfaults import SDC_ATTEMPT, SDC_BIT, SDC_STEP
 
 LR_SCHEDULES = ("constant", "warmup_constant", "cosine")
 
@@ -157,13 +157,14 @@ def _tree_fault_state(seed: int, tag: int) -> TreeFaultState:
     return TreeFaultState(key, zero, zero)
 
 
-def _apply_tree_faults(faults, tree, state: TreeFaultState, sdc_step, sdc_attempt, prefix: str):
+def _apply_tree_faults(faults, tree, state, sdc_step, sdc_attempt, prefix: str, sdc_bit=0):
     """(tree, flips) with each (TreeBits, SiteSelector) of `faults` applied, keyed by (seed,
     step, attempt, update count, fault index, leaf path)."""
     key = jax.random.wrap_key_data(state.key)
     for v in (sdc_step, sdc_attempt, state.count):
         key = jax.random.fold_in(key, jnp.asarray(v, jnp.int32))
-    values = {SDC_STEP: jnp.float32(sdc_step), SDC_ATTEMPT: jnp.float32(sdc_attempt)}
+    values = {SDC_STEP: sdc_step, SDC_ATTEMPT: sdc_attempt, SDC_BIT: sdc_bit}
+    values = {k: jnp.asarray(v, jnp.float32) for k, v in values.items()}
     flips = jnp.zeros((), jnp.int32)
     for i, (fault, sites) in enumerate(faults):
         tree, f = fault.apply(tree, sites, jax.random.fold_in(key, i), values, tag=prefix)
@@ -181,9 +182,11 @@ def gradient_faults(faults: Sequence, seed: int) -> optax.GradientTransformation
         del params
         return GradientFaultState(*_tree_fault_state(seed, 0x6AD), jnp.zeros((), jnp.float32))
 
-    def update(updates, state, params=None, *, sdc_step=0, sdc_attempt=0, **extra):
+    def update(updates, state, params=None, *, sdc_step=0, sdc_attempt=0, sdc_bit=0, **extra):
         del params, extra
-        updates, flips = _apply_tree_faults(faults, updates, state, sdc_step, sdc_attempt, "g/")
+        updates, flips = _apply_tree_faults(
+            faults, updates, state, sdc_step, sdc_attempt, "g/", sdc_bit
+        )
         norm = optax.tree.norm(updates).astype(jnp.float32)
         return updates, state._replace(count=state.count + 1, flips=state.flips + flips, norm=norm)
 
@@ -213,16 +216,17 @@ def moment_faults(
     def init(params):
         return _tree_fault_state(seed, 0x0A7), inner.init(params)
 
-    def update(updates, state, params=None, *, sdc_step=0, sdc_attempt=0, **extra):
+    def update(updates, state, params=None, *, sdc_step=0, sdc_attempt=0, sdc_bit=0, **extra):
         own, inner_state = state
-        updates, inner_state = inner.update(
-            updates, inner_state, params, sdc_step=sdc_step, sdc_attempt=sdc_attempt, **extra
-        )
+        sdc = dict(sdc_step=sdc_step, sdc_attempt=sdc_attempt, sdc_bit=sdc_bit)
+        updates, inner_state = inner.update(updates, inner_state, params, **sdc, **extra)
         total = jnp.zeros((), jnp.int32)
 
         def corrupt(tree, which):
             nonlocal total
-            tree, flips = _apply_tree_faults(faults, tree, own, sdc_step, sdc_attempt, which)
+            tree, flips = _apply_tree_faults(
+                faults, tree, own, sdc_step, sdc_attempt, which, sdc_bit
+            )
             total = total + flips
             return tree
 

@@ -41,7 +41,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from aqn_jax import lora as lora_lib
 from aqn_jax import parallel, quant_base
-from aqn_jax.faults.bitfaults import SDC_ATTEMPT, SDC_STEP
+from aqn_jax.faults.bitfaults import SDC_ATTEMPT, SDC_BIT, SDC_STEP
 from aqn_jax.faults.intercept import FaultPlan
 from aqn_jax.forward import Weights, forward
 from aqn_jax.lora import LoraSpec
@@ -699,6 +699,7 @@ def _minibatch_update(static: Static, key, values, mbatch, st: RLState, idx):
         extra = {
             "sdc_step": jnp.asarray(values.get(SDC_STEP, st.step + 1), jnp.int32),
             "sdc_attempt": jnp.asarray(values.get(SDC_ATTEMPT, 0), jnp.int32),
+            "sdc_bit": jnp.asarray(values.get(SDC_BIT, 0), jnp.int32),
         }
     u, opt = static.actor_opt.update(g, st.opt_state, st.params, **extra)
     params = jax.tree_util.tree_map(

@@ -30,7 +30,7 @@ from aqn_jax import parallel, quant_base
 from aqn_jax.aqn.config import AQN_SIGMA, AqnSchedule
 from aqn_jax.data.gsm8k import Example, PromptBatcher
 from aqn_jax.data.tokenizers import Tokenizer
-from aqn_jax.faults.bitfaults import SDC_ATTEMPT, SDC_STEP
+from aqn_jax.faults.bitfaults import SDC_ATTEMPT, SDC_BIT, SDC_STEP, traced_bit
 from aqn_jax.faults.intercept import FaultPlan, step_key, summarize_stats
 from aqn_jax.models.registry import causal_lm
 from aqn_jax.rewards import score_batch
@@ -194,9 +194,13 @@ class Trainer:
         """The RL step and attempt as traced values, for bit faults planted at given steps
         (`bitfaults.SDC_STEP`); none when the plan has no such fault (the programs are then
         unchanged)."""
-        if SDC_STEP not in self.static.plan.value_names():
-            return {}
-        return {SDC_STEP: np.float32(step), SDC_ATTEMPT: np.float32(attempt)}
+        names = self.static.plan.value_names()
+        out = {}
+        if SDC_STEP in names:
+            out.update({SDC_STEP: np.float32(step), SDC_ATTEMPT: np.float32(attempt)})
+        if SDC_BIT in names:
+            out[SDC_BIT] = np.float32(traced_bit(self.static.plan))
+        return out
 
     def step(self, state: RLState, step: int) -> tuple[RLState, dict[str, float]]:
         """One RL step: the next state and the step's metrics (host floats)."""
