@@ -519,3 +519,41 @@ def test_study_bit_labels_outcomes_and_wilson(tmp_path):
     assert study.classify([row], clean, 128, True) == "diverged"
     summary = study.cell_summary(["masked", "degraded", "diverged", "spike_recover"])
     assert summary["bad_share"] == 0.5 and summary["ci"] == list(study.wilson(2, 4))
+
+
+def test_weight_fault_on_the_forward_seam():
+    # A weight fault acts on the weights as the forward reads them: count=2 elements of layer
+    # 0's down_proj kernel get the sign bit flipped, the logits move, the flips are reported
+    # under fault_stats/weights, and the stored params are untouched.
+    from aqn_jax.faults.bitfaults import TreeBits
+    from aqn_jax.forward import forward as seam
+
+    sel = SiteSelector(("down_proj",), (0,))
+    plan = FaultPlan([Injection("bitflip", sel, TreeBits(BitFault(bits="sign", count=2)))])
+    assert plan.trace_manifest(MODEL, PARAMS, "eval") == {
+        "bitflip": ["layers_0/mlp/down_proj/kernel"]
+    }
+    before = jax.tree_util.tree_map(np.array, PARAMS)
+
+    @jax.jit
+    def run(params, key):
+        return seam(MODEL, params, IDS, plan=plan, key=key, mutable=["fault_stats"])
+
+    out, st = run(PARAMS, step_key(0, 1, "eval"))
+    clean = MODEL.apply({"params": PARAMS}, IDS)
+    assert float(st["fault_stats"]["weights"]["bitflip.flips"][0]) == 2.0
+    assert not np.array_equal(np.asarray(out), np.asarray(clean))
+    for a, b in zip(
+        jax.tree_util.tree_leaves(before), jax.tree_util.tree_leaves(PARAMS), strict=True
+    ):
+        np.testing.assert_array_equal(a, np.asarray(b))
+    # The fault's own draw applied to the params outside the seam: the same logits, up to the
+    # float32 rounding of two programs (the flip fused into the forward or not): sums of at
+    # most 256 terms, ~256 * 2^-24 = 1.5e-5 relative, on logits of ~10.
+    flipped, n = TreeBits(BitFault(bits="sign", count=2)).apply(
+        PARAMS, sel, jax.random.fold_in(step_key(0, 1, "eval"), 0), {}, tag="w/"
+    )
+    assert int(n) == 2
+    by_hand = np.asarray(MODEL.apply({"params": flipped}, IDS))
+    np.testing.assert_allclose(np.asarray(out), by_hand, rtol=2e-5, atol=2e-4)
+    assert np.abs(np.asarray(out) - np.asarray(clean)).max() > 1e-2  # far above that
