@@ -292,3 +292,18 @@ def _walk_adapters(node):
         return
     for v in node.values():
         yield from _walk_adapters(v)
+
+
+def test_export_job_refuses_a_run_without_checkpoint(tmp_path):
+    from aqn_jax.jobs.export import check_config
+
+    config = load_config("export")
+    with pytest.raises(ValueError, match=r"config.export.run=''; name a train run's workdir"):
+        check_config(config)
+    config.export.run = str(tmp_path)
+    with pytest.raises(ValueError, match="no config.json there"):
+        check_config(config)
+    (tmp_path / "config.json").write_text(load_config("targeted", "smoke").to_json())
+    with pytest.raises(ValueError, match="has no checkpoint"):
+        check_config(config)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json"]  # nothing written

@@ -29,14 +29,18 @@ def check_config(config) -> tuple[str, ml_collections.ConfigDict, int]:
         raise ValueError("config.export.run=''; name a train run's workdir")
     path = os.path.join(run, "config.json")
     if not os.path.isfile(path):
-        raise ValueError(f"config.export.run={ex.run!r}: no config.json there (not a run's workdir)")
+        raise ValueError(
+            f"config.export.run={ex.run!r}: no config.json there (not a run's workdir)"
+        )
     with open(path) as f:
         run_config = ml_collections.ConfigDict(json.load(f))
-    ckpt = Checkpointer(run, 0, 1)
-    try:
-        steps = sorted(ckpt.manager.all_steps())
-    finally:
-        ckpt.close()
+    steps = []
+    if os.path.isdir(os.path.join(run, "checkpoints")):  # else nothing is created there
+        ckpt = Checkpointer(run, 0, 1)
+        try:
+            steps = sorted(ckpt.manager.all_steps())
+        finally:
+            ckpt.close()
     if not steps:
         raise ValueError(
             f"config.export.run={ex.run!r} has no checkpoint (it ended with"
@@ -60,5 +64,6 @@ def run(config, workdir: str) -> None:
     tokenizer = run_config.get("tokenizer_path") or run_config.model.get("hf_path", "")
     export_policy(out, model_cfg, params, tokenizer)
     what = "LoRA merged into its base" if "lora" in state["params"] else "full fine-tuning"
-    print(f"export: {out} ({run_dir} step {step}, {what}); evaluate with"
-          f" --config.model.hf_path={out}")
+    print(
+        f"export: {out} ({run_dir} step {step}, {what}); evaluate with --config.model.hf_path={out}"
+    )
