@@ -1,7 +1,8 @@
 """Export a train run's policy as an HF snapshot (job `export`, aqn_jax/jobs/export.py).
 
   python -m aqn_jax.launch --config=configs/export.py --config.export.run=runs/nvfp4_lora
-  python -m aqn_jax.launch --config=configs/evaluate.py --config.model.hf_path=runs/nvfp4_lora/export
+  python -m aqn_jax.launch --config=configs/evaluate.py \
+      --config.model.hf_path=runs/nvfp4_lora/export
 
 Expected: `export: <run>/export (...)`; transformers' `AutoModelForCausalLM.from_pretrained` loads
 the directory, and its logits match the run's policy (tests/test_lora.py).
