@@ -451,7 +451,7 @@ def _qerl(spec: JobSpec, params, specs):
     itemsize = np.dtype(spec.model.dtype).itemsize
     for path, leaf in jax.tree_util.tree_leaves_with_path(params):
         names = tuple(k.key for k in path)
-        pspec = _lookup(specs, names)
+        pspec = quant_base.leaf_at(specs, names)
         per_dim = tuple(_axes(pspec[i]) if i < len(pspec) else () for i in range(leaf.ndim))
         if block and names in kernels:
             (n_in, n_out), (s_in, s_out) = leaf.shape, per_dim
@@ -473,12 +473,6 @@ def _qerl(spec: JobSpec, params, specs):
     if spec.model.dtype != spec.model.param_dtype:
         rollout_weights = groups(rollout) + tuple(g._replace(itemsize=itemsize) for g in tgroups)
     return groups(base) + tgroups, tgroups, optimizer, rollout_weights, groups(deq)
-
-
-def _lookup(tree, path):
-    for k in path:
-        tree = tree[k]
-    return tree
 
 
 def _job(spec: JobSpec) -> _Job:

@@ -128,9 +128,9 @@ def test_packed_base_is_the_fake_quantisation(fmt):
         else:  # embeddings, norms, biases, lm_head: untouched
             np.testing.assert_array_equal(y.view(np.uint32), x.view(np.uint32))
     # Bytes: 4 bits a weight + one 8-bit scale per block, + 8 bytes of scalars per kernel.
-    n = sum(int(np.prod(quant_base._get(params, p).shape)) for p in kernels)
+    n = sum(int(np.prod(quant_base.leaf_at(params, p).shape)) for p in kernels)
     block = 16 if fmt == "nvfp4" else 32
-    packed_bytes = sum(quant_base._get(packed, p).nbytes for p in kernels)
+    packed_bytes = sum(quant_base.leaf_at(packed, p).nbytes for p in kernels)
     assert packed_bytes == n // 2 + n // block + 8 * len(kernels)
     print(f"{fmt}: packed {packed_bytes} B vs bf16 {2 * n} B = {packed_bytes / (2 * n):.4f}")
 
