@@ -168,18 +168,7 @@ def check_qerl(config, model_cfg, training: bool) -> None:
                 f"config.model.weight_format={fmt!r} freezes the base: training it needs"
                 " config.lora.rank > 0 (QeRL mode), or weight_format='none' for full fine-tuning"
             )
-        kernels = quant_base.linear_kernel_paths(shapes, site_of)
-        quant_base.check_shapes(
-            {"/".join(p[:-1]): _leaf(shapes, p).shape for p in kernels},
-            fmt,
-            "config.model.weight_format",
-        )
-
-
-def _leaf(tree, path):
-    for k in path:
-        tree = tree[k]
-    return tree
+        quant_base.check_model(shapes, fmt, site_of)
 
 
 class Checked(tuple):

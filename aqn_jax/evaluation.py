@@ -35,13 +35,14 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
+from aqn_jax import quant_base
 from aqn_jax.data.gsm8k import Example
 from aqn_jax.data.tokenizers import Tokenizer
 from aqn_jax.faults.intercept import FaultPlan, Injection, step_key
 from aqn_jax.faults.sites import LINEAR_KINDS, SiteSelector
 from aqn_jax.faults.transforms import Noise, Quantize, Scale
 from aqn_jax.forward import forward, token_nll
-from aqn_jax.models.registry import ModelConfig, causal_lm
+from aqn_jax.models.registry import ModelConfig, causal_lm, family_of
 from aqn_jax.rewards import METHODS, score_batch
 from aqn_jax.rl.sampler import Sampler, SamplingParams
 from aqn_jax.rl.scoring import eval_scores
@@ -59,6 +60,10 @@ def evaluate_config() -> ml_collections.ConfigDict:
     c.fault = (False, True)  # the hardware fault of config.faults off and/or on
     c.noise_levels = (0.0, 0.05, 0.10)  # relative noise on every linear output (0 = none)
     c.mxfp4 = True  # also MXFP4 on every linear input
+    # Weight-quantised inference: the policy's decoder linears stored in these 4-bit formats
+    # (aqn_jax/quant_base.py, QeRL's NVFP4A16 / MXFP4A16): a device condition of its own, e.g.
+    # ('nvfp4', 'mxfp4'); () = none.
+    c.weight_formats = ()
     c.samples = 1  # 1 = greedy; n > 1: n samples per prompt at rollout.temperature (mean@n)
     c.loss = True  # held-out loss (answer-token cross-entropy) with the fault off / on
     return c
@@ -69,6 +74,12 @@ def check_evaluate(ev: Any) -> None:
     fault = (ev.fault,) if isinstance(ev.fault, bool) else tuple(ev.fault)
     if not fault or any(not isinstance(f, bool) for f in fault):
         raise ValueError(f"config.evaluate.fault={ev.fault!r}; allowed: (False,), (True,), both")
+    for fmt in tuple(ev.get("weight_formats", ())):
+        if fmt not in quant_base.WEIGHT_FORMATS[1:]:
+            raise ValueError(
+                f"config.evaluate.weight_formats={tuple(ev.weight_formats)!r}; allowed: a tuple of"
+                f" {quant_base.WEIGHT_FORMATS[1:]}"
+            )
     levels = tuple(ev.noise_levels)
     if any(not 0 <= float(x) <= 1 for x in levels):
         raise ValueError(f"config.evaluate.noise_levels={levels}; each must be in [0, 1]")
@@ -128,6 +139,7 @@ class Condition:
     fault: bool
     kind: str  # 'none' (noise level 0) | 'noise' | 'mxfp4'
     level: float = 0.0
+    weights: str = "none"  # the policy's decoder linears in this format (quant_base)
 
 
 def conditions(ev: Any) -> list[Condition]:
@@ -143,6 +155,8 @@ def conditions(ev: Any) -> list[Condition]:
                 out.append(Condition(f"{base}+noise{level * 100:g}%", fault, "noise", level))
         if ev.mxfp4:
             out.append(Condition(f"{base}+mxfp4", fault, "mxfp4"))
+        for fmt in tuple(ev.get("weight_formats", ())):
+            out.append(Condition(f"{base}+weights_{fmt}", fault, "none", weights=fmt))
     return out
 
 
@@ -222,9 +236,12 @@ def robustness(
             )
         values = {EVAL_NOISE: np.float32(cond.level)} if cond.kind == "noise" else {}
         texts: list[str] = []
+        weights = params
+        if cond.weights != "none":  # the same program over the format's weights
+            weights = quant_base.fake_quantized(params, cond.weights, family_of(model_cfg).site_of)
         scores = eval_scores(
             samplers[key],
-            params,
+            weights,
             examples,
             tokenizer,
             bs,

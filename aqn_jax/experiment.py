@@ -216,8 +216,21 @@ CORRECTION_ARMS = {
     "aqn_qerl": (True, "none"),
     "aqn_qerl_tis": (True, "token_tis"),
 }
+# QeRL Table 1's columns (configs/qerl.py): arm -> (LoRA on, the base's weight_format, AQN on
+# the rollout's RMSNorm weights at QeRL's decay).
+QERL_ARMS = {
+    "full": (False, "none", False),
+    "lora": (True, "none", False),
+    "nvfp4_lora": (True, "nvfp4", False),
+    "mxfp4_lora": (True, "mxfp4", False),
+    "nvfp4_lora_aqn": (True, "nvfp4", True),
+}
+# QeRL mode's adapters on the embedded model: QeRL's scripts' rank 16 and alpha 16 (scale 1),
+# every linear; the LoRA learning rate 10x the full fine-tuning one (verl's and "LoRA without
+# regret"'s advice; QeRL: 1e-5 NVFP4-LoRA vs 5e-6 BF16-LoRA at 3B-7B, where full FT runs 1e-6).
+QERL_RANK, QERL_ALPHA, QERL_LR_FACTOR = 16, 16.0, 10.0
 # global_qerl: the baseline of the original design notes (configs/compare.py)
-ARMS = (*STUDY_ARMS, "global_qerl", *CORRECTION_ARMS)
+ARMS = (*STUDY_ARMS, "global_qerl", *CORRECTION_ARMS, *QERL_ARMS)
 STUDY_FAULTS = ("deadzone", "noise", "quant")
 SCENARIOS = ("lowprec_rollout", "deadzone_rollout", "both_call", "both_causal")
 # (c)'s deadzone: the causal statistic needs amax severity; 0.2 of the max costs the warm start
@@ -266,6 +279,22 @@ def apply_arm(config: ml_collections.ConfigDict, arm: str) -> ml_collections.Con
         )
     config.arm = arm
     config.faults[fault].enabled = arm != "clean"
+    if arm in QERL_ARMS:
+        lora_on, fmt, qerl = QERL_ARMS[arm]
+        config.lora.rank = QERL_RANK if lora_on else 0
+        config.lora.alpha = QERL_ALPHA
+        config.model.weight_format = fmt
+        if lora_on:
+            config.actor.lr = config.actor.lr * QERL_LR_FACTOR
+        config.aqn.enabled = qerl
+        if qerl:  # QeRL's AQN: every RMSNorm weight of the rollout model, its 10-stage decay
+            config.aqn.form, config.aqn.order, config.aqn.schedule = (
+                "norm_weight",
+                "after_fault",
+                "qerl",
+            )
+            config.aqn.layers = "all"
+        return config
     if arm in CORRECTION_ARMS:
         qerl, preset = CORRECTION_ARMS[arm]
         config.aqn.enabled = qerl

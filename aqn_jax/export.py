@@ -13,8 +13,14 @@ import os
 import shutil
 import tempfile
 
+import jax
+
+from aqn_jax import quant_base
 from aqn_jax.data.tokenizers import CHAR_TOKENIZER_FILE, HF_TOKENIZER_FILE, load_tokenizer
+from aqn_jax.lora import fingerprint, lora_spec, merged
 from aqn_jax.models.hf import save_hf_checkpoint
+from aqn_jax.models.registry import family_of
+from aqn_jax.warm_start import warm_start, warm_start_spec
 
 EXPORT_DIR = "export"
 # The files of an HF snapshot that describe its tokenizer and generation (copied when present).
@@ -56,3 +62,23 @@ def export_policy(out: str, model_cfg, params, tokenizer_source: str) -> str:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def plain_policy(config, trained, workdir: str, base_print: str | None = None):
+    """(model config, a plain param tree) of a run's trained params: as they are for full
+    fine-tuning; for a LoRA run (`{"lora": ...}`) the adapters merged into its base, the warm
+    start of `config` (the run's own config) in config.model.weight_format. `base_print`: the
+    checkpoint's fingerprint of its base; a different base is refused (one line)."""
+    model_cfg, base, _ = warm_start(warm_start_spec(config), workdir)
+    if "lora" not in trained:
+        return model_cfg, trained
+    base = jax.device_get(base)
+    fmt = config.model.get("weight_format", "none")
+    if base_print is not None and base_print != f"{fmt}:{fingerprint(base)}":
+        raise ValueError(
+            f"the checkpoint's adapters were trained over base {base_print}, but config.model /"
+            f" config.sft / weight_format give {fmt}:{fingerprint(base)[:12]}...; pass the run's"
+            " own config"
+        )
+    packed = quant_base.pack(base, fmt, family_of(model_cfg).site_of)
+    return model_cfg, merged(lora_spec(config.get("lora")), packed, trained)

@@ -93,8 +93,10 @@ import numpy as np
 import optax
 from jax.sharding import PartitionSpec as P
 
-from aqn_jax import parallel
+from aqn_jax import lora as lora_lib
+from aqn_jax import parallel, quant_base
 from aqn_jax.faults.config import fault_plan
+from aqn_jax.lora import LoraSpec, lora_spec
 from aqn_jax.models.registry import ModelConfig, causal_lm, family_of, init_cache
 from aqn_jax.rl.advantages import ESTIMATORS
 from aqn_jax.rl.optim import OptimizerSpec
@@ -116,12 +118,19 @@ RESIDENT = (
 )
 # The programs that run one at a time, and the components each adds to the resident ones.
 PHASES: dict[str, tuple[str, ...]] = {
-    "rollout": ("generation",),
-    "prepare": ("prepare",),
-    "update": ("gradients", "activations"),
+    "rollout": ("generation", "dequantized_base"),
+    "prepare": ("prepare", "dequantized_base"),
+    "update": ("gradients", "activations", "dequantized_base"),
     "optimizer step": ("gradients", "optimizer_step"),
 }
-COMPONENTS = RESIDENT + ("generation", "prepare", "gradients", "activations", "optimizer_step")
+COMPONENTS = RESIDENT + (
+    "generation",
+    "prepare",
+    "gradients",
+    "activations",
+    "optimizer_step",
+    "dequantized_base",
+)
 _BATCH = P(parallel.BATCH_AXES)  # axis 0 over (data, fsdp), the rest whole
 
 
@@ -368,6 +377,8 @@ class JobSpec:
     headroom: float  # config.planner
     device_memory_gb: float
     refuse: bool  # config.planner.enabled: refuse a plan that does not fit
+    lora: LoraSpec | None = None  # config.lora (QeRL mode when its rank > 0)
+    weight_format: str = "none"  # config.model.weight_format: the frozen base's storage
 
 
 def job_spec(config: Any, model_cfg: ModelConfig) -> JobSpec:
@@ -399,6 +410,8 @@ def job_spec(config: Any, model_cfg: ModelConfig) -> JobSpec:
         headroom=float(section.headroom),
         device_memory_gb=float(section.device_memory_gb),
         refuse=bool(section.enabled),
+        lora=lora_spec(config.get("lora")),
+        weight_format=str(config.model.get("weight_format", "none")),
     )
 
 
@@ -419,6 +432,47 @@ class _Job:
     bucket: int  # the largest reachable prompt bucket
     max_new: int
     use_ref: bool
+    trainable: tuple[_Group, ...] | None = None  # QeRL mode: the adapters (+ norms)
+    dequantized: tuple[_Group, ...] = ()  # a packed base's kernels, dequantised in a program
+    host: tuple[_Group, ...] | None = None  # the host's copy: the warm start, before packing
+
+
+def _qerl(spec: JobSpec, params, specs):
+    """QeRL mode's (base, trainable, optimizer, rollout weights, dequantised kernels) groups:
+    a packed base holds each decoder kernel as codes `[out, in / 2]` and scales `[out, in /
+    block]` bytes (`quant_base.Packed`) and dequantises it to the compute dtype inside the
+    programs (XLA hoists it out of the decode loop: counted while they run); only the adapters
+    (+ norms) have gradients and AdamW moments; the reference is the base itself."""
+    site_of = family_of(spec.model).site_of
+    kernels = set(quant_base.linear_kernel_paths(params, site_of))
+    fmt = spec.weight_format
+    block = {"nvfp4": 16, "mxfp4": 32}.get(fmt)
+    base, rollout, deq = Counter(), Counter(), Counter()
+    itemsize = np.dtype(spec.model.dtype).itemsize
+    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+        names = tuple(k.key for k in path)
+        pspec = quant_base.leaf_at(specs, names)
+        per_dim = tuple(_axes(pspec[i]) if i < len(pspec) else () for i in range(leaf.ndim))
+        if block and names in kernels:
+            (n_in, n_out), (s_in, s_out) = leaf.shape, per_dim
+            base[((n_out, n_in // 2), 1, (s_out, s_in))] += 1
+            base[((n_out, n_in // block), 1, (s_out, s_in))] += 1
+            base[((), 8, ())] += 1
+            deq[(tuple(leaf.shape), itemsize, per_dim)] += 1
+        else:
+            base[(tuple(leaf.shape), np.dtype(leaf.dtype).itemsize, per_dim)] += 1
+            rollout[(tuple(leaf.shape), itemsize, per_dim)] += 1
+    trainable = jax.eval_shape(
+        lambda p: lora_lib.init_trainable(spec.lora, p, site_of, jax.random.key(0)), params
+    )
+    tspecs = lora_lib.trainable_axes(spec.lora, specs, site_of)
+    tgroups = _groups(trainable, tspecs)
+    optimizer = _state_groups(spec.actor, spec.total_steps, trainable, tspecs)
+    groups = lambda c: tuple(_Group(*key, n) for key, n in c.items())  # noqa: E731
+    rollout_weights: tuple[_Group, ...] = ()
+    if spec.model.dtype != spec.model.param_dtype:
+        rollout_weights = groups(rollout) + tuple(g._replace(itemsize=itemsize) for g in tgroups)
+    return groups(base) + tgroups, tgroups, optimizer, rollout_weights, groups(deq)
 
 
 def _job(spec: JobSpec) -> _Job:
@@ -438,6 +492,11 @@ def _job(spec: JobSpec) -> _Job:
         itemsize = np.dtype(model_cfg.dtype).itemsize
         rollout_weights = tuple(g._replace(itemsize=itemsize) for g in param_groups)
 
+    trainable, dequantized, host = None, (), param_groups
+    if spec.lora is not None and spec.lora.enabled:
+        param_groups, trainable, optimizer, rollout_weights, dequantized = _qerl(
+            spec, params, specs
+        )
     lengths = tuple(b + spec.max_new for b in spec.buckets)
     return _Job(
         model=model_cfg,
@@ -453,6 +512,9 @@ def _job(spec: JobSpec) -> _Job:
         bucket=spec.buckets[-1],
         max_new=spec.max_new,
         use_ref=spec.use_ref,
+        trainable=trainable,
+        dequantized=dequantized,
+        host=host,
     )
 
 
@@ -516,13 +578,15 @@ def _plan(
     sizes = dict(zip(parallel.AXES, mesh, strict=True))
     dp, tensor = mesh[0] * mesh[1], mesh[2]
     params = _shard_bytes(job.params, sizes)
+    trained = params if job.trainable is None else _shard_bytes(job.trainable, sizes)
     act = activation_terms(
         job.model, _cdiv(micro_batch_rows, dp), job.bucket, job.max_new, tensor, remat
     )
     components = {
         "params": params,
         "optimizer": _shard_bytes(job.optimizer, sizes),
-        "reference": params if job.use_ref else 0,
+        # QeRL mode: the reference is the base with the adapters off, no copy.
+        "reference": params if job.use_ref and job.trainable is None else 0,
         "critic": _shard_bytes(job.critic, sizes),
         "rollout_weights": _shard_bytes(job.rollout_weights, sizes),
         "kv_cache": _shard_bytes(job.kv_cache, sizes),
@@ -533,9 +597,10 @@ def _plan(
         "prepare": prepare_bytes(
             job.model, _cdiv(micro_batch_rows, dp), job.bucket, job.max_new, tensor, job.use_ref
         ),
-        "gradients": params,
+        "gradients": trained,
         "activations": act["layers"] + act["logits"],
-        "optimizer_step": params,
+        "optimizer_step": trained,
+        "dequantized_base": _shard_bytes(job.dequantized, sizes),
     }
     phase = {name: sum(components[c] for c in parts) for name, parts in PHASES.items()}
     peak = max(phase, key=phase.get)
@@ -551,7 +616,7 @@ def _plan(
         micro_batch_rows=micro_batch_rows,
         capacity=capacity,
         headroom=headroom,
-        host_params=_shard_bytes(job.params, dict.fromkeys(parallel.AXES, 1)),
+        host_params=_shard_bytes(job.host or job.params, dict.fromkeys(parallel.AXES, 1)),
         cpu_total=cpu_total,
     )
 

@@ -163,7 +163,8 @@ def linear_kernel_paths(params, site_of: Callable) -> list[tuple[str, ...]]:
     return out
 
 
-def _get(tree, path):
+def leaf_at(tree, path):
+    """The leaf of a nested dict at `path`."""
     for k in path:
         tree = tree[k]
     return tree
@@ -175,21 +176,28 @@ def _set(tree, path, value):
     return {**tree, path[0]: _set(tree[path[0]], path[1:], value)}
 
 
+def check_model(params, fmt: str, site_of: Callable) -> list[tuple[str, ...]]:
+    """The decoder kernels' paths of `params` (arrays or shapes), every input length a multiple
+    of `fmt`'s block; one line naming the field and the kernel otherwise."""
+    paths = linear_kernel_paths(params, site_of)
+    if not paths:
+        raise ValueError(f"config.model.weight_format={fmt!r}: the model has no decoder linears")
+    check_shapes(
+        {"/".join(p[:-1]): tuple(leaf_at(params, p).shape) for p in paths},
+        fmt,
+        "config.model.weight_format",
+    )
+    return paths
+
+
 def pack(params, fmt: str, site_of: Callable):
     """`params` with every decoder linear's kernel packed in `fmt` ('none': unchanged)."""
     check_format(fmt)
     if fmt == "none":
         return params
-    paths = linear_kernel_paths(params, site_of)
-    if not paths:
-        raise ValueError(f"config.model.weight_format={fmt!r}: the model has no decoder linears")
-    check_shapes(
-        {"/".join(p[:-1]): tuple(_get(params, p).shape) for p in paths},
-        fmt,
-        "config.model.weight_format",
-    )
+    paths = check_model(params, fmt, site_of)
     for path in paths:
-        params = _set(params, path, pack_kernel(_get(params, path), fmt, "/".join(path)))
+        params = _set(params, path, pack_kernel(leaf_at(params, path), fmt, "/".join(path)))
     return params
 
 

@@ -75,7 +75,7 @@ evaluation on 128 problems with the fault:
   global_aqn -0.025, p = 0.15, MDD 0.051; healthy - global_aqn -0.003, p = 0.82: no AQN effect.
 """
 
-from aqn_jax.experiment import apply_scenario, base_config
+from aqn_jax.experiment import QERL_ARMS, apply_scenario, base_config
 from aqn_jax.study.config import compare_config
 
 VARIANTS = {
@@ -111,6 +111,9 @@ VARIANTS = {
     "mismatch_study_mxfp4": {"scenario": "lowprec_rollout"},
     "mismatch_study_call": {"scenario": "both_call"},  # (b) the study's deadzone, per call
     "mismatch_study_causal": {"scenario": "both_causal"},  # (c) the negative control
+    # Issue 40: QeRL mode's five arms (configs/qerl.py) on the study's faulty device, each
+    # validated on it and on a clean device.
+    "qerl_study": {"qerl": True},
 }
 MISMATCH_ARMS = ("clean", "uncorrected", "tis", "trl_mask", "geo_rs", "aqn_qerl", "aqn_qerl_tis")
 
@@ -157,6 +160,21 @@ def get_config(arg=None):
         )
         config.evaluate.noise_levels = (0.0, 0.05, 0.10, 0.20)
         config.evaluate.mxfp4 = False
+    if spec.get("qerl"):
+        config.compare.arms = tuple(QERL_ARMS)
+        config.compare.reference_arm = "full"
+        config.compare.comparisons = (
+            ("nvfp4_lora", "lora"),
+            ("nvfp4_lora_aqn", "nvfp4_lora"),
+            ("lora", "full"),
+        )
+        # The budget of a 5 x 5 study on 2 cores: 12 RL steps, the evaluation on the faulty
+        # and the clean device only.
+        config.trainer.total_steps = 2 if smoke else 12
+        if not smoke:
+            config.trainer.val_size = 64
+        config.evaluate.noise_levels = (0.0,)
+        config.evaluate.mxfp4 = False
     if "scenario" in spec:
         apply_scenario(config, spec["scenario"])
         control = spec["scenario"] == "both_causal"
@@ -188,6 +206,9 @@ def get_config(arg=None):
         if "scenario" in spec:
             config.compare.arms = ("uncorrected", "tis")
             config.compare.comparisons = (("tis", "uncorrected"),)
+        elif spec.get("qerl"):
+            config.compare.arms = ("lora", "nvfp4_lora")
+            config.compare.comparisons = (("nvfp4_lora", "lora"),)
         elif "study_fault" not in spec:
             config.compare.arms = ("global_aqn", "targeted")
             config.compare.comparisons = (("targeted", "global_aqn"),)

@@ -128,9 +128,9 @@ def test_packed_base_is_the_fake_quantisation(fmt):
         else:  # embeddings, norms, biases, lm_head: untouched
             np.testing.assert_array_equal(y.view(np.uint32), x.view(np.uint32))
     # Bytes: 4 bits a weight + one 8-bit scale per block, + 8 bytes of scalars per kernel.
-    n = sum(int(np.prod(quant_base._get(params, p).shape)) for p in kernels)
+    n = sum(int(np.prod(quant_base.leaf_at(params, p).shape)) for p in kernels)
     block = 16 if fmt == "nvfp4" else 32
-    packed_bytes = sum(quant_base._get(packed, p).nbytes for p in kernels)
+    packed_bytes = sum(quant_base.leaf_at(packed, p).nbytes for p in kernels)
     assert packed_bytes == n // 2 + n // block + 8 * len(kernels)
     print(f"{fmt}: packed {packed_bytes} B vs bf16 {2 * n} B = {packed_bytes / (2 * n):.4f}")
 
@@ -292,3 +292,18 @@ def _walk_adapters(node):
         return
     for v in node.values():
         yield from _walk_adapters(v)
+
+
+def test_export_job_refuses_a_run_without_checkpoint(tmp_path):
+    from aqn_jax.jobs.export import check_config
+
+    config = load_config("export")
+    with pytest.raises(ValueError, match=r"config.export.run=''; name a train run's workdir"):
+        check_config(config)
+    config.export.run = str(tmp_path)
+    with pytest.raises(ValueError, match="no config.json there"):
+        check_config(config)
+    (tmp_path / "config.json").write_text(load_config("targeted", "smoke").to_json())
+    with pytest.raises(ValueError, match="has no checkpoint"):
+        check_config(config)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json"]  # nothing written

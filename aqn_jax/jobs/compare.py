@@ -53,6 +53,7 @@ from aqn_jax.data.config import load_split
 from aqn_jax.diagnosis import srdd
 from aqn_jax.evaluation import conditions, eval_spec, robustness
 from aqn_jax.experiment import apply_arm
+from aqn_jax.export import plain_policy
 from aqn_jax.faults.config import fault_plan
 from aqn_jax.files import write_json
 from aqn_jax.metrics import read_metrics
@@ -337,16 +338,17 @@ def _use_compile_cache(path: str) -> None:
 def _evaluate(config, run_dir: str, programs: dict | None) -> dict:
     """The robustness matrix and held-out loss of the run's final checkpoint."""
     ckpt = Checkpointer(run_dir, 0, 1)
-    state, _ = ckpt.restore_host(ckpt.latest_step())
+    state, meta = ckpt.restore_host(ckpt.latest_step())
     ckpt.close()
     model_cfg = model_config(config.model)
+    trained = state["params"]
+    if "lora" in trained:  # a QeRL-mode arm: its adapters merged into its (quantised) base
+        model_cfg, trained = plain_policy(config, trained, run_dir, meta.get("base"))
     tokenizer = tokenizer_for(config.tokenizer_path, config.model)
     size = int(config.evaluate.size or config.trainer.val_size)
     test = load_split(config.data, "test")[:size]
     mesh = parallel.make_mesh(config.mesh)
-    params = parallel.put_global(
-        state["params"], parallel.param_shardings(logical_axes(model_cfg), mesh)
-    )
+    params = parallel.put_global(trained, parallel.param_shardings(logical_axes(model_cfg), mesh))
     hardware = fault_plan(config.faults, model_cfg.num_hidden_layers)
     spec = eval_spec(config)
     return robustness(spec, model_cfg, params, tokenizer, test, hardware, mesh, programs=programs)

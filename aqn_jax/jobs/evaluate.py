@@ -26,6 +26,7 @@ from aqn_jax.checkpoint import Checkpointer
 from aqn_jax.checks import check_prompt_lengths
 from aqn_jax.data.config import check_data, load_split
 from aqn_jax.evaluation import check_evaluate, eval_spec, robustness
+from aqn_jax.export import plain_policy
 from aqn_jax.faults.config import fault_plan
 from aqn_jax.models.factory import logical_axes, model_config
 from aqn_jax.models.hf import abstract_params
@@ -83,9 +84,11 @@ def load_policy(config, workdir: str):
             f"config.evaluate.step={ev.step}: {ev.run} has checkpoints"
             f" {sorted(ckpt.manager.all_steps())}"
         )
-    state, _ = ckpt.restore_host(step)
+    state, meta = ckpt.restore_host(step)
     ckpt.close()
     params = state["params"]
+    if "lora" in params:  # a QeRL-mode run: its adapters merged into its (quantised) base
+        model_cfg, params = plain_policy(config, params, workdir, meta.get("base"))
     want = jax.tree_util.tree_map(lambda a: a.shape, abstract_params(model_cfg))
     if jax.tree_util.tree_map(np.shape, params) != want:
         raise ValueError(
