@@ -447,6 +447,7 @@ def test_guard_verdicts():
 
 
 # --- the guard, end to end ---------------------------------------------------------------------
+@pytest.mark.slow  # three smoke runs of the shallow model (the clean one shares test_train's)
 def test_guard_recomputes_a_planted_gradient_flip_and_the_control_diverges(sft_cache, tmp_path):
     # Step 1's gradient of layer 1's q_proj kernel gets bit 30 set in every element: each |g| < 1
     # becomes |g| 2^128, their squares overflow, the global norm is inf and clipping makes the
