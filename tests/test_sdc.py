@@ -449,14 +449,15 @@ def test_guard_verdicts():
 # --- the guard, end to end ---------------------------------------------------------------------
 @pytest.mark.slow  # three smoke runs of the shallow model (the clean one shares test_train's)
 def test_guard_recomputes_a_planted_gradient_flip_and_the_control_diverges(sft_cache, tmp_path):
-    # Step 1's gradient of layer 1's q_proj kernel gets bit 30 set in every element: each |g| < 1
-    # becomes |g| 2^128, their squares overflow, the global norm is inf and clipping makes the
-    # update NaN. Without a guard the run stops on the non-finite step, naming the step and the
-    # fault (the negative control); with config.sdc.guard=recompute the step is recomputed with
-    # the next attempt's draw (the planted flip fires on the first attempt only) and the run
-    # ends with the clean run's metrics: the same computations on the same inputs, the update
-    # program differing only by the guard's extra reductions and no donation (asserted equal
-    # to float32 rounding of the reductions: rtol 1e-5, far below any effect of the fault).
+    # Step 1's backward pass gets bit 30 (the f32 exponent's top bit) set in every element of
+    # layer 1's down_proj dX, the gradient flowing back into the MLP: each |dX| < 1 becomes
+    # |dX| 2^128, the parameter gradients below it exceed 1.8e19 and their squares overflow:
+    # the gradient norm is inf. Without a guard the run stops on the non-finite step, naming the
+    # step and the fault (the negative control); with config.sdc.guard=recompute the step is
+    # recomputed with the next attempt's draw (the planted flip fires on the first attempt
+    # only) and the run ends with the clean run's metrics: the same computations on the same
+    # inputs, the programs differing by the fault's masked-off XOR, the guard's extra
+    # reductions and no donation (asserted to float32 rounding, rtol 1e-5; measured bitwise).
     from aqn_jax.launch import run
     from aqn_jax.metrics import read_metrics
 
@@ -469,9 +470,9 @@ def test_guard_recomputes_a_planted_gradient_flip_and_the_control_diverges(sft_c
 
     planted = {
         "faults.bitflip.enabled": True,
-        "faults.bitflip.target": "gradient",
-        "faults.bitflip.sites": ("q_proj",),
+        "faults.bitflip.sites": ("down_proj",),
         "faults.bitflip.layers": "1",
+        "faults.bitflip.point": "dx",
         "faults.bitflip.phases": ("train",),
         "faults.bitflip.bits": "(30,)",
         "faults.bitflip.rate": 1.0,
