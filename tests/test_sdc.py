@@ -3,6 +3,7 @@ fault kinds at module sites (manifest, telemetry, steps, permanent lanes), the b
 products, the MX/NVFP4 scale flip, ABFT and the config's errors."""
 
 import functools
+import json
 
 import jax
 import jax.numpy as jnp
@@ -521,6 +522,16 @@ def test_study_bit_labels_outcomes_and_wilson(tmp_path):
     assert study.classify([row], clean, 128, True) == "diverged"
     summary = study.cell_summary(["masked", "degraded", "diverged", "spike_recover"])
     assert summary["bad_share"] == 0.5 and summary["ci"] == list(study.wilson(2, 4))
+    result = {
+        "model": "tiny", "dtype": "float32", "steps": 3, "fire_step": 2, "count": 1,
+        "trials": 4, "seeds": [0, 1, 2, 3], "val_size": 128, "bits": ["e7"],
+        "sites": ["mlp_fwd"], "cells": {"mlp_fwd/e7": summary}, "wall_s": 1.0,
+    }  # fmt: skip
+    md = study.write_report(str(tmp_path), result)
+    assert "| e7 | 0.50 [" in (tmp_path / md).read_text()
+    saved = json.loads((tmp_path / "vulnerability.json").read_text())
+    assert saved["cells"]["mlp_fwd/e7"]["n"] == 4
+    assert (tmp_path / "vulnerability.png").stat().st_size > 0
 
 
 def test_weight_fault_on_the_forward_seam():

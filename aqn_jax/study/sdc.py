@@ -82,7 +82,7 @@ def cell_summary(outcomes: Sequence[str]) -> dict[str, Any]:
 def write_report(workdir: str, result: Mapping[str, Any]) -> str:
     """vulnerability.json, vulnerability.md and vulnerability.png (bit field x site -> share of
     trials degraded or diverged) in `workdir`; returns the markdown path."""
-    write_json(os.path.join(workdir, "vulnerability.json"), result, indent=2)
+    write_json(os.path.join(workdir, "vulnerability.json"), result)
     bits, sites = result["bits"], result["sites"]
     cells = result["cells"]
     lines = [
