@@ -132,7 +132,12 @@ def write_report(workdir: str, result: Mapping[str, Any]) -> str:
             f" {guard['step_s_clean']:.3f} s, with detection {guard['step_s_guard']:.3f} s"
             f" ({guard['overhead']:+.1%}).",
         ]
-    lines += ["", f"Run time: {result['wall_s']:.0f} s.", ""]
+    lines += [
+        "",
+        f"Run time: {result.get('trials_s', result['wall_s']):.0f} s in {result.get('runs', '?')}"
+        f" train runs (this invocation {result['wall_s']:.0f} s; finished runs are reused).",
+        "",
+    ]
     path = os.path.join(workdir, "vulnerability.md")
     write_atomic(path, "\n".join(lines))
     _heat_map(os.path.join(workdir, "vulnerability.png"), bits, sites, cells)
