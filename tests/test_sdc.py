@@ -516,6 +516,9 @@ def test_study_bit_labels_outcomes_and_wilson(tmp_path):
     row = dict(clean[0])
     assert study.classify([row], clean, 128, False) == "masked"
     assert study.classify([{**row, "actor/grad_norm": 3.0}], clean, 128, False) == "spike_recover"
+    spike = {**row, "sdc/grad_norm": float("inf")}  # the norm the optimizer received
+    assert study.classify([spike], clean, 128, False) == "spike_recover"
+    assert study.classify([{**row, "actor/pg_loss": 9.0}], clean, 128, False) == "masked"
     # 0.5 of 128: the Wilson interval's lower end is 0.415; 0.40 is below it, 0.42 above.
     assert study.classify([{**row, "val-core/acc": 0.40}], clean, 128, False) == "degraded"
     assert study.classify([{**row, "val-core/acc": 0.42}], clean, 128, False) == "masked"

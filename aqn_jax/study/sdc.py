@@ -5,8 +5,9 @@ catches, false positives and overhead, and vulnerability.{json,md} with a heat m
 Outcome classes (He et al. ISCA'23; LLM-PRISM), in this order:
   diverged          the run stopped on a non-finite value, or ended with one
   degraded          final accuracy below the clean run's 95% Wilson interval (slow degradation)
-  spike_recover     a step's grad norm or loss left [1/SPIKE, SPIKE] x the clean run's at that
-                    step, and the final accuracy is within the clean interval
+  spike_recover     a step's gradient norm (as the optimizer received it) was non-finite or left
+                    [1/SPIKE, SPIKE] x the clean run's at that step, and the final accuracy is
+                    within the clean interval
   masked            none of these
 """
 
@@ -22,7 +23,7 @@ import numpy as np
 from aqn_jax.files import write_atomic, write_json
 
 OUTCOMES = ("masked", "spike_recover", "degraded", "diverged")
-SPIKE = 2.0  # a step's grad norm or |loss| more than 2x (or below 1/2) the clean run's
+SPIKE = 2.0  # a step's gradient norm more than 2x (or below 1/2) the clean run's
 Z95 = 1.959963984540054
 
 
@@ -38,28 +39,29 @@ def wilson(k: int, n: int, z: float = Z95) -> tuple[float, float]:
 
 
 def _spiked(trial: Sequence[Mapping], clean: Sequence[Mapping]) -> bool:
+    """A step whose gradient norm as the optimizer received it (`sdc/grad_norm` when gradient
+    faults ran, else `actor/grad_norm`) is non-finite or outside [1/SPIKE, SPIKE] x the clean
+    run's at that step. (Not the loss: GRPO's policy loss is ~0 by construction, a ratio of it
+    is noise.)"""
     by_step = {int(r["step"]): r for r in clean}
     for r in trial:
         c = by_step.get(int(r["step"]))
-        if c is None:
+        if c is None or "actor/grad_norm" not in c:
             continue
-        for key in ("actor/grad_norm", "actor/pg_loss"):
-            if key not in r or key not in c:
-                continue
-            a, b = abs(float(r[key])), abs(float(c[key]))
-            if not math.isfinite(a):
-                return True
-            if b > 0 and not 1 / SPIKE <= a / b <= SPIKE:
-                return True
+        a = float(r.get("sdc/grad_norm", r.get("actor/grad_norm", math.nan)))
+        b = float(c["actor/grad_norm"])
+        if not math.isfinite(a):
+            return True
+        if b > 0 and not 1 / SPIKE <= a / b <= SPIKE:
+            return True
     return False
 
 
 def classify(trial: Sequence[Mapping], clean: Sequence[Mapping], val_n: int, stopped: bool) -> str:
     """The outcome of a trial (its metrics rows) against the clean run of its seed; `stopped`:
     the trial raised on a non-finite value."""
-    if stopped or any(
-        isinstance(v, float) and not math.isfinite(v) for r in trial[-1:] for v in r.values()
-    ):
+    last = {k: v for k, v in trial[-1].items() if not k.startswith("sdc/")}  # (diagnostics)
+    if stopped or any(isinstance(v, float) and not math.isfinite(v) for v in last.values()):
         return "diverged"
     acc = float(trial[-1]["val-core/acc"])
     clean_acc = float(clean[-1]["val-core/acc"])
