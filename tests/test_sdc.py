@@ -573,3 +573,42 @@ def test_weight_fault_on_the_forward_seam():
     by_hand = np.asarray(MODEL.apply({"params": flipped}, IDS))
     np.testing.assert_allclose(np.asarray(out), by_hand, rtol=2e-5, atol=2e-4)
     assert np.abs(np.asarray(out) - np.asarray(clean)).max() > 1e-2  # far above that
+
+
+@pytest.mark.slow  # two more smoke runs, on the guard's programs compiled by the test above
+def test_guard_skip_and_rollback_paths(sft_cache, tmp_path):
+    # The same planted dX flip at step 1. guard=skip: the update is dropped (the state before
+    # the step is kept, the step counts) and the run goes on. guard=recompute with
+    # max_recomputes=0: the step fails at once and the job rolls back to the loop's first
+    # state (no checkpoint yet); the redone step starts past the failed attempt, so the planted
+    # flip does not fire again and the run ends with sdc/rolled_back on that step.
+    from aqn_jax.launch import run
+    from aqn_jax.metrics import read_metrics
+
+    from conftest import load_config, shallow
+
+    planted = {
+        "faults.bitflip.enabled": True,
+        "faults.bitflip.sites": ("down_proj",),
+        "faults.bitflip.layers": "1",
+        "faults.bitflip.point": "dx",
+        "faults.bitflip.phases": ("train",),
+        "faults.bitflip.bits": "(30,)",
+        "faults.bitflip.rate": 1.0,
+        "faults.bitflip.steps": "(1,)",
+    }
+
+    def go(name, **over):
+        c = load_config("clean", "smoke")
+        c.sft.cache_dir = sft_cache
+        run(shallow(c, **planted, **over), str(tmp_path / name))
+        return read_metrics(str(tmp_path / name))
+
+    skipped = go("skip", **{"sdc.guard": "skip"})
+    assert [r.get("sdc/guard_skipped") for r in skipped[1:]] == [1.0, 0.0]
+    assert "actor/grad_norm" not in skipped[1]  # the rejected attempt's inf, dropped
+    rolled = go("rollback", **{"sdc.guard": "recompute", "sdc.max_recomputes": 0})
+    rows = {int(r["step"]): r for r in rolled}  # the redone step's row is the later one
+    assert rows[1]["sdc/rolled_back"] == 1.0 and rows[1]["sdc/recomputed"] == 0.0
+    assert rows[2]["sdc/rolled_back"] == 0.0
+    assert all(np.isfinite(v) for k, v in rows[2].items() if not k.startswith("timing"))
