@@ -227,7 +227,7 @@ def train_and_evaluate(rc, run_dir: str, device=None, programs: dict | None = No
     process (`evaluation.program`). Returns the wall time."""
     t0 = time.perf_counter()
     training.run(rc, run_dir)
-    result = _evaluate(rc if device is None else device, run_dir, programs)
+    result = _evaluate(rc if device is None else device, run_dir, programs, rc)
     result["wall_time_s"] = time.perf_counter() - t0
     write_json(os.path.join(run_dir, "evaluation.json"), result, default=str)
     return result["wall_time_s"]
@@ -335,15 +335,16 @@ def _use_compile_cache(path: str) -> None:
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
-def _evaluate(config, run_dir: str, programs: dict | None) -> dict:
-    """The robustness matrix and held-out loss of the run's final checkpoint."""
+def _evaluate(config, run_dir: str, programs: dict | None, policy=None) -> dict:
+    """The robustness matrix and held-out loss of the run's final checkpoint on the device of
+    `config`; `policy`: the run's own config (its LoRA and base format; default `config`)."""
     ckpt = Checkpointer(run_dir, 0, 1)
     state, meta = ckpt.restore_host(ckpt.latest_step())
     ckpt.close()
     model_cfg = model_config(config.model)
     trained = state["params"]
     if "lora" in trained:  # a QeRL-mode arm: its adapters merged into its (quantised) base
-        model_cfg, trained = plain_policy(config, trained, run_dir, meta.get("base"))
+        model_cfg, trained = plain_policy(policy or config, trained, run_dir, meta.get("base"))
     tokenizer = tokenizer_for(config.tokenizer_path, config.model)
     size = int(config.evaluate.size or config.trainer.val_size)
     test = load_split(config.data, "test")[:size]
