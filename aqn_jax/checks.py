@@ -22,6 +22,7 @@ from aqn_jax.models.factory import model_config
 from aqn_jax.models.hf import abstract_params
 from aqn_jax.models.registry import family_of
 from aqn_jax.rl.advantages import ESTIMATORS
+from aqn_jax.rl.guard import guard_spec
 from aqn_jax.rl.optim import check_optimizer
 from aqn_jax.rl.sampler import check_rollout
 from aqn_jax.rl.step import hyper_from
@@ -210,6 +211,7 @@ def check_train(config, workdir: str | None = None, cache: dict | None = None) -
     check_diagnosis(config.diagnosis)
     hw = fault_plan(config.faults, n)  # fault layers within the model, fields valid
     check_bit_dtypes(config.faults, model_cfg.dtype, model_cfg.param_dtype)
+    guard_spec(config.get("sdc"))  # config.sdc: the guard's fields
     # The AQN arm parses now; 'located' / 'srdd' get their layers from the diagnosis later.
     build_plan(
         config.faults, config.aqn, n, srdd_sigmas=dict.fromkeys(range(n), 0.05), srdd_layers=[0]

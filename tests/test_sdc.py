@@ -210,7 +210,7 @@ def test_backward_product_flip_changes_exactly_the_flipped_element():
         return g(PARAMS)
 
     (g0, _), (g1, st) = grads(BitFault(bits=(23,), rate=0.0)), grads(BitFault(bits=(23,), count=1))
-    assert summarize_stats(st)["bitflip.flips/layers_1/mlp/down_proj"] == 1.0
+    assert summarize_stats(st)["bitflip.bwd_flips/layers_1/mlp/down_proj"] == 1.0
     k0 = np.asarray(g0["layers_1"]["mlp"]["down_proj"]["kernel"])
     k1 = np.array(g1["layers_1"]["mlp"]["down_proj"]["kernel"])
     diff = np.argwhere(k0 != k1)
@@ -424,6 +424,20 @@ def test_moment_fault_and_the_range_check():
         assert int(optim.tree_fault_flips(st)) == (0 if in_range else 4)  # q_proj kernel + bias
 
 
+def test_bad_guard_config_names_the_field():
+    from aqn_jax.rl.guard import guard_spec, sdc_config
+
+    for field, value, match in (
+        ("guard", "retry", r"config.sdc.guard='retry'; allowed"),
+        ("max_recomputes", -1, r"config.sdc.max_recomputes=-1; must be >= 0"),
+        ("window", 2, r"config.sdc.window=2; must be >= 5"),
+    ):
+        c = sdc_config()
+        c[field] = value
+        with pytest.raises(ValueError, match=match):
+            guard_spec(c)
+
+
 def test_guard_verdicts():
     from aqn_jax.rl.guard import Guard, GuardSpec, robust_z
 
@@ -485,7 +499,8 @@ def test_guard_recomputes_a_planted_gradient_flip_and_the_control_diverges(sft_c
     run(config(), str(tmp_path / "clean"))
     guarded, clean = read_metrics(str(tmp_path / "guarded")), read_metrics(str(tmp_path / "clean"))
     assert guarded[1]["sdc/recomputed"] == 1.0 and guarded[2]["sdc/recomputed"] == 0.0
-    assert guarded[1]["sdc/injected"] == 0.0  # the accepted attempt flipped nothing
+    # Every flip that fired counts: all of the rejected attempt's, none of the accepted one's.
+    assert guarded[1]["sdc/injected"] == guarded[1]["sdc/injected_rejected"] > 0
     for g, c in zip(guarded, clean, strict=True):
         for k, v in c.items():
             if k.startswith("timing_s"):

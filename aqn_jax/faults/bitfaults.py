@@ -19,8 +19,9 @@ permanent fault uses fixed lanes, drawn from `lane_seed` and the site alone: the
 an activation (the same lanes for every token), every element of a tree's leaf.
 
 Telemetry (`flips`, sown per site and call): the bits that changed; for the backward products
-(`BitsLinear`) the bits the mask selects (stuck bits: those forced, whether or not they were
-already set), since a backward pass cannot sow.
+(`BitsLinear`, `bwd_flips`) the bits the mask selects (stuck bits: those forced, whether or not
+they were already set), since a backward pass cannot sow; they count only in a differentiated
+call.
 """
 
 from __future__ import annotations
@@ -255,7 +256,9 @@ class BitsLinear(TransformBase):
         shape = x.shape if self.which == "dx" else w.shape
         tag = f"{ctx.site}:{ctx.name}"
         mask = self.fault.mask(lambda: ctx.key, tag, shape, x.dtype, ctx.values, ctx.site)
-        ctx.sow("flips", bits.popcount(mask).astype(jnp.float32))
+        # `bwd_flips`: they happen only if this call is differentiated (the update's passes,
+        # not prepare's or the sampler's); the caller counts them where it differentiates.
+        ctx.sow("bwd_flips", bits.popcount(mask).astype(jnp.float32))
         return _bits_linear(self.which, self.fault.mode, x, w, b, lora, mask)
 
     def value_names(self) -> frozenset[str]:

@@ -257,13 +257,16 @@ def sdc_spec(spec: StepSpec, plan: FaultPlan, total_updates: int) -> SdcSpec | N
 SDC_KINDS = ("bitflip", "stuck_at", "mx_scale_flip", "abft")
 
 
-def sdc_site_counts(fault_stats) -> dict[str, jax.Array]:
+def sdc_site_counts(fault_stats, backward: bool = False) -> dict[str, jax.Array]:
     """{'flips': bits flipped, 'abft': rows ABFT flagged} summed over the sites of a
-    `fault_stats` tree (SDC_KINDS' `flips` and `detected`)."""
+    `fault_stats` tree (SDC_KINDS' `flips` and `detected`; `bwd_flips`, the backward products',
+    with `backward`: the passes that were differentiated)."""
     out = {"flips": jnp.zeros((), jnp.float32), "abft": jnp.zeros((), jnp.float32)}
     for path, v in jax.tree_util.tree_leaves_with_path(fault_stats):
         names = [k.key for k in path if isinstance(k, jax.tree_util.DictKey)]
         kind, _, stat = str(names[-1] if names else "").partition(".")
+        if kind in SDC_KINDS and stat == "bwd_flips" and backward:
+            stat = "flips"
         if kind in SDC_KINDS and stat in ("flips", "detected"):
             key = "flips" if stat == "flips" else "abft"
             out[key] = out[key] + jnp.sum(jnp.asarray(v, jnp.float32))
@@ -607,7 +610,7 @@ def actor_loss(static: Static, params, mic, denom, key, values):
         )
         loss = loss + h.kl_loss_coef * kl_loss
     if static.sdc is not None and static.sdc.sites:  # this pass's flips and ABFT detections
-        counts = sdc_site_counts(fstate.get("fault_stats", {}))
+        counts = sdc_site_counts(fstate.get("fault_stats", {}), backward=True)
         aux = {**aux, "sdc_flips": counts["flips"], "sdc_abft": counts["abft"]}
     return loss, {"pg_loss": pg, "kl_loss": kl_loss, "entropy": ent, **aux}
 

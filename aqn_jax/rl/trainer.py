@@ -325,6 +325,7 @@ class Trainer:
         """The guard's verdict on each attempt (rl/guard.py): skip, recompute with a fresh
         fault draw, or ask the job for a rollback; (the accepted attempt, sdc/* metrics)."""
         t0, skipped = time.perf_counter(), False
+        rejected = {"sdc/injected_rejected": 0.0, "sdc/detected_abft_rejected": 0.0}
         first = attempt = self.first_attempt.get(step, 0)
         if first:  # after a rollback the step starts past the attempts that failed
             train = self._train(state, step, tb, sigma, first)
@@ -334,6 +335,11 @@ class Trainer:
                 train = train._replace(state=state.replace(step=train.state.step))
                 print(f"RL step {step}: {reason}; update skipped (config.sdc.guard=skip)")
                 break
+            # What fired in the rejected attempt still counts (sdc/injected includes it).
+            rejected["sdc/injected_rejected"] += sum(
+                train.mets.get(f"sdc/injected_{k}", 0.0) for k in ("prepare", "update", "tree")
+            )
+            rejected["sdc/detected_abft_rejected"] += train.mets.get("sdc/detected_abft_train", 0.0)
             attempt += 1
             if attempt - first > self.guard.spec.max_recomputes:
                 raise RollbackNeeded(step, reason)
@@ -343,6 +349,7 @@ class Trainer:
             self.guard.accept(train.mets)
         rolled, self.rolled_back = self.rolled_back, False
         return train, {
+            **rejected,
             "sdc/rolled_back": float(rolled),
             "sdc/recomputed": float(attempt - first),
             "sdc/guard_skipped": float(skipped),
@@ -423,17 +430,20 @@ def check_finite(step: int, metrics: Mapping[str, float], faults: str = "") -> N
 
 def sdc_metrics(m: Mapping[str, float], rollout_stats, guard: Mapping[str, float]) -> dict:
     """The step's sdc/* metrics: `injected` (bits flipped in the train passes and the
-    optimizer's trees, exact), `injected_rollout` and `detected_abft_rollout` (per rollout
-    forward call, summed over sites: the sampler reports means over its calls),
-    `detected_abft` (rows ABFT flagged in the train passes), the guard's counts (`guard`)."""
+    optimizer's trees, exact, the guard's rejected attempts included), `injected_rollout` and
+    `detected_abft_rollout` (per rollout forward call, summed over sites: the sampler reports
+    means over its calls), `detected_abft` (rows ABFT flagged in the train passes, rejected
+    attempts included), the guard's counts (`guard`)."""
     rollout = sdc_site_counts(rollout_stats)
     out = {
         "sdc/injected": sum(
             m.get(k, 0.0)
             for k in ("sdc/injected_prepare", "sdc/injected_update", "sdc/injected_tree")
-        ),
+        )
+        + guard.get("sdc/injected_rejected", 0.0),
         "sdc/injected_rollout": float(rollout["flips"]),
-        "sdc/detected_abft": m.get("sdc/detected_abft_train", 0.0),
+        "sdc/detected_abft": m.get("sdc/detected_abft_train", 0.0)
+        + guard.get("sdc/detected_abft_rejected", 0.0),
         "sdc/detected_abft_rollout": float(rollout["abft"]),
     }
     out.update(guard)
