@@ -27,6 +27,7 @@ from aqn_jax.rl.scoring import eval_scores
 from aqn_jax.rl.sft import sft_loss, sft_sequences
 
 from conftest import SHALLOW_FLAGS, launch_cli, load_config
+from tolerance import bound, forward_path
 
 BUCKET = 72  # the embedded task's one prompt bucket (config.rollout.prompt_buckets)
 
@@ -99,7 +100,8 @@ def test_matrix_agrees_with_validation_and_noise_zero_is_exact(sft_tiny):
     # Why level 0 may skip the noise program: the traced noise at level 0 adds nothing (the same
     # greedy tokens on the faulty device; log-probs within float32 rounding, since the noise
     # program fuses differently), while a nonzero level through the same program changes them
-    # (negative control).
+    # by more than ten times that bound (negative control; measured on AMD EPYC: 1.9e-6 at
+    # level 0, 0.92 at 0.3, the bound 0.017).
     ids, mask = _prompts(tok, examples[:8])
     noisy = Sampler(model, greedy, condition_plan(hw, True, "noise"), (BUCKET,), phase="eval")
     run = lambda sampler, level: sampler(  # noqa: E731
@@ -108,9 +110,14 @@ def test_matrix_agrees_with_validation_and_noise_zero_is_exact(sft_tiny):
     plain = run(refs["fault"], {})
     at_zero = run(noisy, {EVAL_NOISE: np.float32(0.0)})
     np.testing.assert_array_equal(at_zero.tokens, plain.tokens)
-    np.testing.assert_allclose(at_zero.logprobs, plain.logprobs, rtol=0, atol=2e-6)
+    # Two programs: f32 rounding along the forward (tests/tolerance.py), the keys the prompt
+    # bucket plus the generated tokens, the terms of the size of the largest logit.
+    logits = model.apply({"params": params}, ids, attention_mask=mask)
+    n = forward_path(cfg, BUCKET + 16, log_softmax=True)
+    tol = bound(n, np.abs(np.asarray(logits)).max())
+    np.testing.assert_allclose(at_zero.logprobs, plain.logprobs, rtol=0, atol=tol)
     at_30 = run(noisy, {EVAL_NOISE: np.float32(0.3)})
-    assert np.abs(at_30.logprobs - plain.logprobs).max() > 1e-2
+    assert np.abs(at_30.logprobs - plain.logprobs).max() > 10 * tol
 
 
 def _prompts(tok, examples):
