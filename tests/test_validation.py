@@ -284,9 +284,14 @@ def test_a_refused_resume_changes_nothing(launch, tmp_path):
 
     def snapshot():  # every path and its mtime (the lock's: rewritten by each holder), 2 files
         paths = {str(p.relative_to(work)): p.stat().st_mtime_ns for p in work.rglob("*")}
-        return paths.keys(), {k: v for k, v in paths.items() if k != ".lock"}, {
-            name: (work / name).read_bytes() for name in ("config.json", "config_overrides.jsonl")
-        }
+        return (
+            paths.keys(),
+            {k: v for k, v in paths.items() if k != ".lock"},
+            {
+                name: (work / name).read_bytes()
+                for name in ("config.json", "config_overrides.jsonl")
+            },
+        )
 
     before = snapshot()
     flags = ("--config.trainer.total_steps=1", "--config.resume_override=True")
