@@ -154,6 +154,11 @@ def test_variants_and_bad_input():
     bad.compare.seeds = (0, 0)
     with pytest.raises(ValueError, match=r"config\.compare\.seeds="):
         check_compare(bad.compare)
+    bad.compare.seeds = (0,)  # was taken: two minutes of runs, then tests all "n/a"
+    with pytest.raises(ValueError, match=r"config\.compare\.seeds=\(0,\): .* need >= 2 seeds"):
+        check_compare(bad.compare)
+    bad.compare.allow_single_seed = True
+    check_compare(bad.compare)
     bad = load_config("compare")
     bad.compare.workers = -1
     with pytest.raises(ValueError, match=r"config\.compare\.workers=-1"):

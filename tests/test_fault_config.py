@@ -125,6 +125,19 @@ def test_parse_layers_rejects(value):
             },
             r"config.faults.deadzone.quantile=0.0; must be in \(0, 1\)",
         ),
+        (  # a field the chosen severity ignores is checked too (it ran with rc 0)
+            {
+                "faults__deadzone__enabled": True,
+                "faults__deadzone__severity": "quantile",
+                "faults__deadzone__threshold": 1.5,
+            },
+            r"config.faults.deadzone.threshold=1.5; must be in \(0, 1\) \(of amax; checked with"
+            r" severity='quantile' too\)",
+        ),
+        (  # an empty selection is not "out of range"
+            {"faults__deadzone__enabled": True, "faults__deadzone__layers": "()"},
+            r"config.faults.deadzone.layers='\(\)' selects no layer; expected 'all'",
+        ),
         (
             {"faults__deadzone__enabled": True, "faults__deadzone__severity": "percent"},
             r"config.faults.deadzone.severity='percent'; allowed: \('amax', 'quantile'\)",

@@ -149,6 +149,14 @@ CASES = [
         lambda tmp_path, _: (f"--config.tokenizer_path={tmp_path}",),
         "holds neither tokenizer.json",
     ),
+    (
+        "test_path_a_directory",
+        lambda tmp_path, _: (
+            *data_flags(tmp_path, SHORT)[:1],
+            f"--config.data.test_path={tmp_path}",
+        ),
+        "config.data.test_path=",  # the rest below: it said "no such file"
+    ),
     ("cache_read_only", read_only_cache, "config.sft.cache_dir="),
     ("cache_under_file", cache_under_a_file, "config.sft.cache_dir="),
     (
@@ -172,6 +180,8 @@ def test_bad_input_fails_first_naming_the_field(launch, tmp_path, monkeypatch, m
     assert code == 2, err
     errors = [line for line in err.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and message in errors[0], err
+    if "test_path=" in message:
+        assert "': a directory; expected a file" in errors[0], err
     assert "config." in errors[0] and "Traceback" not in err
     # Nothing trained, cached or compiled; the workdir as it was: no workdir lock left either.
     ro = tmp_path / "ro_cache"

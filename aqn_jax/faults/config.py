@@ -96,11 +96,14 @@ def _deadzone(dz: Any, num_layers: int) -> list[Injection]:
     severity = check_choice(
         dz.get("severity", "amax"), "config.faults.deadzone.severity", ops.DEADZONE_SEVERITIES
     )
-    if severity == "quantile" and not 0.0 < float(dz.quantile) < 1.0:
-        raise ValueError(
-            f"config.faults.deadzone.quantile={dz.quantile}; must be in (0, 1) (the fraction"
-            " of values flushed)"
-        )
+    # Both severities' fields, whichever one is chosen: a value the chosen mode ignores is still
+    # a mistake (severity='quantile' with threshold=1.5 ran, ignoring it).
+    for field, what in (("threshold", "of amax"), ("quantile", "the fraction of values flushed")):
+        if not 0.0 < float(dz[field]) < 1.0:
+            raise ValueError(
+                f"config.faults.deadzone.{field}={dz[field]}; must be in (0, 1) ({what}; checked"
+                f" with severity={severity!r} too)"
+            )
     try:
         transform = Deadzone(
             float(dz.threshold if severity == "amax" else dz.quantile),
