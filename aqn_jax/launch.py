@@ -8,11 +8,13 @@ Parses the ml_collections config, logs the devices, and hands over to
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import importlib
 import os
 import pkgutil
 import re
+import signal
 import sys
 
 import jax
@@ -93,6 +95,27 @@ def open_workdir(workdir: str) -> list[str]:
     if not os.access(workdir, os.W_OK | os.X_OK):
         raise ValueError(f"--workdir={workdir}: not writable by this user; choose another path")
     return created
+
+
+@contextlib.contextmanager
+def sigterm_exits_143():
+    """SIGTERM (Slurm preemption, scancel, timeout) anywhere in a job: exit 143 through the job's
+    cleanup (`finally`: the workdir lock, pending checkpoint saves) rather than die on the spot.
+    The train loop and the compare job put their own handlers over this one while they run
+    (save after the current step / tell the workers), and give it back."""
+
+    def handler(signum, frame):
+        raise SystemExit(143)
+
+    try:
+        previous = signal.signal(signal.SIGTERM, handler)
+    except ValueError:  # not the main thread (a test runner's worker): no handler
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _remove_empty(workdir: str, created: list[str]) -> None:
@@ -189,7 +212,8 @@ def main(argv=None) -> None:
             )[0]
             workdir = os.path.join("runs", stem.split(":")[0])
         try:
-            run(_CONFIG.value, workdir)
+            with sigterm_exits_143():
+                run(_CONFIG.value, workdir)
         except ValueError as e:
             # A user error (every check raises ValueError naming the field, the value and what
             # is allowed): its message, exit 2. Other exceptions are bugs: their traceback.
