@@ -94,7 +94,10 @@ class Checkpointer:
         checkpoint (corrupted or half-deleted files) is a ValueError naming it and what to do."""
         path = os.path.join(self.directory, str(int(step)), "state")
         try:
-            tree = ocp.StandardCheckpointer().metadata(path).item_metadata.tree
+            item = ocp.StandardCheckpointer().metadata(path).item_metadata
+            if item is None:  # Orbax warns and returns None for missing or unreadable metadata
+                raise ValueError(f"no readable metadata in {path}")
+            tree = item.tree
             device = jax.local_devices()[0]
             abstract = jax.tree_util.tree_map(
                 lambda m: jax.ShapeDtypeStruct(

@@ -47,3 +47,15 @@ def bound(n: int, scale: float, dtype=np.float32) -> float:
     """|a - b| <= n * eps(dtype) * scale for two programs over reductions of total length `n`
     whose terms are of magnitude `scale` (module docstring)."""
     return n * eps(dtype) * float(scale)
+
+
+def logit_bound(cfg, params) -> float:
+    """An upper bound on every |logit| of a Qwen2 model, from its params alone (no forward): the
+    final RMSNorm's output is x / rms(x) (norm sqrt(D)) times the gain g, so its norm is at most
+    sqrt(D) max|g|; a logit is its dot product with a row of the head (Cauchy-Schwarz)."""
+    gain = float(np.abs(np.asarray(params["norm"]["weight"])).max())
+    if cfg.tie_word_embeddings:
+        head_VD = np.asarray(params["embed_tokens"]["embedding"], np.float64)
+    else:
+        head_VD = np.asarray(params["lm_head"]["kernel"], np.float64).T
+    return float(np.sqrt(cfg.hidden_size) * gain * np.sqrt((head_VD**2).sum(-1)).max())
