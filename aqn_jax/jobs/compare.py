@@ -295,7 +295,7 @@ def _run_parallel(todo, jobs, workers: int, cache_dir: str | None) -> list[float
                 walls.append(value)
                 print(f"== {arm} seed {seed}: finished in {value:.0f} s ({run_dir})", flush=True)
             elif status == "preempted":
-                preempted.append(run_dir)
+                preempted.append(value)  # None: not started
             else:
                 failed.append(f"{arm} seed {seed} ({run_dir}/log.txt):\n{value}")
         if returned == len(jobs):
@@ -309,11 +309,15 @@ def _run_parallel(todo, jobs, workers: int, cache_dir: str | None) -> list[float
     if failed:
         raise RuntimeError(f"{len(failed)} run(s) failed: " + "\n".join(failed))
     if terms or stop.is_set():
+        stopped = sum(v is not None for v in preempted)
         killed = len(jobs) - returned
+        why = "a second SIGTERM" if len(terms) > 1 else f"{GRACE_S:.0f} s"
         print(
-            f"SIGTERM: {len(walls)} run(s) finished, {len(preempted)} stopped and saved what they"
-            f" had, {killed} killed (after {GRACE_S:.0f} s or a second SIGTERM; they resume from"
-            " their latest checkpoint); rerun the same command to complete the study",
+            f"SIGTERM: {len(walls)} run(s) finished, {stopped} stopped (a checkpoint saved, or"
+            f" the evaluation cut short), {len(preempted) - stopped} not started"
+            + (f", {killed} killed after {why}" if killed else "")
+            + "; rerun the same command: finished runs are reused, the others resume from their"
+            " latest checkpoint",
             flush=True,
         )
         raise SystemExit(143)
