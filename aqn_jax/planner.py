@@ -746,7 +746,8 @@ def check_host(spec: JobSpec, plan: MemoryPlan, host: tuple[int, str] | None = N
     else:
         lines.append(
             "No smaller micro-batch or rollout copy fits: use fewer rows"
-            " (config.data_batch.prompts, config.rollout.n) or a larger host."
+            " (config.data_batch.prompts, config.rollout.n), bf16 master weights"
+            " (config.model.param_dtype=bfloat16: a different optimisation) or a larger host."
         )
     lines.append(
         "(config.model.remat does not help here: XLA:CPU does not honour it; the GPU plan"
@@ -759,21 +760,23 @@ def _host_settings(spec: JobSpec, plan: MemoryPlan) -> list[tuple[str, int]]:
     """(flags, estimated CPU RSS) of the settings that fit `plan.host_budget`, the least
     intrusive first: a smaller micro-batch (the update's activations; the same step up to
     rounding), then the compute dtype equal to param_dtype (no rollout copy of the params;
-    float32 activations), then param_dtype equal to the compute dtype (bf16 master weights and
-    AdamW moments: a different optimisation); within each, the smallest estimate first."""
-    m = spec.model
-    variants = [((), m)]
-    if m.dtype != m.param_dtype:
+    float32 activations); within each, the smallest estimate first. (bf16 master weights,
+    param_dtype=bfloat16, would shrink it too, but they change the optimisation: not offered.)"""
+    m, job = spec.model, _job(spec)
+    variants = [((), job)]
+    if m.dtype != m.param_dtype:  # the same params and optimizer state: only these change
+        same = dataclasses.replace(m, dtype=m.param_dtype)
+        lengths = tuple(b + spec.max_new for b in spec.buckets)
         variants.append(
             (
                 (f"--config.model.dtype={m.param_dtype}",),
-                dataclasses.replace(m, dtype=m.param_dtype),
-            )
-        )
-        variants.append(
-            (
-                (f"--config.model.param_dtype={m.dtype}",),
-                dataclasses.replace(m, param_dtype=m.dtype),
+                dataclasses.replace(
+                    job,
+                    model=same,
+                    rollout_weights=(),
+                    kv_cache=_cache_groups(same, spec.rows, lengths, 1),
+                    val_kv_cache=_cache_groups(same, spec.val_rows, lengths, spec.val_samplers),
+                ),
             )
         )
     dp = plan.mesh[0] * plan.mesh[1]
@@ -781,11 +784,10 @@ def _host_settings(spec: JobSpec, plan: MemoryPlan) -> list[tuple[str, int]]:
         d for d in _divisors(spec.mini_batch_rows) if d % dp == 0 and d <= plan.micro_batch_rows
     ]
     found = []
-    for tier, (flags, model_cfg) in enumerate(variants):
-        job = _job(dataclasses.replace(spec, model=model_cfg))
+    for tier, (flags, variant) in enumerate(variants):
         for mb in micros:
             p = dataclasses.replace(
-                _plan(job, plan.mesh, plan.remat, mb, None, plan.headroom),
+                _plan(variant, plan.mesh, plan.remat, mb, None, plan.headroom),
                 host_memory=plan.host_memory,
             )
             if (flags or mb != plan.micro_batch_rows) and p.fits_host:

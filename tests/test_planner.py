@@ -378,7 +378,7 @@ def test_cpu_plan_is_checked_against_host_memory():
     )
     suggested = next(line for line in message.splitlines() if line.startswith("Suggested: "))
     assert suggested.startswith("Suggested: --config.actor.micro_batch_rows=1 (est. CPU RSS")
-    assert "--config.model.param_dtype=bfloat16" in message and "remat does not help" in message
+    assert "remat does not help" in message
     fixed = _apply_flags(config, suggested)
     fixed_plan = planner.estimate(job(fixed, dataclasses.replace(model_cfg)), 1)
     fitted = planner.check_host(job(fixed, model_cfg), fixed_plan, host)
