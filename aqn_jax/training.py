@@ -23,6 +23,7 @@ from aqn_jax.aqn.plan import build_plan, needs_srdd
 from aqn_jax.checkpoint import (
     Checkpointer,
     Preemption,
+    check_resumable,
     check_resume_config,
     check_sane,
     record_override,
@@ -56,6 +57,7 @@ def run(config, workdir: str) -> None:
     train_examples = load_split(config.data, "train")
     test_examples = load_split(config.data, "test")
     changes = check_resume_config(config, workdir)
+    check_resumable(workdir)  # a finished params-only run: refused before anything is written
     if primary:
         if changes:
             record_override(workdir, changes)
