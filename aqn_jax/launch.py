@@ -20,7 +20,7 @@ import ml_collections
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from aqn_jax import jobs
+from aqn_jax import compile_cache, jobs
 from aqn_jax.lock import WorkdirLock
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -31,6 +31,12 @@ _WORKDIR = flags.DEFINE_string(
 )
 _VERBOSE = flags.DEFINE_bool(
     "verbose", False, "Show the traceback of a configuration error (ValueError) too."
+)
+_COMPILE_CACHE = flags.DEFINE_string(
+    "compile_cache",
+    None,
+    "Persistent XLA compilation cache directory, or 'off'. Default: $JAX_COMPILATION_CACHE_DIR"
+    f" if set, else {compile_cache.default_dir()}.",
 )
 
 
@@ -61,6 +67,15 @@ def run(config, workdir: str) -> None:
         return
     with WorkdirLock(workdir):  # a second run on a busy workdir refuses here, naming the holder
         module.run(config, workdir)
+
+
+def _setup_process() -> None:
+    """Before anything compiles: the persistent compilation cache (`--compile_cache`), and third-
+    party logs (Orbax's checkpoint manager, absl, jax) at WARNING unless `--verbosity` is given
+    (absl would otherwise lower it to INFO after parsing)."""
+    compile_cache.use(compile_cache.resolve(_COMPILE_CACHE.value))
+    if not flags.FLAGS["verbosity"].present:
+        logging.set_verbosity(logging.WARNING)
 
 
 def _user_error(message: str) -> None:
@@ -148,6 +163,7 @@ def main(argv=None) -> None:
             )[0]
             workdir = os.path.join("runs", stem.split(":")[0])
         try:
+            _setup_process()
             run(_CONFIG.value, workdir)
         except ValueError as e:
             # A user error (every check raises ValueError naming the field, the value and what
