@@ -16,19 +16,22 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.slow
-def test_rl_step_bench_smoke_runs_one_step_per_side():
-    import trl  # noqa: F401  (the `bench` extra; a missing install must fail, not skip)
-
-    env = dict(os.environ, HF_HUB_OFFLINE="1")
-    proc = subprocess.run(
-        [sys.executable, "bench/rl_step.py", "--smoke"],
+def _bench(*args, env, timeout):
+    return subprocess.run(
+        [sys.executable, "bench/rl_step.py", *args],
         cwd=ROOT,
         env=env,
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=timeout,
     )
+
+
+@pytest.mark.slow
+def test_rl_step_bench_smoke_runs_one_step_per_side():
+    import trl  # noqa: F401  (the `bench` extra; a missing install must fail, not skip)
+
+    proc = _bench("--smoke", env=dict(os.environ, HF_HUB_OFFLINE="1"), timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
     # One line per side: a real step with a real completion on each.
@@ -71,14 +74,7 @@ def test_rl_step_bench_refuses_a_missing_gpu_and_a_bad_shape_in_one_line():
         (["--device=gpu"], "error: --device=gpu: no GPU for both sides on this machine: "),
         (["--shape=3,2,8"], "error: --shape=3,2,8: want P,N,T: prompts per step (even"),
     ):
-        proc = subprocess.run(
-            [sys.executable, "bench/rl_step.py", *args],
-            cwd=ROOT,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+        proc = _bench(*args, env=env, timeout=120)
         assert proc.returncode == 2, proc.stderr[-3000:]
         lines = proc.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith(message), proc.stderr[-3000:]
