@@ -241,9 +241,8 @@ class Ahead:
         prompts = batcher.next_batch()["input_ids"]
         batcher.load_state(position)
         self._error: BaseException | None = None
-        self._thread = threading.Thread(
-            target=self._run, args=(loop, state, prompts.shape, step), daemon=True
-        )
+        # Not a daemon: a run that fails before step 1 exits after the compile, not inside it.
+        self._thread = threading.Thread(target=self._run, args=(loop, state, prompts.shape, step))
         self._thread.start()
 
     def _run(self, loop, state, shape, step) -> None:
