@@ -506,12 +506,6 @@ def main() -> None:
     if args.roofline:
         roofline_worker(args.roofline, args.out, args.smoke)
         return
-    from common import check_load, cpu_description, cpu_flags, record
-
-    from aqn_jax.data.arithmetic import ArithmeticTask
-    from aqn_jax.data.tokenizers import CharTokenizer
-    from aqn_jax.models.hf import abstract_params, config_from_hf
-
     gpu = args.device == "gpu"
     allowed = GPU_SETTINGS if gpu else SETTINGS
     if args.settings:
@@ -525,6 +519,12 @@ def main() -> None:
     steps = 1 if args.smoke else args.steps
     with tempfile.TemporaryDirectory(prefix="bench_rl_step_") as tmp:
         roof = measure_roofline(args.device, tmp, args.smoke)  # gpu: fails here without one
+        from common import check_load, cpu_description, cpu_flags, record
+
+        from aqn_jax.data.arithmetic import ArithmeticTask
+        from aqn_jax.data.tokenizers import CharTokenizer
+        from aqn_jax.models.hf import abstract_params, config_from_hf
+
         load = check_load()
         flags = cpu_flags()
         print(cpu_description(), load, "| CPU flags:", flags, "| device:", roof["device"])
