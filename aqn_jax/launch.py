@@ -22,7 +22,7 @@ import ml_collections
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from aqn_jax import jobs
+from aqn_jax import compile_cache, jobs
 from aqn_jax.lock import LOCK_FILE, WorkdirLock
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -33,6 +33,12 @@ _WORKDIR = flags.DEFINE_string(
 )
 _VERBOSE = flags.DEFINE_bool(
     "verbose", False, "Show the traceback of a configuration error (ValueError) too."
+)
+_COMPILE_CACHE = flags.DEFINE_string(
+    "compile_cache",
+    None,
+    "Persistent XLA compilation cache directory, or 'off'. Default: $JAX_COMPILATION_CACHE_DIR"
+    f" if set, else {compile_cache.default_dir()}.",
 )
 
 
@@ -127,6 +133,15 @@ def _remove_empty(workdir: str, created: list[str]) -> None:
             return
 
 
+def _setup_process() -> None:
+    """Before anything compiles: the persistent compilation cache (`--compile_cache`), and third-
+    party logs (Orbax's checkpoint manager, absl, jax) at WARNING unless `--verbosity` is given
+    (absl would otherwise lower it to INFO after parsing)."""
+    compile_cache.use(compile_cache.resolve(_COMPILE_CACHE.value))
+    if not flags.FLAGS["verbosity"].present:
+        logging.set_verbosity(logging.WARNING)
+
+
 def _user_error(message: str) -> None:
     """A user error: `error: <message>` on stderr, exit 2."""
     print(f"error: {message}", file=sys.stderr)
@@ -212,6 +227,7 @@ def main(argv=None) -> None:
             )[0]
             workdir = os.path.join("runs", stem.split(":")[0])
         try:
+            _setup_process()
             with sigterm_exits_143():
                 run(_CONFIG.value, workdir)
         except ValueError as e:
