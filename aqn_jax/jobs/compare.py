@@ -24,8 +24,10 @@ one worker process per core (0 = that default; each worker pinned to its share o
 because the tiny model's programs use two cores far less than twice as well as one
 (WORKSPACE.md, issue 8). A worker keeps its compiled programs from one run to the next; each
 run's output goes to `runs/<arm>/seed<k>/log.txt`. On GPU/TPU, or over several hosts, runs go one
-after another in this process (workers=1). SIGTERM is passed to the workers: each saves a
-checkpoint and the job exits 143; nothing finished is redone on the re-run. A run's numbers are
+after another in this process (workers=1). SIGTERM is passed to the workers: a run in its train
+loop saves a checkpoint, one elsewhere (warm start, diagnosis, evaluation) stops; the job exits
+143 when they have returned, after GRACE_S or at a second SIGTERM (what is left is killed, and
+resumes from its latest checkpoint); nothing finished is redone on the re-run. A run's numbers are
 bitwise reproducible for a given layout, but XLA's threaded reductions round differently on one
 core than on two: the same (arm, seed) run with workers=1 and with one worker per core differs
 at rounding level, which RL's sampling then amplifies (results.json records `timing.workers`).
