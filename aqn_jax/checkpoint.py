@@ -14,12 +14,14 @@ import contextlib
 import json
 import os
 import signal
+import sys
 import time
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
+from absl import logging
 
 CHECKPOINT_DIR = "checkpoints"
 # What the end of a run saves (config.checkpoint.final): the whole train state (resumable), the
@@ -74,32 +76,51 @@ class Checkpointer:
 
     def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict]:
         abstract = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, abstract_state)
-        out = self.manager.restore(
-            int(step),
-            args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()
-            ),
-        )
+        try:
+            out = self.manager.restore(
+                int(step),
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()
+                ),
+            )
+        except Exception:
+            _quiet_failed_restore()
+            raise
         return out["state"], out["meta"]
 
     def restore_host(self, step: int) -> tuple[dict, dict]:
         """(state as a tree of numpy arrays, meta) of checkpoint `step`, whatever the mesh and
-        the number of processes that saved it (e.g. to evaluate or compare runs)."""
+        the number of processes that saved it (e.g. to evaluate or compare runs). An unreadable
+        checkpoint (corrupted or half-deleted files) is a ValueError naming it and what to do."""
         path = os.path.join(self.directory, str(int(step)), "state")
-        tree = ocp.StandardCheckpointer().metadata(path).item_metadata.tree
-        device = jax.local_devices()[0]
-        abstract = jax.tree_util.tree_map(
-            lambda m: jax.ShapeDtypeStruct(
-                m.shape, m.dtype, sharding=jax.sharding.SingleDeviceSharding(device)
-            ),
-            tree,
-        )
-        out = self.manager.restore(
-            int(step),
-            args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()
-            ),
-        )
+        try:
+            item = ocp.StandardCheckpointer().metadata(path).item_metadata
+            if item is None:  # Orbax warns and returns None for missing or unreadable metadata
+                raise ValueError(f"no readable metadata in {path}")
+            tree = item.tree
+            device = jax.local_devices()[0]
+            abstract = jax.tree_util.tree_map(
+                lambda m: jax.ShapeDtypeStruct(
+                    m.shape, m.dtype, sharding=jax.sharding.SingleDeviceSharding(device)
+                ),
+                tree,
+            )
+            out = self.manager.restore(
+                int(step),
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()
+                ),
+            )
+        except Exception as e:  # noqa: BLE001 - any failure to read means unusable
+            _quiet_failed_restore()
+            others = sorted(s for s in self.manager.all_steps() if s != int(step))
+            raise ValueError(
+                f"checkpoint {self.directory}/{int(step)} is unreadable ({type(e).__name__}:"
+                f" {' '.join(str(e).split())[:160]}); evaluate another step with"
+                f" --config.evaluate.step=N (other checkpoints: {others}), or rerun the train"
+                " job on that workdir: it moves an unreadable checkpoint aside and resumes from"
+                " the previous one"
+            ) from e
         return jax.device_get(out["state"]), out["meta"]
 
     def meta(self, step: int) -> dict:
@@ -119,11 +140,7 @@ class Checkpointer:
         outputs of the earlier start aside."""
         steps = sorted(self.manager.all_steps(), reverse=True)
         if steps and self.meta(steps[0]).get("final") == "params":
-            raise ValueError(
-                f"{self.directory}/{steps[0]} is the params-only final checkpoint of a finished"
-                " run (config.checkpoint.final='params'): nothing to resume; evaluate it with"
-                " --config.evaluate.run, or choose another --workdir"
-            )
+            raise ValueError(_params_only(self.directory, steps[0]))
         errors = []
         for step in steps:
             try:
@@ -153,6 +170,49 @@ class Checkpointer:
     def close(self) -> None:
         self.manager.wait_until_finished()
         self.manager.close()
+
+
+def _params_only(directory: str, step: int) -> str:
+    return (
+        f"{directory}/{step} is the params-only final checkpoint of a finished run"
+        " (config.checkpoint.final='params'): nothing to resume; evaluate it with"
+        " --config.evaluate.run, or choose another --workdir"
+    )
+
+
+def check_resumable(workdir: str) -> None:
+    """`restore_latest`'s refusal of a params-only final checkpoint, made before any work and
+    before anything in the workdir is written (a workdir without checkpoints/ is not touched)."""
+    if not os.path.isdir(os.path.join(workdir, CHECKPOINT_DIR)):
+        return
+    ckpt = Checkpointer(workdir, 0, 1)
+    try:
+        steps = sorted(ckpt.manager.all_steps())
+        if steps and ckpt.meta(steps[-1]).get("final") == "params":
+            raise ValueError(_params_only(ckpt.directory, steps[-1]))
+    finally:
+        ckpt.close()
+
+
+def _quiet_failed_restore() -> None:
+    """After a failed restore, the reads Orbax still had in flight complete on tensorstore's
+    threads and call back into the asyncio loop Orbax has closed: each raises 'Event loop is
+    closed' into `sys.unraisablehook`, which printed up to hundreds of tracebacks after the one
+    line that reports the checkpoint. From the first failure on, those go to the debug log; any
+    other unraisable exception still goes to the previous hook."""
+    previous = sys.unraisablehook
+    if getattr(previous, "quiets_failed_restores", False):
+        return
+
+    def hook(unraisable):
+        exc = unraisable.exc_value
+        if isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed":
+            logging.debug("after a failed checkpoint restore: %r (ignored)", exc)
+            return
+        previous(unraisable)
+
+    hook.quiets_failed_restores = True
+    sys.unraisablehook = hook
 
 
 # Fields a resumed run may change: where things go and how often they are saved or reported,

@@ -8,11 +8,13 @@ Parses the ml_collections config, logs the devices, and hands over to
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import importlib
 import os
 import pkgutil
 import re
+import signal
 import sys
 
 import jax
@@ -20,8 +22,8 @@ import ml_collections
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from aqn_jax import jobs
-from aqn_jax.lock import WorkdirLock
+from aqn_jax import compile_cache, jobs
+from aqn_jax.lock import LOCK_FILE, WorkdirLock
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Experiment config file.", lock_config=True
@@ -31,6 +33,12 @@ _WORKDIR = flags.DEFINE_string(
 )
 _VERBOSE = flags.DEFINE_bool(
     "verbose", False, "Show the traceback of a configuration error (ValueError) too."
+)
+_COMPILE_CACHE = flags.DEFINE_string(
+    "compile_cache",
+    None,
+    "Persistent XLA compilation cache directory, or 'off'. Default: $JAX_COMPILATION_CACHE_DIR"
+    f" if set, else {compile_cache.default_dir()}.",
 )
 
 
@@ -54,13 +62,84 @@ def run(config, workdir: str) -> None:
             )
     logging.info("JAX %s, %d devices: %s", jax.__version__, jax.device_count(), jax.devices())
     jobs.check_required(config)  # every job: a config's empty local paths, before any work
-    os.makedirs(workdir, exist_ok=True)
     module = importlib.import_module(f"aqn_jax.jobs.{job}")
+    created = open_workdir(workdir)
     if jax.process_index() != 0:  # several hosts: process 0 holds the workdir for all
         module.run(config, workdir)
         return
-    with WorkdirLock(workdir):  # a second run on a busy workdir refuses here, naming the holder
-        module.run(config, workdir)
+    had_lock = os.path.exists(os.path.join(workdir, LOCK_FILE))
+    try:
+        with WorkdirLock(workdir) as lock:  # a busy workdir refuses here, naming the holder
+            try:
+                module.run(config, workdir)
+            except ValueError:  # refused: the workdir as it was found (its jobs check first)
+                if not had_lock:
+                    lock.discard()
+                raise
+    except ValueError:
+        _remove_empty(workdir, created)  # the directories it made for the refused command
+        raise
+
+
+def open_workdir(workdir: str) -> list[str]:
+    """Create `workdir` (and its parents); returns the directories it created, deepest first. A
+    path that is a file, or that cannot be created or written, is a one-line ValueError naming
+    --workdir."""
+    if os.path.exists(workdir) and not os.path.isdir(workdir):
+        raise ValueError(f"--workdir={workdir}: is a file, not a directory; choose another path")
+    created, path = [], os.path.abspath(workdir)
+    while not os.path.exists(path):
+        created.append(path)
+        path = os.path.dirname(path)
+    try:
+        os.makedirs(workdir, exist_ok=True)
+    except OSError as e:
+        raise ValueError(
+            f"--workdir={workdir}: cannot be created ({e.strerror}: {e.filename}); choose a"
+            " writable path"
+        ) from None
+    if not os.access(workdir, os.W_OK | os.X_OK):
+        raise ValueError(f"--workdir={workdir}: not writable by this user; choose another path")
+    return created
+
+
+@contextlib.contextmanager
+def sigterm_exits_143():
+    """SIGTERM (Slurm preemption, scancel, timeout) anywhere in a job: exit 143 through the job's
+    cleanup (`finally`: the workdir lock, pending checkpoint saves) rather than die on the spot.
+    The train loop and the compare job put their own handlers over this one while they run
+    (save after the current step / tell the workers), and give it back."""
+
+    def handler(signum, frame):
+        raise SystemExit(143)
+
+    try:
+        previous = signal.signal(signal.SIGTERM, handler)
+    except ValueError:  # not the main thread (a test runner's worker): no handler
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _remove_empty(workdir: str, created: list[str]) -> None:
+    """Remove the directories `open_workdir` created, deepest first, while they are empty."""
+    for path in created:
+        try:
+            os.rmdir(path)
+        except OSError:
+            return
+
+
+def _setup_process() -> None:
+    """Before anything compiles: the persistent compilation cache (`--compile_cache`), and third-
+    party logs (Orbax's checkpoint manager, absl, jax) at WARNING unless `--verbosity` is given
+    (absl would otherwise lower it to INFO after parsing)."""
+    compile_cache.use(compile_cache.resolve(_COMPILE_CACHE.value))
+    if not flags.FLAGS["verbosity"].present:
+        logging.set_verbosity(logging.WARNING)
 
 
 def _user_error(message: str) -> None:
@@ -148,7 +227,9 @@ def main(argv=None) -> None:
             )[0]
             workdir = os.path.join("runs", stem.split(":")[0])
         try:
-            run(_CONFIG.value, workdir)
+            _setup_process()
+            with sigterm_exits_143():
+                run(_CONFIG.value, workdir)
         except ValueError as e:
             # A user error (every check raises ValueError naming the field, the value and what
             # is allowed): its message, exit 2. Other exceptions are bugs: their traceback.

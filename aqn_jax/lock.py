@@ -10,6 +10,7 @@ printed. On several hosts only process 0 takes it (the others write nothing of t
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import fcntl
 import json
@@ -55,6 +56,13 @@ class WorkdirLock:
         os.fsync(fd)
         self._fd = fd
         return previous
+
+    def discard(self) -> None:
+        """Remove the lock file while holding it (a refused command leaves no `.lock` behind in a
+        workdir that had none); `release` then only unlocks."""
+        if self._fd is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
 
     def release(self) -> None:
         if self._fd is not None:

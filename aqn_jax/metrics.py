@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import time
 from collections.abc import Mapping
@@ -138,7 +139,15 @@ def _move_aside(workdir: str, log) -> None:
 def _add_scalars(tb, row: Mapping[str, Any]) -> None:
     for k, v in row.items():
         if k != "step" and isinstance(v, float) and math.isfinite(v):
-            tb.add_scalar(k, v, int(row["step"]))
+            tb.add_scalar(tb_tag(k), v, int(row["step"]))
+
+
+def tb_tag(name: str) -> str:
+    """The TensorBoard tag of metric `name`: `@` spelled `_at_` (verl's `val-core/<source>/acc/
+    mean@1` -> `.../mean_at_1`), any other character TensorBoard refuses as `_`, no leading `/`
+    (tensorboardX's own rule, which it applies with an INFO line per call). metrics.jsonl keeps
+    the name."""
+    return re.sub(r"[^-/\w.]", "_", name.replace("@", "_at_")).lstrip("/")
 
 
 def _jsonable(v):

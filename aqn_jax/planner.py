@@ -78,6 +78,7 @@ did not bound and the no-remat one (24.24) does.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import itertools
@@ -186,6 +187,9 @@ class MemoryPlan:
     # The device total with the activations of no remat: XLA:CPU does not honour remat, so a
     # CPU process's peak is bounded with it (module docstring). 0 = the same as `total`.
     cpu_total: int = 0
+    # On a CPU backend: the host's memory (`host_memory`) that `cpu_rss` is checked against.
+    host_memory: int | None = None
+    host_source: str = ""
 
     @property
     def cpu_rss(self) -> int:
@@ -201,6 +205,15 @@ class MemoryPlan:
     @property
     def fits(self) -> bool:
         return self.budget is None or self.total <= self.budget
+
+    @property
+    def host_budget(self) -> int | None:
+        """Bytes a CPU process may use: headroom * the host's memory (None: not a CPU plan)."""
+        return None if self.host_memory is None else int(self.headroom * self.host_memory)
+
+    @property
+    def fits_host(self) -> bool:
+        return self.host_budget is None or self.cpu_rss <= self.host_budget
 
     @property
     def mesh_flag(self) -> str:
@@ -242,7 +255,14 @@ class MemoryPlan:
                 else ""
             )
         )
-        if self.capacity is None:
+        if self.capacity is None and self.host_memory is not None:
+            verdict = "fits" if self.fits_host else "DOES NOT FIT"
+            lines.append(
+                f"  {'host memory':16s} {self.host_memory / GIB:9.2f}  ({self.host_source}) x"
+                f" headroom {self.headroom:g} = {self.host_budget / GIB:.2f} GiB for the CPU"
+                f" process RSS: {verdict}"
+            )
+        elif self.capacity is None:
             lines.append("  capacity unknown (the backend reports no memory limit): not checked")
         else:
             verdict = "fits" if self.fits else "DOES NOT FIT"
@@ -730,9 +750,120 @@ def check(spec: JobSpec, num_devices: int, capacity_bytes: int | None = None) ->
     capacity = _capacity(spec, capacity_bytes)
     mesh = _mesh(spec, num_devices)
     plan = _plan(job, mesh, remat, micro, capacity, spec.headroom)
+    if capacity is None and jax.default_backend() == "cpu":
+        return check_host(spec, plan)
     if plan.fits or not spec.refuse:
         return plan
     raise ValueError(_refusal(job, plan, num_devices, remat, micro))
+
+
+# --- a CPU backend: the plan against the host's memory -------------------------------------------
+def host_memory() -> tuple[int, str] | None:
+    """(bytes, what set them) this process may use on its host: the smaller of MemTotal and the
+    memory limit of its cgroup (v2 `memory.max`, v1 `memory.limit_in_bytes`; "max" or the v1
+    sentinel near 2**63 mean none); None when neither is readable."""
+    found = []
+    with contextlib.suppress(OSError, ValueError):
+        with open("/proc/meminfo") as f:
+            kib = next(int(line.split()[1]) for line in f if line.startswith("MemTotal:"))
+        found.append((kib * 1024, "MemTotal"))
+    paths = ["/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"]
+    with contextlib.suppress(OSError), open("/proc/self/cgroup") as f:
+        for line in f:
+            _, controllers, path = line.strip().split(":", 2)
+            if controllers == "":
+                paths.append(f"/sys/fs/cgroup{path}/memory.max")
+            elif "memory" in controllers.split(","):
+                paths.append(f"/sys/fs/cgroup/memory{path}/memory.limit_in_bytes")
+    for path in dict.fromkeys(paths):
+        with contextlib.suppress(OSError, ValueError):
+            with open(path) as f:
+                limit = int(f.read().strip())  # "max": ValueError, no limit
+            if limit < 2**60:
+                found.append((limit, f"the cgroup limit, {path}"))
+    return min(found) if found else None
+
+
+def check_host(spec: JobSpec, plan: MemoryPlan, host: tuple[int, str] | None = None) -> MemoryPlan:
+    """On a CPU backend the devices are the host: the plan's `cpu_rss` against headroom x the
+    host's memory (`host` = (bytes, source), default `host_memory()`; `()`: none), as a GPU plan is
+    checked against the device's. Refused (ValueError) before anything loads when it does not fit,
+    with the settings that do; reported, never refused, with `config.planner.enabled=False` or
+    when the host's memory cannot be read."""
+    host = host_memory() if host is None else host
+    if not host:  # unreadable (or `()`: not checked)
+        return plan
+    plan = dataclasses.replace(plan, host_memory=int(host[0]), host_source=host[1])
+    if plan.fits_host or not spec.refuse:
+        return plan
+    lines = [
+        f"the CPU process does not fit in host memory: an estimated {plan.cpu_rss / GIB:.1f} GiB"
+        f" peak RSS > headroom {plan.headroom:g} x {plan.host_memory / GIB:.1f} GiB"
+        f" ({plan.host_source}) = {plan.host_budget / GIB:.1f} GiB.",
+        plan.table(),
+    ]
+    found = _host_settings(spec, plan)
+    if found:
+        lines.append(f"Suggested: {found[0][0]} (est. CPU RSS {found[0][1] / GIB:.1f} GiB)")
+        if len(found) > 1:
+            also = "; ".join(f"{f} (est. {r / GIB:.1f} GiB)" for f, r in found[1:3])
+            lines.append(f"Also fits: {also}")
+    else:
+        lines.append(
+            "No smaller micro-batch or rollout copy fits: use fewer rows"
+            " (config.data_batch.prompts, config.rollout.n), bf16 master weights"
+            " (config.model.param_dtype=bfloat16: a different optimisation) or a larger host."
+        )
+    lines.append(
+        "(config.model.remat does not help here: XLA:CPU does not honour it; the GPU plan"
+        " assumes it does.)"
+    )
+    raise ValueError("\n".join(lines))
+
+
+def _host_settings(spec: JobSpec, plan: MemoryPlan) -> list[tuple[str, int]]:
+    """(flags, estimated CPU RSS) of the settings that fit `plan.host_budget`, the least
+    intrusive first: a smaller micro-batch (the update's activations; the same step up to
+    rounding), then the compute dtype equal to param_dtype (no rollout copy of the params;
+    float32 activations); within each, the smallest estimate first. (bf16 master weights,
+    param_dtype=bfloat16, would shrink it too, but they change the optimisation: not offered.)"""
+    m, job = spec.model, _job(spec)
+    variants = [((), job)]
+    if m.dtype != m.param_dtype:  # the same params and optimizer state: only these change
+        same = dataclasses.replace(m, dtype=m.param_dtype)
+        lengths = tuple(b + spec.max_new for b in spec.buckets)
+        variants.append(
+            (
+                (f"--config.model.dtype={m.param_dtype}",),
+                dataclasses.replace(
+                    job,
+                    model=same,
+                    rollout_weights=(),
+                    kv_cache=_cache_groups(same, spec.rows, lengths, 1),
+                    val_kv_cache=_cache_groups(same, spec.val_rows, lengths, spec.val_samplers),
+                ),
+            )
+        )
+    dp = plan.mesh[0] * plan.mesh[1]
+    micros = [
+        d for d in _divisors(spec.mini_batch_rows) if d % dp == 0 and d <= plan.micro_batch_rows
+    ]
+    found = []
+    for tier, (flags, variant) in enumerate(variants):
+        for mb in micros:
+            p = dataclasses.replace(
+                _plan(variant, plan.mesh, plan.remat, mb, None, plan.headroom),
+                host_memory=plan.host_memory,
+            )
+            if (flags or mb != plan.micro_batch_rows) and p.fits_host:
+                more = (
+                    ()
+                    if mb == plan.micro_batch_rows
+                    else (f"--config.actor.micro_batch_rows={mb}",)
+                )
+                found.append((tier, bool(more), p.cpu_rss, " ".join(flags + more)))
+    found.sort()
+    return [(f, rss) for _, _, rss, f in found]
 
 
 def _refusal(job: _Job, plan: MemoryPlan, num_devices: int, remat: bool, micro: int) -> str:

@@ -14,15 +14,19 @@ from __future__ import annotations
 import functools
 import json
 import os
+import threading
 import time
 
 import jax
+import numpy as np
 
 from aqn_jax import parallel, quant_base
+from aqn_jax.aqn.config import AQN_SIGMA
 from aqn_jax.aqn.plan import build_plan, needs_srdd
 from aqn_jax.checkpoint import (
     Checkpointer,
     Preemption,
+    check_resumable,
     check_resume_config,
     check_sane,
     record_override,
@@ -32,14 +36,17 @@ from aqn_jax.data.config import load_split
 from aqn_jax.diagnosis import srdd
 from aqn_jax.export import EXPORT_DIR, export_policy
 from aqn_jax.faults.config import with_abft
+from aqn_jax.faults.intercept import step_key
 from aqn_jax.lora import fingerprint as lora_fingerprint
 from aqn_jax.lora import merged as lora_merged
 from aqn_jax.metrics import open_run, progress
-from aqn_jax.models.registry import causal_lm, family_of
+from aqn_jax.models.registry import causal_lm, family_of, init_cache
 from aqn_jax.report import print_summary, run_summary, summary_spec, write_run_report
+from aqn_jax.rl import sampler as rl_sampler
 from aqn_jax.rl import step as rl_step
 from aqn_jax.rl.guard import RollbackNeeded
-from aqn_jax.rl.trainer import Trainer, loop_spec, prompt_batcher
+from aqn_jax.rl.rollout_correction import correct
+from aqn_jax.rl.trainer import Trainer, loop_spec, prompt_batcher, train_batch
 from aqn_jax.warm_start import warm_start
 
 
@@ -58,6 +65,7 @@ def run(config, workdir: str) -> None:
     train_examples = load_split(config.data, "train")
     test_examples = load_split(config.data, "test")
     changes = check_resume_config(config, workdir)
+    check_resumable(workdir)  # a finished params-only run: refused before anything is written
     if primary:
         if changes:
             record_override(workdir, changes)
@@ -175,20 +183,27 @@ def run(config, workdir: str) -> None:
         state = saved.replace(base=state.base)
         batcher.load_state(meta["data"])
         print(f"resumed from {ckpt.directory}/{start} (RL step {start} of {total})")
-    else:
+    # The step programs (generate, prepare and update) compiled ahead for the next batch's shapes,
+    # in a thread. On an accelerator that runs while step 0 validates on the device. On a CPU
+    # backend it starts after the validation: the two would share the same cores (and the
+    # GIL), and on 2 loaded cores the overlap saved nothing (WORKSPACE.md, issue 41).
+    ahead = None
+    overlap = jax.default_backend() != "cpu"
+    if overlap and start < total:
+        ahead = Ahead(loop, state, batcher, start + 1)
+    if restored is None:
         val0 = eval_now(state, 0)
         writer.write(0, val0)
         history = [{"step": 0, **val0}]
+    if not overlap and start < total:
+        ahead = Ahead(loop, state, batcher, start + 1)
     val0 = {k: v for k, v in history[0].items() if k != "step"}
     last_val = next(
         {k: v for k, v in r.items() if k.startswith(("val-", "timing_s/testing"))}
         for r in reversed(history)
         if "val-core/acc" in r
     )
-    print(
-        f"step 0: val acc {val0['val-core/acc']:.3f} (faulty device),"
-        f" {val0['val-clean/acc']:.3f} (clean)"
-    )
+    print(val_line(0, val0))
 
     # ---------------------------------------------------------------------------------------
     # Train loop
@@ -216,18 +231,20 @@ def run(config, workdir: str) -> None:
     try:
         step = start + 1
         while step <= total:
+            # The first step's time includes the wait for the compile ahead (what it did not hide).
+            wait = ahead.wait() if step == start + 1 and ahead is not None else 0.0
             try:
                 state, m = loop.step(state, step)
             except RollbackNeeded as e:  # the guard's last resort (config.sdc.guard)
                 state, step = rollback(e)
                 del history[step:]  # the rows of the steps to redo
                 continue
-            if config.trainer.val_every and step % config.trainer.val_every == 0 and step < total:
+            m["timing_s/step"] += wait
+            every = config.trainer.val_every
+            if step == total or (every and step % every == 0):
                 last_val = eval_now(state, step)
                 m.update(last_val)
-            if step == total:
-                last_val = eval_now(state, step)
-                m.update(last_val)
+                bar.write(val_line(step, last_val))
             writer.write(step, m)
             history.append(m)
             bar.update(1)
@@ -245,6 +262,8 @@ def run(config, workdir: str) -> None:
             step += 1
     finally:  # also on a crash: SIGTERM given back, async saves finished
         stop.close()
+        if ahead is not None:
+            ahead.close()  # a crash before step 1 leaves no compile thread running
         bar.close()
         ckpt.close()
         writer.close()
@@ -283,3 +302,101 @@ def run(config, workdir: str) -> None:
         with open(os.path.join(workdir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2)
         print_summary(summary, write_run_report(workdir, summary, history))
+
+
+def val_line(step: int, val: dict) -> str:
+    """The one line a validation prints."""
+    return (
+        f"step {step}: val acc {val['val-core/acc']:.3f} (faulty device),"
+        f" {val['val-clean/acc']:.3f} (clean)"
+    )
+
+
+class Ahead:
+    """Compiles `loop`'s step programs (the rollout's generate, prepare and update) in a thread
+    for the shapes of the batch step `step` will draw (peeked: the batcher is put back), so that
+    the step runs compiled: `jit(f).lower(...).compile()` fills the jit's own cache. The inputs
+    are what `Trainer.step` passes, built from zeros of those shapes (the values do not matter,
+    only shapes, dtypes and shardings); an input that differed would only cost a compile inside
+    the step (tests/test_train.py asserts there is none)."""
+
+    def __init__(self, loop: Trainer, state, batcher, step: int):
+        position = batcher.state()
+        prompts = batcher.next_batch()["input_ids"]
+        batcher.load_state(position)
+        self._error: BaseException | None = None
+        # Not a daemon: a run that fails before step 1 exits after the compile, not inside it.
+        self._thread = threading.Thread(target=self._run, args=(loop, state, prompts.shape, step))
+        self._thread.start()
+
+    def _run(self, loop, state, shape, step) -> None:
+        try:
+            compile_step_programs(loop, state, shape, step)
+        except BaseException as e:  # re-raised by `wait`, in the loop's thread
+            self._error = e
+
+    def wait(self) -> float:
+        """Seconds spent waiting for the compile to finish; raises what it raised."""
+        t0 = time.perf_counter()
+        self._thread.join()
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        self._thread.join()
+
+
+def compile_step_programs(loop: Trainer, state, prompt_shape: tuple[int, int], step: int) -> None:
+    """Lower and compile generate, prepare and update for `prompt_shape` ([prompts, length]) as
+    `Trainer.step(state, step)` will call them."""
+    static, mesh, seed = loop.static, loop.mesh, loop.spec.seed
+    sampler = loop.rollout_sampler
+    rows, bucket = prompt_shape[0] * static.h.n, sampler.bucket(prompt_shape[1])
+    new = static.max_new
+    sigma = np.float32(loop.spec.aqn.sigma(step, static.total_steps))
+    key = step_key(seed, step, "rollout")  # any key: only its type and shape matter
+
+    # generate: the Sampler's jit, with its prompts and KV cache as it places them; the cache is
+    # made here too (its first call would make it) and left in the sampler's pool for the step.
+    ids = np.zeros((rows, bucket), np.int32)
+    make = lambda: init_cache(sampler.model.config, rows, bucket + new)  # noqa: E731
+    shardings = rl_sampler._cache_sharding(mesh, jax.eval_shape(make))
+    cache = sampler._caches.setdefault((rows, bucket), jax.jit(make, out_shardings=shardings)())
+    sampler._program.lower(
+        loop.generation_weights(rl_step.policy_weights(static, state)),
+        *parallel.put_batch((ids, ids), mesh),
+        (key, key),
+        cache,
+        {AQN_SIGMA: sigma, **loop.sdc_values(step, 0)},
+    ).compile()
+
+    # prepare: the rollout as train rows (`train_batch`), on the mesh as the step puts them
+    tokens = np.zeros((rows, new), np.int32)
+    out = rl_sampler.SampleOutput(ids, ids, tokens, tokens.astype(np.float32), tokens + 1, {})
+    tb = train_batch(out, np.zeros(rows, np.float32))
+    dev = parallel.put_batch({k: v for k, v in tb.items() if k != "scores"}, mesh)
+    scores = parallel.put_batch(tb["scores"], mesh)
+    train_key = step_key(seed, step, "train")
+    values = {AQN_SIGMA: sigma, **loop.sdc_values(step, 0)}  # (the step's bit-fault values)
+    prepared = loop.prepare.lower(state, loop.ref_params, dev, scores, train_key, values).compile()
+
+    # update: the prepared rows and the rollout correction's, as `Trainer.step` assembles them
+    prep = jax.tree_util.tree_map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+        prepared.out_info[0],
+    )
+    upd = {k: dev[k] for k in ("ids", "mask", "tokens", "rmask")}
+    upd.update({k: prep[k] for k in ("old_logp", "advantages", "ref_logp") if k in prep})
+    if static.use_critic:
+        upd.update(values=prep["values"], returns=prep["returns"])
+    corr = correct(tb["sampler_logp"], tb["sampler_logp"], tb["rmask"], static.h.correction)
+    for name, value in (
+        ("is_weights", corr.is_weights),
+        ("rmask", corr.loss_mask),
+        ("old_logp", corr.old_logp),
+    ):
+        if value is not None:
+            upd[name] = parallel.put_batch(value, mesh)
+    loop.update.lower(state, upd, train_key, values).compile()

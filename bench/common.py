@@ -73,6 +73,66 @@ def random_params(config: Qwen2Config, seed: int = 0) -> dict:
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
+def kv_bytes_per_token(cfg: Qwen2Config, itemsize: int = 4) -> int:
+    """K and V of one token, all layers, `itemsize` bytes an element."""
+    return cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.resolved_head_dim * itemsize
+
+
+def floor_seconds(
+    cfg: Qwen2Config,
+    n_params: int,
+    batch: int,
+    prompt: int,
+    new: int,
+    bw: float,
+    peak: float,
+    itemsize: int = 4,
+) -> float:
+    """Lower bound on one generate call (bench/generate.py's docstring says how); bw in B/s,
+    peak FLOP/s, weights and KV cache of `itemsize` bytes an element."""
+    N, H, L = cfg.num_attention_heads, cfg.resolved_head_dim, cfg.num_hidden_layers
+    weight_bytes = itemsize * n_params
+    # Prefill: every projection for every prompt token, the lm_head (tied table, V x D) for
+    # the last position only (generation needs no other logits), causal attention (query i
+    # attends over i + 1 keys).
+    lm_head = cfg.vocab_size * cfg.hidden_size
+    prefill_attn = 4 * batch * L * N * H * (prompt * (prompt + 1) // 2)
+    prefill_flops = 2 * (n_params - lm_head) * batch * prompt + 2 * lm_head * batch + prefill_attn
+    total = max(weight_bytes / bw, prefill_flops / peak)
+    for t in range(1, new):  # decode steps feeding tokens 1 .. new-1 (token 0 from the prefill)
+        c = prompt + t + 1  # tokens in the cache, this one included
+        step_bytes = weight_bytes + batch * c * kv_bytes_per_token(cfg, itemsize)
+        step_flops = 2 * n_params * batch + 4 * batch * L * N * H * c
+        total += max(step_bytes / bw, step_flops / peak)
+    return total
+
+
+def xla_roofline(nbytes: int, n: int, tries: int = 5) -> dict[str, float]:
+    """The default JAX device's read bandwidth, `bw` in B/s (best of `tries` jitted full sums
+    over an f32 array of `nbytes`: decode reads every weight once a token), and its matmul peaks
+    in FLOP/s (best of `tries` n x n products, `float32` and `bfloat16` operands with f32
+    accumulation, as the model computes)."""
+    import jax.numpy as jnp
+
+    def best(fn, *args):
+        fn(*args).block_until_ready()  # compile
+        times = []
+        for _ in range(tries):
+            t0 = time.perf_counter()
+            fn(*args).block_until_ready()
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    a = jnp.ones(nbytes // 4, jnp.float32)
+    out = {"bw": nbytes / best(jax.jit(jnp.sum), a)}
+    del a
+    dot = jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32))
+    for dtype in ("float32", "bfloat16"):
+        x = jax.random.normal(jax.random.key(0), (n, n), dtype)
+        out[dtype] = 2.0 * n**3 / best(dot, x, x)
+    return out
+
+
 def record(script: str, intro: str, table: list[str]) -> Path:
     """Append a section (heading with date and machine, the exact command, a table) to
     WORKSPACE.md. Append only: earlier records are never touched."""

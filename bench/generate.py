@@ -94,7 +94,14 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 import transformers
-from common import check_load, cpu_flags, random_params, record, time_calls
+from common import (
+    check_load,
+    cpu_flags,
+    floor_seconds,
+    random_params,
+    record,
+    time_calls,
+)
 from torch_ref import matmul_peaks, setup_torch
 
 from aqn_jax.models.hf import save_hf_checkpoint
@@ -140,40 +147,6 @@ def _time_sum_xla(a: np.ndarray) -> float:
     ja = jax.device_put(a)
     total = jax.jit(jnp.sum)
     return best_time(lambda: total(ja).block_until_ready(), BW_TRIES)
-
-
-def kv_bytes_per_token(cfg: Qwen2Config, itemsize: int = 4) -> int:
-    """K and V of one token, all layers, `itemsize` bytes an element."""
-    return cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.resolved_head_dim * itemsize
-
-
-def floor_seconds(
-    cfg: Qwen2Config,
-    n_params: int,
-    batch: int,
-    prompt: int,
-    new: int,
-    bw: float,
-    peak: float,
-    itemsize: int = 4,
-) -> float:
-    """Lower bound on one generate call (see the module docstring); bw in B/s, peak FLOP/s,
-    weights and KV cache of `itemsize` bytes an element."""
-    N, H, L = cfg.num_attention_heads, cfg.resolved_head_dim, cfg.num_hidden_layers
-    weight_bytes = itemsize * n_params
-    # Prefill: every projection for every prompt token, the lm_head (tied table, V x D) for
-    # the last position only (generation needs no other logits), causal attention (query i
-    # attends over i + 1 keys).
-    lm_head = cfg.vocab_size * cfg.hidden_size
-    prefill_attn = 4 * batch * L * N * H * (prompt * (prompt + 1) // 2)
-    prefill_flops = 2 * (n_params - lm_head) * batch * prompt + 2 * lm_head * batch + prefill_attn
-    total = max(weight_bytes / bw, prefill_flops / peak)
-    for t in range(1, new):  # decode steps feeding tokens 1 .. new-1 (token 0 from the prefill)
-        c = prompt + t + 1  # tokens in the cache, this one included
-        step_bytes = weight_bytes + batch * c * kv_bytes_per_token(cfg, itemsize)
-        step_flops = 2 * n_params * batch + 4 * batch * L * N * H * c
-        total += max(step_bytes / bw, step_flops / peak)
-    return total
 
 
 # --- one preset ---------------------------------------------------------------------------------

@@ -34,7 +34,9 @@ def _cpu_flags() -> str:
         out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
     except (OSError, subprocess.CalledProcessError):
         return platform.processor()
-    model = next((ln.split(":", 1)[1].strip() for ln in out.splitlines() if "Model name" in ln), "?")
+    model = next(
+        (ln.split(":", 1)[1].strip() for ln in out.splitlines() if "Model name" in ln), "?"
+    )
     flags = next((ln.split(":", 1)[1] for ln in out.splitlines() if ln.startswith("Flags")), "")
     keep = [f for f in flags.split() if f.startswith(("avx512", "amx", "avx2"))]
     return f"{model} ({' '.join(keep) or 'no avx2/avx512/amx'})"

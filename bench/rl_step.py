@@ -3,7 +3,15 @@ weights, same shapes.
 
   pip install -e '.[bench]'
   python bench/rl_step.py [--steps 12] [--settings ours1,trl1,ours2,trl2,trl2p,...]
-      [--arch tiny|qwen2p5_0p5b] [--smoke] [--record]
+      [--arch tiny|qwen2p5_0p5b|qwen2p5_1p5b] [--shape P,N,T] [--extra '--config.a=b ...']
+      [--device cpu|gpu] [--smoke] [--record]
+  python bench/rl_step.py --device=gpu --arch qwen2p5_1p5b --shape 8,8,256 --steps 6
+
+`--device=gpu` runs both sides on the accelerator in bf16 (settings `ours_gpu`: our model
+dtype bfloat16 over f32 master weights; `trl_gpu`: GRPOConfig(use_cpu=False, bf16=True)); on a
+machine without one it stops with one line before any work. `--shape P,N,T` sets the prompts
+per step, the samples per prompt and the new tokens (default: the arch's, SHAPES); `--extra`
+appends our launch flags (e.g. `--config.actor.micro_batch_rows=16 --config.model.remat=True`).
 
 Setup, the same on both sides:
   * weights: `tiny` = the shipped SFT warm start (aqn_jax/assets/sft-*, an HF snapshot that
@@ -38,6 +46,16 @@ length, and generated / trained tokens per second. Prints, per pairing of our be
 TRL's best and per thread count, `BENCH rl_step_vs_trl ratio=<TRL s/step / ours s/step>`
 (> 1: we are faster), normalised per generated token when the mean completion lengths differ
 by more than 10% (said in the line).
+
+Per setting also the roofline of each phase, from the device's read bandwidth and matmul peak
+measured first in a JAX process on the same device (best of 5 jitted sums over a 1 GiB f32 array;
+best of 5 n x n products, n = 8192 on GPU, 2048 on CPU, in the setting's dtype):
+  * generation: the decode floor (`floor_seconds` in bench/common.py: prefill plus each decode
+    step's max(weights + KV bytes / bandwidth, FLOPs / peak), the mean completion length) and
+    the % of it reached (floor / generation time);
+  * log-probs (old + reference: 2 forward passes) and update (forward + backward): MFU =
+    model FLOPs / (time x peak), 2 x params per token a forward and 6 x params per token an
+    update (attention not counted), over the real tokens (mean prompt + completion per row).
 """
 
 from __future__ import annotations
@@ -45,6 +63,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -60,12 +79,14 @@ sys.path.insert(0, str(ROOT))
 SHAPES = {  # arch -> (prompts per step, samples per prompt, max new tokens)
     "tiny": (16, 5, 24),
     "qwen2p5_0p5b": (4, 4, 64),
+    "qwen2p5_1p5b": (8, 8, 256),
 }
 # --smoke (CI: both sides run, nothing timed): the same programs and settings at a smaller batch,
 # 4 prompts x 2 samples, at most 8 new tokens.
 SMOKE_SHAPE = (4, 2, 8)
 BASE_SETTINGS = ("ours1", "trl1", "ours2", "trl2", "trl2p")
 SETTINGS = BASE_SETTINGS + tuple(f"{s}_bf16" for s in ("ours1", "trl1", "ours2", "trl2p"))
+GPU_SETTINGS = ("ours_gpu", "trl_gpu")  # both bf16 on the accelerator
 LR, KL = 3e-5, 0.001
 
 
@@ -93,7 +114,7 @@ def weights_dir(arch: str, tmp: str) -> str:
 
 
 # -- ours ------------------------------------------------------------------------------------------
-def run_ours(setting: str, arch: str, wdir: str, steps: int, tmp: str, shape) -> dict:
+def run_ours(setting: str, arch: str, wdir: str, steps: int, tmp: str, shape, extra=()) -> dict:
     prompts, n, new = shape
     workdir = tempfile.mkdtemp(prefix=f"ours_{setting}_", dir=tmp)
     cmd = [
@@ -107,7 +128,7 @@ def run_ours(setting: str, arch: str, wdir: str, steps: int, tmp: str, shape) ->
         f"--config.actor.mini_batch_prompts={prompts // 2}",
         f"--config.actor.micro_batch_rows={prompts // 2 * n}",
     ]  # fmt: skip
-    bf16 = setting.endswith("_bf16")
+    bf16 = setting.endswith("_bf16") or setting == "ours_gpu"
     # The f32 tiny settings start from the shipped warm start through the SFT cache (the
     # default study's path; the snapshot route gives bitwise the same run). bf16 changes the
     # SFT cache key (config.model is part of it), so bf16 reads the same weights as a snapshot.
@@ -115,7 +136,10 @@ def run_ours(setting: str, arch: str, wdir: str, steps: int, tmp: str, shape) ->
         cmd += [f"--config.model.hf_path={wdir}", "--config.sft.enabled=False"]
     if bf16:
         cmd += ["--config.model.dtype=bfloat16"]
+    cmd += list(extra)
     env = dict(os.environ)
+    if setting != "ours_gpu":
+        env["JAX_PLATFORMS"] = "cpu"
     if setting.startswith("ours1"):
         env["XLA_FLAGS"] = (
             env.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false"
@@ -177,11 +201,11 @@ def run_trl(setting: str, arch: str, wdir: str, steps: int, tmp: str, shape) -> 
     if base == "trl2p":
         env["OMP_WAIT_POLICY"] = "PASSIVE"
     cmd = [sys.executable, __file__, "--_trl-worker", wdir, "--arch", arch, "--steps", str(steps)]
-    cmd += ["--threads", str(threads)]
-    if setting.endswith("_bf16"):
+    cmd += ["--threads", str(threads), "--shape", ",".join(map(str, shape))]
+    if setting.endswith("_bf16") or setting == "trl_gpu":
         cmd += ["--bf16"]
-    if shape != SHAPES[arch]:
-        cmd += ["--smoke"]
+    if setting == "trl_gpu":
+        cmd += ["--device", "gpu"]
     if base == "trl1":
         cmd = ["taskset", "-c", "0", *cmd]
     out = os.path.join(tmp, f"{setting}.json")
@@ -196,7 +220,14 @@ def run_trl(setting: str, arch: str, wdir: str, steps: int, tmp: str, shape) -> 
 
 
 def trl_worker(
-    wdir: str, arch: str, steps: int, threads: int, out: str, shape, bf16: bool = False
+    wdir: str,
+    arch: str,
+    steps: int,
+    threads: int,
+    out: str,
+    shape,
+    bf16: bool = False,
+    device: str = "cpu",
 ) -> None:
     os.environ["HF_HUB_OFFLINE"] = "1"
     import torch
@@ -232,7 +263,7 @@ def trl_worker(
     model = transformers.AutoModelForCausalLM.from_pretrained(wdir, dtype=torch.float32)
     args = GRPOConfig(
         output_dir=os.path.join(os.path.dirname(out), "trl_out"),
-        use_cpu=True,
+        use_cpu=device == "cpu",
         per_device_train_batch_size=prompts * n // 2,
         gradient_accumulation_steps=1,
         steps_per_generation=2,
@@ -261,11 +292,15 @@ def trl_worker(
     if arch != "tiny":  # a random model must never end early: generate exactly `new`
         trainer.generation_config.eos_token_id = None
     clock: dict[str, list[float]] = {"gen": [], "gen_score": [], "step": [], "len": []}
+    # On a GPU the clock reads after the device finished (CUDA runs asynchronously).
+    sync = torch.cuda.synchronize if device == "gpu" else (lambda: None)
 
     def timed(name, fn):
         def wrapper(*a, **k):
+            sync()
             t0 = time.perf_counter()
             r = fn(*a, **k)
+            sync()
             clock[name].append(time.perf_counter() - t0)
             return r
 
@@ -284,9 +319,11 @@ def trl_worker(
 
     class StepTimer(transformers.TrainerCallback):
         def on_step_begin(self, *a, **k):
+            sync()
             self.t0 = time.perf_counter()
 
         def on_step_end(self, *a, **k):
+            sync()
             clock["step"].append(time.perf_counter() - self.t0)
 
     trainer.add_callback(StepTimer())
@@ -323,7 +360,102 @@ def trl_worker(
     )
 
 
+# -- the device ------------------------------------------------------------------------------------
+def roofline_worker(device: str, out: str, small: bool) -> None:
+    """The device's bandwidth and matmul peaks (`xla_roofline`), measured in a process of its
+    own, so that the GPU is free again when the runs start. Exits 2 with one line on stderr when
+    `device` is gpu and neither JAX nor torch sees one."""
+    import jax
+
+    if device == "gpu":
+        try:
+            gpus = jax.devices("gpu")
+        except RuntimeError:
+            gpus = []
+        torch_sees = False
+        if gpus:  # torch (TRL's side) only imported where JAX found one
+            import torch
+
+            torch_sees = torch.cuda.is_available()
+        if not gpus or not torch_sees:
+            why = (
+                f"JAX sees no GPU (backend {jax.default_backend()})"
+                if not gpus
+                else f"JAX sees {len(gpus)} but torch.cuda.is_available() is False"
+            )
+            print(
+                f"--device=gpu: no GPU for both sides on this machine: {why}; run it where an"
+                " accelerator is, or use --device=cpu",
+                file=sys.stderr,
+            )
+            sys.exit(2)
+    from common import xla_roofline
+
+    nbytes, n = (2**26, 256) if small else (2**30, 8192 if device == "gpu" else 2048)
+    result = xla_roofline(nbytes, n)
+    result["device"] = jax.devices()[0].device_kind
+    Path(out).write_text(json.dumps(result))
+
+
+def measure_roofline(device: str, tmp: str, small: bool) -> dict:
+    out = os.path.join(tmp, "roofline.json")
+    cmd = [sys.executable, __file__, "--_roofline", device, "--out", out]
+    cmd += ["--smoke"] if small else []
+    env = dict(os.environ, **({"JAX_PLATFORMS": "cpu"} if device == "cpu" else {}))
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if proc.returncode:
+        lines = proc.stderr.strip().splitlines() or [f"rc {proc.returncode}"]
+        fail(lines[-1])
+    return json.loads(Path(out).read_text())
+
+
+def fail(message: str) -> None:
+    """A usage error: one line on stderr, exit 2, before any work."""
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def parse_shape(text: str) -> tuple[int, int, int]:
+    parts = text.split(",")
+    ok = len(parts) == 3 and all(p.strip().isdigit() for p in parts)
+    shape = tuple(int(p) for p in parts) if ok else (0, 0, 0)
+    if shape[0] < 2 or shape[0] % 2 or shape[1] < 1 or shape[2] < 1:
+        fail(
+            f"--shape={text}: want P,N,T: prompts per step (even: 2 updates a step),"
+            " samples per prompt >= 1, new tokens >= 1"
+        )
+    return shape
+
+
+def roofline(r: dict, cfg, n_params: int, rows: int, prompt_len: float, roof: dict, bf16: bool):
+    """The decode floor and % reached, and the MFU of log-probs and update (module docstring)."""
+    from common import floor_seconds
+
+    dtype = "bfloat16" if bf16 else "float32"
+    peak = roof[dtype]
+    new = max(1, round(r["len"]))
+    floor = floor_seconds(
+        cfg, n_params, rows, round(prompt_len), new, roof["bw"], peak, 2 if bf16 else 4
+    )
+    tokens = rows * (prompt_len + r["len"])
+    return {
+        "decode_floor_s": floor,
+        "gen_s": r["gen"],
+        "decode_pct_floor": 100 * floor / r["gen"],
+        "logprobs_mfu_pct": 100 * 2 * 2 * n_params * tokens / (r["logprobs"] * peak),
+        "update_mfu_pct": 100 * 6 * n_params * tokens / (r["update"] * peak),
+        "peak_tflops": peak / 1e12,
+        "bw_gbs": roof["bw"] / 1e9,
+    }
+
+
 # -- report ----------------------------------------------------------------------------------------
+def jax_leaves(tree):
+    import jax
+
+    return jax.tree_util.tree_leaves(tree)
+
+
 def summarise(res: dict) -> dict:
     steps = res["steps"]
     tail = steps[2:] or steps
@@ -342,41 +474,81 @@ def summarise(res: dict) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=12)
-    ap.add_argument("--settings", default=",".join(SETTINGS))
+    ap.add_argument("--settings", default=None, help=f"default: all of {SETTINGS} on cpu")
     ap.add_argument("--arch", default="tiny", choices=sorted(SHAPES))
+    ap.add_argument("--shape", default=None, help="P,N,T (default: the arch's, SHAPES)")
+    ap.add_argument("--extra", default="", help="our launch flags, appended (one string)")
+    ap.add_argument("--device", default="cpu", choices=("cpu", "gpu"))
     ap.add_argument(
         "--smoke", action="store_true", help="1 step per side, one setting each, SMOKE_SHAPE"
     )
     ap.add_argument("--record", action="store_true")
     ap.add_argument("--_trl-worker", dest="trl_worker", default=None)
+    ap.add_argument("--_roofline", dest="roofline", default=None)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default=None)
     ap.add_argument("--bf16", action="store_true", help="(TRL worker) GRPOConfig(bf16=True)")
     args = ap.parse_args()
+    default_shape = SMOKE_SHAPE if args.smoke else SHAPES[args.arch]
+    shape = parse_shape(args.shape) if args.shape else default_shape
     if args.trl_worker:
-        shape = SMOKE_SHAPE if args.smoke else SHAPES[args.arch]
-        trl_worker(args.trl_worker, args.arch, args.steps, args.threads, args.out, shape, args.bf16)
+        trl_worker(
+            args.trl_worker,
+            args.arch,
+            args.steps,
+            args.threads,
+            args.out,
+            shape,
+            args.bf16,
+            args.device,
+        )
         return
-    from common import check_load, cpu_description, cpu_flags, record
-
-    settings = ["ours1", "trl1"] if args.smoke else args.settings.split(",")
-    bad = [s for s in settings if s not in SETTINGS]
+    if args.roofline:
+        roofline_worker(args.roofline, args.out, args.smoke)
+        return
+    gpu = args.device == "gpu"
+    allowed = GPU_SETTINGS if gpu else SETTINGS
+    if args.settings:
+        settings = args.settings.split(",")
+    else:
+        settings = list(GPU_SETTINGS if gpu else ("ours1", "trl1") if args.smoke else SETTINGS)
+    bad = [s for s in settings if s not in allowed]
     if bad:
-        raise SystemExit(f"--settings has {bad}; allowed: {list(SETTINGS)}")
+        fail(f"--settings has {bad}; allowed on {args.device}: {list(allowed)}")
+    extra = shlex.split(args.extra)
     steps = 1 if args.smoke else args.steps
-    load = check_load()
-    flags = cpu_flags()
-    print(cpu_description(), load, "| CPU flags:", flags)
-    shape = SMOKE_SHAPE if args.smoke else SHAPES[args.arch]
-    prompts, n, new = shape
-    results = {}
     with tempfile.TemporaryDirectory(prefix="bench_rl_step_") as tmp:
+        roof = measure_roofline(args.device, tmp, args.smoke)  # gpu: fails here without one
+        from common import check_load, cpu_description, cpu_flags, record
+
+        from aqn_jax.data.arithmetic import ArithmeticTask
+        from aqn_jax.data.tokenizers import CharTokenizer
+        from aqn_jax.models.hf import abstract_params, config_from_hf
+
+        load = check_load()
+        flags = cpu_flags()
+        print(cpu_description(), load, "| CPU flags:", flags, "| device:", roof["device"])
+        print(
+            f"roofline ({roof['device']}): read bandwidth {roof['bw'] / 1e9:.1f} GB/s, matmul peak"
+            f" f32 {roof['float32'] / 1e12:.3f}, bf16 {roof['bfloat16'] / 1e12:.3f} TFLOP/s"
+        )
+        prompts, n, new = shape
+        tok = CharTokenizer()
+        examples = ArithmeticTask().examples("train", prompts * steps)
+        prompt_len = statistics.mean(len(tok.encode_chat(e.prompt_messages)) for e in examples)
+        results, roofs = {}, {}
         wdir = weights_dir(args.arch, tmp)
+        cfg, _ = config_from_hf(json.loads(Path(wdir, "config.json").read_text()))
+        n_params = sum(x.size for x in jax_leaves(abstract_params(cfg)))
         for s in settings:
-            run = run_ours if s.startswith("ours") else run_trl
-            res = run(s, args.arch, wdir, steps, tmp, shape)
+            if s.startswith("ours"):
+                res = run_ours(s, args.arch, wdir, steps, tmp, shape, extra)
+            else:
+                res = run_trl(s, args.arch, wdir, steps, tmp, shape)
             results[s] = summarise(res)
             r = results[s]
+            bf16 = s.endswith(("_bf16", "_gpu"))
+            roofs[s] = roofline(r, cfg, n_params, prompts * n, prompt_len, roof, bf16)
             print(
                 f"{s}: step {r['step']:.2f}s (gen {r['gen']:.2f}, log-probs {r['logprobs']:.2f},"
                 f" update {r['update']:.2f}); first step {r['first']:.1f}s; completion"
@@ -389,6 +561,7 @@ def main() -> None:
                 ),
                 flush=True,
             )
+            print(f"ROOFLINE setting={s} " + " ".join(f"{k}={v:.6g}" for k, v in roofs[s].items()))
     lines = []
     ours = {s: r for s, r in results.items() if s.startswith("ours")}
     trl = {s: r for s, r in results.items() if s.startswith("trl")}
@@ -409,7 +582,7 @@ def main() -> None:
             note = "per_generated_token"
         else:
             ratio, note = b["step"] / a["step"], "per_step"
-        suffix = "" if args.arch == "tiny" else "_" + args.arch
+        suffix = ("" if args.arch == "tiny" else "_" + args.arch) + ("_gpu" if gpu else "")
         lines.append(
             f"BENCH rl_step_vs_trl{suffix} ratio={ratio:.3f} pairing={name} ours={o} trl={t}"
             f" ours_step_s={a['step']:.2f} trl_step_s={b['step']:.2f}"
@@ -432,8 +605,19 @@ def main() -> None:
         intro = (
             f"`{args.arch}`: {prompts} prompts x {n} samples, <= {new} new tokens, KL {KL},"
             f" lr {LR}, 2 updates per step on both sides; medians over steps 3..{steps};"
-            f" load before: {load}; CPU flags: {flags}.\n\n" + "\n".join(f"`{x}`" for x in lines)
+            f" load before: {load}; CPU flags: {flags}; device {roof['device']}."
+            + (f" Our extra flags: `{args.extra}`." if extra else "")
+            + "\n\n"
+            + "\n".join(f"`{x}`" for x in lines)
         )
+        table[0] += " decode % of floor | log-probs MFU % | update MFU % |"
+        table[1] += "---|---|---|"
+        for i, s in enumerate(results, start=2):
+            f = roofs[s]
+            table[i] += (
+                f" {f['decode_pct_floor']:.1f} | {f['logprobs_mfu_pct']:.1f} |"
+                f" {f['update_mfu_pct']:.1f} |"
+            )
         print("recorded in", record("bench/rl_step.py", intro, table))
 
 

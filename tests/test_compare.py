@@ -31,34 +31,48 @@ FLAGS = [
 
 @pytest.mark.slow
 def test_compare_resumes_and_reports(tmp_path):
+    """SIGTERM (Slurm preemption, scancel) while a run evaluates: the job tells its workers and
+    exits 143 within 60 s (it hung in a futex wait before, SIGKILL only: issue 42; WORKSPACE.md
+    has that run); the rerun completes only the missing runs, none twice, no row twice."""
     work = tmp_path / "study"
     cmd = [sys.executable, "-m", "aqn_jax.launch", *FLAGS, f"--workdir={work}"]
     env = dict(os.environ, HF_HUB_OFFLINE="1", JAX_PLATFORMS="cpu")
-    proc = subprocess.Popen(
-        cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
-    )
+    log = (tmp_path / "first.out").open("w+")
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
     runs = [(arm, seed) for arm in ("global_aqn", "targeted") for seed in (0, 1)]
-    evals = {r: work / "runs" / r[0] / f"seed{r[1]}" / "evaluation.json" for r in runs}
-    # Killed as soon as any run has finished: the other worker is then still inside its first
-    # run, so at least two of the four runs are missing whatever the workers' speeds.
+    dirs = {r: work / "runs" / r[0] / f"seed{r[1]}" for r in runs}
+    evals = {r: d / "evaluation.json" for r, d in dirs.items()}
+
+    def evaluating():  # trained (summary.json), not yet evaluated
+        return [
+            r for r, d in dirs.items() if (d / "summary.json").is_file() and not evals[r].is_file()
+        ]
+
+    # Stopped while a run evaluates and another has finished: at least one run is missing
+    # whatever the workers' speeds (the last run to finish evaluates after the others).
     deadline = time.time() + 400
-    while not any(f.is_file() for f in evals.values()):
-        assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
-        assert time.time() < deadline, "no run finished within 400 s"
+    while not (any(f.is_file() for f in evals.values()) and evaluating()):
+        assert proc.poll() is None, (tmp_path / "first.out").read_text()[-3000:]
+        assert time.time() < deadline, "no run evaluated within 400 s"
         time.sleep(0.05)
     workers = _children(proc.pid)
     assert len(workers) >= 2  # the 2 workers (+ multiprocessing's resource tracker)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    t0 = time.time()
+    proc.send_signal(signal.SIGTERM)
+    code = proc.wait(timeout=90)
+    waited = time.time() - t0
+    first = (tmp_path / "first.out").read_text()
+    assert code == 143 and waited < 60, (code, waited, first[-3000:])
+    assert "SIGTERM: " in first and "rerun the same command" in first, first[-3000:]
     assert not (work / "results.json").exists()
-    # The workers die with the job: none is left writing into the workdir.
+    # The workers end with the job: none is left writing into the workdir.
     deadline = time.time() + 10
     while any(_alive(p) for p in workers) and time.time() < deadline:
         time.sleep(0.1)
     assert not [p for p in workers if _alive(p)]
     done = {r: f.stat().st_mtime_ns for r, f in evals.items() if f.is_file()}
     missing = [r for r in runs if r not in done]
-    assert len(done) >= 1 and len(missing) >= 2, done
+    assert len(done) >= 1 and len(missing) >= 1, done
 
     out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -154,6 +168,11 @@ def test_variants_and_bad_input():
     bad.compare.seeds = (0, 0)
     with pytest.raises(ValueError, match=r"config\.compare\.seeds="):
         check_compare(bad.compare)
+    bad.compare.seeds = (0,)  # was taken: two minutes of runs, then tests all "n/a"
+    with pytest.raises(ValueError, match=r"config\.compare\.seeds=\(0,\): .* need >= 2 seeds"):
+        check_compare(bad.compare)
+    bad.compare.allow_single_seed = True
+    check_compare(bad.compare)
     bad = load_config("compare")
     bad.compare.workers = -1
     with pytest.raises(ValueError, match=r"config\.compare\.workers=-1"):

@@ -26,6 +26,7 @@ from aqn_jax.models.factory import init_params
 from aqn_jax.models.qwen2 import Qwen2Config, Qwen2ForCausalLM
 
 from conftest import load_config
+from tolerance import bound, forward_path
 
 
 def fault_config(kind="clean", layers="4", threshold=0.01):
@@ -279,9 +280,24 @@ def test_scan_of_a_remat_config(calibrated):
     keys = {"fault_key": step_key(0, 0, "eval"), "probe_key": jax.random.key(1)}
     a = scan_layers(remat, params, ids, mask, plan=plan, **keys)
     b = scan_layers(model, params, ids, mask, plan=plan, **keys)
-    for m in b:
+    for m in b:  # remat changes the backward only: the same forward program, bit for bit
         np.testing.assert_array_equal(a[m], b[m])
-    assert b["dead"][3] > 0.3 and np.count_nonzero(b["dead"]) == 1, b["dead"]
+    # The deadzone's layer holds elements exactly; a healthy layer only by rounding: its DC
+    # probe moves an element by b (1 + g) (g: the element's gain through the block), which
+    # rounds to 0 when below the layer's rounding error n eps |out| (tests/tolerance.py, n one
+    # layer's reductions). With the gains' density <= 1 around -1, that is a fraction
+    # <= 2 n eps mean|out| / b of a layer's elements, b = dc_scale * std(its input), mean|out|
+    # <= out_std (+ the mean, ~0) and the input's std the previous layer's out_std (the
+    # embedding's for layer 0). Seen: 2.5e-5 at layer 0 on Intel AMX, 0 on AMD EPYC.
+    emb = np.asarray(params["embed_tokens"]["embedding"])[np.asarray(ids)][np.asarray(mask) > 0]
+    x_std = np.concatenate([[emb.std()], b["out_std"][:-1]])
+    n = forward_path(dataclasses.replace(model.config, num_hidden_layers=1), ids.shape[1])
+    tol = 2 * bound(n, 1.0) * b["out_std"] / (ScanSettings().dc_scale * x_std)
+    # The bound is ~0.035 for layers 1-7 but says nothing at layer 0 (its output is ~100x the
+    # embedding, so b is below its rounding): there the claim is only that layer 3 is the most
+    # held, as the verdict reads it.
+    assert b["dead"][3] > max(0.3, tol[3]) and np.argmax(b["dead"]) == 3, (b["dead"], tol)
+    assert np.all(np.delete(b["dead"] <= tol, 3)), (b["dead"], tol)
 
 
 def test_no_fault_found_on_a_clean_device(calibrated):

@@ -125,6 +125,24 @@ def test_parse_layers_rejects(value):
             },
             r"config.faults.deadzone.quantile=0.0; must be in \(0, 1\)",
         ),
+        (  # a field the chosen severity ignores is checked too (it ran with rc 0)
+            {
+                "faults__deadzone__enabled": True,
+                "faults__deadzone__severity": "quantile",
+                "faults__deadzone__threshold": 1.5,
+            },
+            r"config.faults.deadzone.threshold=1.5; must be in \(0, 1\) \(of amax; checked with"
+            r" severity='quantile' too\)",
+        ),
+        (  # and with the fault off
+            {"faults__deadzone__enabled": False, "faults__deadzone__quantile": 2.0},
+            r"config.faults.deadzone.quantile=2.0; must be in \(0, 1\)",
+        ),
+        ({"faults__noise__enabled": False, "faults__noise__scale": -1.0}, r"noise.scale=-1.0"),
+        (  # an empty selection is not "out of range"
+            {"faults__deadzone__enabled": True, "faults__deadzone__layers": "()"},
+            r"config.faults.deadzone.layers='\(\)' selects no layer; expected 'all'",
+        ),
         (
             {"faults__deadzone__enabled": True, "faults__deadzone__severity": "percent"},
             r"config.faults.deadzone.severity='percent'; allowed: \('amax', 'quantile'\)",

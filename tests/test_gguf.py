@@ -823,3 +823,20 @@ def test_source_and_gguf_flags(tmp_path, capsys):
     assert sum(p.bytes for p in source.parts) == source.bytes == 491_400_064
     assert [p.relpath for p in source.parts] == [f"data/part0{i}.bin" for i in range(1, 7)]
     assert_nothing_written(out)
+
+
+def test_an_unusable_out_is_refused_before_converting(tmp_path, capsys):
+    """--out under a file, or on a filesystem nobody can write (root passes os.access there):
+    one line naming --out, exit 2, before any conversion (the GGUF here is not even one)."""
+    src = tmp_path / "never_read.gguf"
+    src.write_bytes(b"")
+    (tmp_path / "a_file").write_text("x")
+    for out, message in (
+        (tmp_path / "a_file" / "snap", "a_file is a file, not a directory"),
+        ("/proc/aqn-gguf-out/snap", "/proc is not writable"),
+    ):
+        assert gguf_import.main([f"--gguf={src}", f"--out={out}"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"error: --out='{out}': "), err
+        assert message in err[0], err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file", "never_read.gguf"]

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -23,16 +24,27 @@ def _launch(*args, workdir):
     return launch_cli(*args, workdir=workdir)
 
 
+# A line of absl's log format at INFO (`I1126 06:46:37.279289 140117 launch.py:55] ...`).
+ABSL_INFO = re.compile(r"^I\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ \S+:\d+\] ", re.M)
+
+
 def test_model_summary_embedded_default_writes_to_runs_config_stem(tmp_path):
     """The embedded default's model summary; without --workdir a job writes to
-    ./runs/<config file stem> (the README's commands). One run checks both."""
+    ./runs/<config file stem> (the README's commands); `--compile_cache` wins over the
+    environment's directory; the log is quiet (no INFO lines:
+    test_model_summary_with_faults_writes_manifest has them back with --verbosity=1). One run
+    checks all. The flag names the session's own cache (tests/conftest.py), warm."""
+    cache = os.environ["JAX_COMPILATION_CACHE_DIR"]
+    unused = tmp_path / "env_cache"
     env = dict(os.environ, HF_HUB_OFFLINE="1", JAX_PLATFORMS="cpu")
+    env["JAX_COMPILATION_CACHE_DIR"] = str(unused)
     proc = subprocess.run(
         [
             sys.executable,
             "-m",
             "aqn_jax.launch",
             f"--config={os.path.join(REPO, 'configs', 'model_summary.py')}",
+            f"--compile_cache={cache}",
         ],
         cwd=tmp_path,
         env=env,
@@ -42,6 +54,8 @@ def test_model_summary_embedded_default_writes_to_runs_config_stem(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"total parameters: {TINY_PARAMS:,}" in proc.stdout
+    assert not unused.exists()  # the flag's directory, not the environment's
+    assert not ABSL_INFO.search(proc.stderr + proc.stdout), proc.stderr[-3000:]
     summary = json.loads((tmp_path / "runs" / "model_summary" / "model_summary.json").read_text())
     assert summary["param_count"] == TINY_PARAMS == 1_609_856
     assert summary["config"]["num_hidden_layers"] == 8
@@ -82,8 +96,6 @@ def test_model_summary_from_hf_snapshot(hf_factory, tmp_path):
     ],
 )
 def test_bad_config_fails_before_work(tmp_path, override, message):
-    import re
-
     proc = _launch("--config=configs/model_summary.py", override, workdir=tmp_path)
     assert proc.returncode != 0
     assert re.search(message, proc.stderr), proc.stderr[-2000:]
@@ -113,9 +125,12 @@ def test_model_summary_with_faults_writes_manifest(tmp_path):
         "--config.aqn.enabled=True",
         "--config.aqn.layers=3",
         "--config.phase=rollout",
+        "--verbosity=1",
         workdir=tmp_path,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
+    # --verbosity brings the INFO lines back (the launch's own devices line among them).
+    assert re.search(ABSL_INFO.pattern + r"JAX \S+, 1 devices", proc.stderr, re.M), proc.stderr
     manifest = json.loads((tmp_path / "manifest.json").read_text())
     rollout = manifest["hits"]["rollout"]
     assert rollout["deadzone"] == ["layers_3/layer:output", "layers_5/layer:output"]
@@ -164,3 +179,37 @@ def test_every_config_takes_smoke_and_refuses_an_unknown_argument():
         assert load_config(name, "smoke").job, name
         with pytest.raises(ValueError, match=rf"configs/{name}\.py:nonsense|nonsense"):
             load_config(name, "nonsense")
+
+
+def test_compile_cache_directory_flag_then_environment_then_per_user_default(tmp_path, monkeypatch):
+    from aqn_jax import compile_cache
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "home_cache"))
+    monkeypatch.setenv(compile_cache.ENV, str(tmp_path / "env"))
+    assert compile_cache.resolve(str(tmp_path / "flag")) == str(tmp_path / "flag")
+    assert compile_cache.resolve(None) == str(tmp_path / "env")
+    assert compile_cache.resolve("off") is None and compile_cache.resolve("OFF") is None
+    monkeypatch.delenv(compile_cache.ENV)
+    assert compile_cache.resolve(None) == str(tmp_path / "home_cache" / "aqn_jax" / "xla")
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError, match=r"--compile_cache=.*file is not a directory; give"):
+        compile_cache.resolve(str(tmp_path / "file"))
+
+
+def test_compile_cache_keeps_every_program(tmp_path):
+    """`compile_cache.use`: a program that compiles in well under JAX's default threshold
+    (1 s) is written too, and a process started from this one (the environment) uses the same
+    directory."""
+    code = (
+        "import sys, subprocess, jax; from aqn_jax import compile_cache;"
+        " compile_cache.use(sys.argv[1]); jax.jit(lambda x: x * 3 + 1)(1.0);"
+        " subprocess.run([sys.executable, '-c', 'import jax; jax.jit(lambda x: x - 2)(1.0)'],"
+        " check=True)"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")}
+    env["JAX_PLATFORMS"] = "cpu"
+    subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path)], env=env, check=True, timeout=120, cwd=REPO
+    )
+    entries = [p for p in tmp_path.iterdir() if not p.name.endswith("-atime")]
+    assert len(entries) == 2, sorted(p.name for p in tmp_path.iterdir())

@@ -78,3 +78,21 @@ def test_launch_on_a_busy_workdir_exits_2_before_any_work(tmp_path):
     assert sorted(p.name for p in work.iterdir()) == [".lock", "metrics.jsonl"]
     assert (work / "metrics.jsonl").read_text() == '{"step": 0}\n'
     print(f"refused in {wall:.1f} s")
+
+
+def test_sigterm_exits_143_through_the_jobs_cleanup():
+    """SIGTERM anywhere in a job (Slurm preemption, scancel, timeout) raises SystemExit(143) in
+    it, so its `finally` blocks run (the workdir lock, pending checkpoint saves) where the
+    default action killed the process on the spot; the handler is given back afterwards."""
+    from aqn_jax.launch import sigterm_exits_143
+
+    before = signal.getsignal(signal.SIGTERM)
+    cleaned = []
+    with pytest.raises(SystemExit) as stop, sigterm_exits_143():
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)  # interrupted: the handler runs at the next bytecode
+        finally:
+            cleaned.append(True)
+    assert stop.value.code == 143 and cleaned == [True]
+    assert signal.getsignal(signal.SIGTERM) is before

@@ -292,10 +292,11 @@ def test_planner_config_and_unknown_capacity():
     with pytest.raises(ValueError, match=r"config\.planner\.device_memory_gb=-1\.0"):
         planner.check(job(config, cfg), 8)
     config.planner.device_memory_gb = 0.0
-    # CPU reports no memory limit: the plan is reported, never refused.
+    # CPU reports no device memory limit: the plan is checked against the host's memory
+    # (test_cpu_plan_is_checked_against_host_memory); without that too, reported, not refused.
     assert planner.detect_capacity() is None
-    plan = planner.check(job(config, cfg), 8)
-    assert plan.capacity is None and plan.fits
+    plan = planner.check_host(job(config, cfg), planner.estimate(job(config, cfg), 8), ())
+    assert plan.capacity is None and plan.fits and plan.host_memory is None
     assert "capacity unknown" in plan.table()
     # Disabled: the plan comes back (not fitting) instead of an error.
     config.planner.enabled = False
@@ -354,3 +355,42 @@ def test_cpu_rss_bounds_the_0p5b_run_at_the_configs_shape():
     assert remat_only < measured <= plan.cpu_rss <= 1.25 * measured
     assert plan.cpu_total > plan.total
     assert "without remat" in plan.table()
+
+
+def test_cpu_plan_is_checked_against_host_memory():
+    """The 0.5B config in bf16 on a 23.5 GiB host (issue 42: the planner said "not checked", and
+    the kernel OOM-killed the run at 24.1 GiB in its first RL step): refused before anything
+    loads, naming the estimate, the host's memory and settings that fit; the suggested one
+    fits the same host. On this machine, check() reads the host itself."""
+    config = load_config("qwen2p5_coder_0p5b_gsm8k", "deadzone")
+    config.model.dtype = "bfloat16"
+    model_cfg = dataclasses.replace(model_config(config.model), tie_word_embeddings=False)
+    spec = job(config, model_cfg)
+    plan = planner.estimate(spec, 1)
+    host = (25_276_510_208, "MemTotal")  # the 23.5 GiB of the machine the issue ran on
+    with pytest.raises(ValueError) as err:
+        planner.check_host(spec, plan, host)
+    message = str(err.value)
+    first = message.splitlines()[0]
+    assert first == (
+        f"the CPU process does not fit in host memory: an estimated {plan.cpu_rss / GIB:.1f} GiB"
+        " peak RSS > headroom 0.9 x 23.5 GiB (MemTotal) = 21.2 GiB."
+    )
+    suggested = next(line for line in message.splitlines() if line.startswith("Suggested: "))
+    assert suggested.startswith("Suggested: --config.actor.micro_batch_rows=1 (est. CPU RSS")
+    assert "remat does not help" in message
+    fixed = _apply_flags(config, suggested)
+    fixed_plan = planner.estimate(job(fixed, dataclasses.replace(model_cfg)), 1)
+    fitted = planner.check_host(job(fixed, model_cfg), fixed_plan, host)
+    assert fitted.fits_host and fitted.cpu_rss <= 0.9 * host[0] < plan.cpu_rss
+    est = float(re.search(r"est\. CPU RSS ([\d.]+) GiB", suggested).group(1))
+    assert abs(fitted.cpu_rss / GIB - est) < 0.05
+    # Disabled: reported (not fitting), not refused.
+    config.planner.enabled = False
+    quiet = planner.check_host(job(config, model_cfg), plan, host)
+    assert not quiet.fits_host and "DOES NOT FIT" in quiet.table()
+    # check() on this CPU machine: the host's own memory, read from /proc and the cgroup.
+    tiny = make_config()
+    read = planner.check(job(tiny), 1)
+    assert read.host_memory == planner.host_memory()[0] and read.fits_host
+    assert "host memory" in read.table()

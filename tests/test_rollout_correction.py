@@ -251,6 +251,12 @@ def _rollout(**kw):
             {},
             "config.algo.rollout_rs_threshold_lower=3.0 > config.algo.rollout_rs_threshold=2.0",
         ),
+        (  # the default lower bound 1 / 0.5: named as a default, never as a value the user set
+            {"rollout_rs": "geometric", "rollout_rs_threshold": 0.5},
+            {},
+            "config.algo.rollout_rs_threshold=0.5; must be >= 1 while"
+            " config.algo.rollout_rs_threshold_lower is unset (it defaults to 1 / threshold = 2",
+        ),
         ({"rollout_is": "token"}, {"temperature": 0.0}, "config.rollout.temperature=0 samples"),
         ({"bypass_mode": True}, {"top_k": 5}, "config.rollout.top_k=5 filters it"),
         ({"rollout_rs": "token"}, {"top_p": 0.9}, "config.rollout.top_p=0.9 filters it"),

@@ -52,6 +52,23 @@ def test_resume_keeps_exactly_the_rows_up_to_the_checkpoint(tmp_path):
     assert not (tmp_path / "previous").exists()
 
 
+def test_tensorboard_tags_are_legal_and_jsonl_keeps_verl_names(tmp_path, caplog):
+    """`@` becomes `_at_` in TensorBoard only, silently (tensorboardX would log 'Summary name ...
+    is illegal' at INFO on every write and turn `@` into `_`)."""
+    import logging
+
+    name = "val-core/arithmetic/acc/mean@1"
+    writer, _ = open_run(str(tmp_path), None, log=lambda m: None)
+    with caplog.at_level(logging.INFO):
+        writer.write(0, {name: 0.5, "critic/score/mean": 0.25})
+    writer.close()
+    assert not [r for r in caplog.records if "illegal" in r.getMessage()]
+    assert read_metrics(str(tmp_path))[0][name] == 0.5
+    assert _tensorboard_steps(tmp_path, "val-core/arithmetic/acc/mean_at_1") == [0]
+    assert _tensorboard_steps(tmp_path, name) == []  # the negative control: not the raw name
+    assert _tensorboard_steps(tmp_path, "critic/score/mean") == [0]  # legal names unchanged
+
+
 def test_fresh_start_moves_earlier_outputs_aside(tmp_path):
     _write(tmp_path, [0])  # killed after its step-0 validation row, before any checkpoint
     (tmp_path / "summary.json").write_text("{}")

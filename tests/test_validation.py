@@ -149,6 +149,14 @@ CASES = [
         lambda tmp_path, _: (f"--config.tokenizer_path={tmp_path}",),
         "holds neither tokenizer.json",
     ),
+    (
+        "test_path_a_directory",
+        lambda tmp_path, _: (
+            *data_flags(tmp_path, SHORT)[:1],
+            f"--config.data.test_path={tmp_path}",
+        ),
+        "config.data.test_path=",  # the rest below: it said "no such file"
+    ),
     ("cache_read_only", read_only_cache, "config.sft.cache_dir="),
     ("cache_under_file", cache_under_a_file, "config.sft.cache_dir="),
     (
@@ -172,11 +180,13 @@ def test_bad_input_fails_first_naming_the_field(launch, tmp_path, monkeypatch, m
     assert code == 2, err
     errors = [line for line in err.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and message in errors[0], err
+    if "test_path=" in message:
+        assert "': a directory; expected a file" in errors[0], err
     assert "config." in errors[0] and "Traceback" not in err
-    # Nothing trained, cached or compiled; the workdir as it was (the workdir lock aside).
+    # Nothing trained, cached or compiled; the workdir as it was: no workdir lock left either.
     ro = tmp_path / "ro_cache"
     assert not cache.exists() and (not ro.exists() or not any(ro.iterdir()))
-    assert {p.name for p in work.iterdir()} - {LOCK_FILE} == set(PREVIOUS)
+    assert {p.name for p in work.iterdir()} == set(PREVIOUS), LOCK_FILE
     for name, content in PREVIOUS.items():
         assert (work / name).read_bytes() == content
 
@@ -235,3 +245,70 @@ def test_a_failed_sft_cache_write_keeps_the_trained_warm_start(tmp_path, monkeyp
     assert params is trained and info["cache"] == "unsaved"
     assert "warning: the SFT warm start could not be cached" in capsys.readouterr().err
     assert os.listdir(tmp_path / "cache") == []  # the temporary directory removed
+
+
+def test_a_refused_command_leaves_no_new_directory_and_a_bad_workdir_is_one_line(launch, tmp_path):
+    """A refusal in a workdir that did not exist removes the directories it made (no empty
+    directory holding a `.lock`), and not one that existed; a workdir that is a file, or under
+    one, is one line naming --workdir."""
+    (tmp_path / "keep").mkdir()  # existed, empty: stays
+    work = tmp_path / "keep" / "new" / "run"
+    code, _, err = launch("--config.trainer.total_steps=0", workdir=work)
+    assert code == 2 and "error: config.trainer.total_steps=0; must be >= 1" in err, err
+    assert os.listdir(tmp_path / "keep") == []
+    (tmp_path / "a_file").write_text("x")
+    for workdir, message in (
+        (tmp_path / "a_file", "is a file, not a directory"),
+        (tmp_path / "a_file" / "run", "cannot be created (Not a directory"),
+    ):
+        code, _, err = launch(workdir=workdir)
+        errors = [line for line in err.splitlines() if line.startswith("error: ")]
+        assert code == 2 and len(errors) == 1 and "Traceback" not in err, err
+        assert errors[0].startswith(f"error: --workdir={workdir}: {message}"), err
+    assert (tmp_path / "a_file").read_text() == "x"
+
+
+def test_a_refused_resume_changes_nothing(launch, tmp_path):
+    """A finished run whose final checkpoint is params-only, resumed with a changed field under
+    --config.resume_override=True: refused before the warm start, and config.json,
+    config_overrides.jsonl and the workdir's listing stay as they were (they were rewritten and
+    appended before the refusal, so the run's own command was refused next)."""
+    import flax.struct
+    import numpy as np
+
+    from aqn_jax.checkpoint import Checkpointer
+
+    work, cache = tmp_path / "run", f"--config.sft.cache_dir={tmp_path / 'cache'}"
+    # The run's start: config.json is written, then the warm start's tripwire stops it.
+    with pytest.raises(AssertionError, match="the warm start was reached"):
+        launch(cache, "--config.trainer.total_steps=2", workdir=work)
+    (work / "config_overrides.jsonl").write_text('{"changed": {}}\n')
+
+    @flax.struct.dataclass
+    class State:
+        params: dict
+
+    ckpt = Checkpointer(str(work), 0, 1, "params")
+    ckpt.save(2, State({"w": np.zeros(3, np.float32)}), {"step": 2, "data": {}}, final=True)
+    ckpt.close()
+
+    def snapshot():  # every path and its mtime (the lock's: rewritten by each holder), 2 files
+        paths = {str(p.relative_to(work)): p.stat().st_mtime_ns for p in work.rglob("*")}
+        return (
+            paths.keys(),
+            {k: v for k, v in paths.items() if k != ".lock"},
+            {
+                name: (work / name).read_bytes()
+                for name in ("config.json", "config_overrides.jsonl")
+            },
+        )
+
+    before = snapshot()
+    flags = ("--config.trainer.total_steps=1", "--config.resume_override=True")
+    code, _, err = launch(cache, *flags, workdir=work)
+    assert code == 2 and "is the params-only final checkpoint of a finished run" in err, err
+    assert snapshot() == before
+    # Without the override: the changed field is refused, naming it; nothing changed either.
+    code, _, err = launch(cache, "--config.trainer.total_steps=1", workdir=work)
+    assert code == 2 and "config.trainer.total_steps: 2 -> 1" in err, err
+    assert snapshot() == before

@@ -49,8 +49,10 @@ def check_data(data: Any) -> None:
     for field in SPLIT_FIELDS.values():
         path = data[field]
         if path and not os.path.isfile(os.path.expanduser(path)):
+            what = "a directory" if os.path.isdir(os.path.expanduser(path)) else "no such file"
             raise ValueError(
-                f"config.data.{field}={path!r}: no such file (verl .parquet or GSM8K .jsonl)"
+                f"config.data.{field}={path!r}: {what}; expected a file (verl .parquet or GSM8K"
+                " .jsonl)"
             )
     if data.get("reward_method", "strict") not in METHODS:
         raise ValueError(

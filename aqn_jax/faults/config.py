@@ -127,6 +127,14 @@ def _quant_section() -> ml_collections.ConfigDict:
 @fault_kind("deadzone", _deadzone_section)
 def _deadzone(dz: Any, num_layers: int) -> list[Injection]:
     """`config.faults.deadzone` -> [the deadzone injection], or [] when off."""
+    # Both severities' fields, whichever one is chosen and whether the fault is on: a value
+    # nothing reads is still a mistake (severity='quantile' with threshold=1.5 ran, ignoring it).
+    for field, what in (("threshold", "of amax"), ("quantile", "the fraction of values flushed")):
+        if not 0.0 < float(dz[field]) < 1.0:
+            raise ValueError(
+                f"config.faults.deadzone.{field}={dz[field]}; must be in (0, 1) ({what}; checked"
+                f" with severity={dz.get('severity', 'amax')!r} too)"
+            )
     if not dz.enabled:
         return []
     layers = parse_layers(dz.layers, "config.faults.deadzone.layers", num_layers)
@@ -136,11 +144,6 @@ def _deadzone(dz: Any, num_layers: int) -> list[Injection]:
     severity = check_choice(
         dz.get("severity", "amax"), "config.faults.deadzone.severity", ops.DEADZONE_SEVERITIES
     )
-    if severity == "quantile" and not 0.0 < float(dz.quantile) < 1.0:
-        raise ValueError(
-            f"config.faults.deadzone.quantile={dz.quantile}; must be in (0, 1) (the fraction"
-            " of values flushed)"
-        )
     try:
         transform = Deadzone(
             float(dz.threshold if severity == "amax" else dz.quantile),
@@ -161,11 +164,11 @@ def _deadzone(dz: Any, num_layers: int) -> list[Injection]:
 def _noise(nz: Any, num_layers: int) -> list[Injection]:
     """`config.faults.noise` -> its injections: value noise at a point, or operator-level error
     on dX and dW of linears (`backward`, plus the forward part), or [] when off."""
+    if nz.scale < 0:  # whether the fault is on or not
+        raise ValueError(f"config.faults.noise.scale={nz.scale}; must be >= 0")
     if not nz.enabled:
         return []
     check_choice(nz.kind, "config.faults.noise.kind", ops.NOISE_KINDS)
-    if nz.scale < 0:
-        raise ValueError(f"config.faults.noise.scale={nz.scale}; must be >= 0")
     if not (nz.forward or nz.backward):
         raise ValueError("config.faults.noise: forward=False and backward=False inject nothing")
     layers = parse_layers(nz.layers, "config.faults.noise.layers", num_layers)

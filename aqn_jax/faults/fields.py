@@ -34,8 +34,13 @@ def parse_layers(value: Any, field: str, num_layers: int, named=("all",)) -> Any
         layers = tuple(sorted({int(i) for i in value}))
     except (TypeError, ValueError) as e:
         raise ValueError(f"{field}={value!r}; expected layer ids") from e
+    if not layers:
+        raise ValueError(
+            f"{field}={given!r} selects no layer; expected {' | '.join(map(repr, named))}, an"
+            f" int, a tuple of ints or 'lo:hi' within 0..{num_layers - 1}"
+        )
     bad = [i for i in layers if not 0 <= i < num_layers]
-    if bad or not layers:
+    if bad:
         raise ValueError(
             f"{field}={given!r} but the model has {num_layers} layers (ids 0..{num_layers - 1})"
         )

@@ -24,8 +24,10 @@ one worker process per core (0 = that default; each worker pinned to its share o
 because the tiny model's programs use two cores far less than twice as well as one
 (WORKSPACE.md, issue 8). A worker keeps its compiled programs from one run to the next; each
 run's output goes to `runs/<arm>/seed<k>/log.txt`. On GPU/TPU, or over several hosts, runs go one
-after another in this process (workers=1). SIGTERM is passed to the workers: each saves a
-checkpoint and the job exits 143; nothing finished is redone on the re-run. A run's numbers are
+after another in this process (workers=1). SIGTERM is passed to the workers: a run in its train
+loop saves a checkpoint, one elsewhere (warm start, diagnosis, evaluation) stops; the job exits
+143 when they have returned, after GRACE_S or at a second SIGTERM (what is left is killed, and
+resumes from its latest checkpoint); nothing finished is redone on the re-run. A run's numbers are
 bitwise reproducible for a given layout, but XLA's threaded reductions round differently on one
 core than on two: the same (arm, seed) run with workers=1 and with one worker per core differs
 at rounding level, which RL's sampling then amplifies (results.json records `timing.workers`).
@@ -38,6 +40,7 @@ import copy
 import json
 import multiprocessing
 import os
+import queue
 import signal
 import sys
 import time
@@ -226,7 +229,8 @@ def train_and_evaluate(rc, run_dir: str, device=None, programs: dict | None = No
     the run finished). `programs`: the evaluation programs compiled by earlier runs of this
     process (`evaluation.program`). Returns the wall time."""
     t0 = time.perf_counter()
-    training.run(rc, run_dir)
+    if not os.path.isfile(os.path.join(run_dir, "summary.json")):  # else trained: stopped later
+        training.run(rc, run_dir)
     result = _evaluate(rc if device is None else device, run_dir, programs, rc)
     result["wall_time_s"] = time.perf_counter() - t0
     write_json(os.path.join(run_dir, "evaluation.json"), result, default=str)
@@ -236,10 +240,24 @@ def train_and_evaluate(rc, run_dir: str, device=None, programs: dict | None = No
 # -- parallel workers ------------------------------------------------------------------------------
 _STOP = None  # the workers' "stop" event (SIGTERM to the job)
 _PROGRAMS: dict | None = None  # a worker's evaluation programs, kept across its runs
+_BUSY = False  # a worker inside a run (SIGTERM: stop the run) or idle (SIGTERM: exit)
+# After the first SIGTERM, how long the workers have to save and return before they are killed
+# (a train step of the tiny model takes seconds; evaluation stops after its current batch).
+GRACE_S = 40.0
+
+
+class Preempted(Exception):
+    """SIGTERM reached a worker outside the train loop (warm start, diagnosis, evaluation)."""
 
 
 def _run_parallel(todo, jobs, workers: int, cache_dir: str | None) -> list[float]:
-    """The pending runs over `workers` processes, each pinned to its share of the cores."""
+    """The pending runs over `workers` processes, each pinned to its share of the cores.
+
+    SIGTERM to the job: the workers are told (each run saves a checkpoint after its current
+    step, or stops its evaluation, and returns), then the job exits 143 once every run has
+    returned, or after GRACE_S, or at a second SIGTERM, killing what is left. Multiprocessing's
+    Pool replaces a worker that died and never returns its task, so results are awaited with a
+    timeout, never forever (that wait hung the job for 12+ minutes, issue 42)."""
     ctx = multiprocessing.get_context("spawn")  # a fresh JAX runtime per worker (no fork)
     cores = sorted(os.sched_getaffinity(0))
     # Each worker its share of the cores; more workers than cores share them round-robin.
@@ -253,8 +271,10 @@ def _run_parallel(todo, jobs, workers: int, cache_dir: str | None) -> list[float
     )
     pool = ctx.Pool(workers, initializer=_init_worker, initargs=(slots, stop, cache_dir))
     previous = signal.getsignal(signal.SIGTERM)
+    terms = []  # the times SIGTERM arrived
 
     def forward_sigterm(signum, frame):
+        terms.append(time.monotonic())
         stop.set()  # workers finish their step, save a checkpoint and take no new run
         for p in multiprocessing.active_children():
             with contextlib.suppress(ProcessLookupError):
@@ -262,33 +282,66 @@ def _run_parallel(todo, jobs, workers: int, cache_dir: str | None) -> list[float
 
     with contextlib.suppress(ValueError):  # only possible on the main thread
         signal.signal(signal.SIGTERM, forward_sigterm)
-    walls, failed, preempted = [], [], []
+    walls, failed, preempted, returned = [], [], [], 0
     try:
-        tasks = [(i, *job) for i, job in enumerate(jobs)]
-        for i, status, value in pool.imap_unordered(_worker_task, tasks):
+        results = pool.imap_unordered(_worker_task, [(i, *job) for i, job in enumerate(jobs)])
+        while returned < len(jobs):
+            if terms and (len(terms) > 1 or time.monotonic() - terms[0] > GRACE_S):
+                break  # escalate: the runs still out are killed below
+            try:
+                i, status, value = results.next(timeout=0.5)
+            except multiprocessing.TimeoutError:
+                continue
+            returned += 1
             arm, seed, run_dir = todo[i]
             if status == "ok":
                 walls.append(value)
                 print(f"== {arm} seed {seed}: finished in {value:.0f} s ({run_dir})", flush=True)
             elif status == "preempted":
-                preempted.append(run_dir)
+                preempted.append(value)  # None: not started
             else:
                 failed.append(f"{arm} seed {seed} ({run_dir}/log.txt):\n{value}")
-        pool.close()
-        pool.join()
-    except BaseException:
-        pool.terminate()
-        pool.join()
-        raise
+        if returned == len(jobs):
+            pool.close()
+            pool.join()
     finally:
+        if returned < len(jobs) or sys.exc_info()[0] is not None:
+            _kill_workers(pool)
         with contextlib.suppress(ValueError):
             signal.signal(signal.SIGTERM, previous)
     if failed:
         raise RuntimeError(f"{len(failed)} run(s) failed: " + "\n".join(failed))
-    if preempted or stop.is_set():
-        print(f"SIGTERM: {len(preempted)} run(s) saved a checkpoint; rerun to resume")
+    if terms or stop.is_set():
+        stopped = sum(v is not None for v in preempted)
+        killed = len(jobs) - returned
+        why = "a second SIGTERM" if len(terms) > 1 else f"{GRACE_S:.0f} s"
+        print(
+            f"SIGTERM: {len(walls)} run(s) finished, {stopped} stopped (a checkpoint saved, or"
+            f" the evaluation cut short), {len(preempted) - stopped} not started"
+            + (f", {killed} killed after {why}" if killed else "")
+            + "; rerun the same command: finished runs are reused, the others resume from their"
+            " latest checkpoint",
+            flush=True,
+        )
         raise SystemExit(143)
     return walls
+
+
+def _kill_workers(pool) -> None:
+    """SIGKILL every worker (one stuck in a computation ignores SIGTERM), then reap the pool."""
+    for p in list(getattr(pool, "_pool", ())):
+        with contextlib.suppress(ProcessLookupError, AttributeError):
+            p.kill()
+    pool.terminate()
+    pool.join()
+
+
+def _worker_sigterm(signum, frame):
+    """A worker's SIGTERM outside the train loop (which saves, then exits 143): inside a run,
+    stop it (`Preempted`, caught by `_worker_task`); idle, exit."""
+    if _BUSY:
+        raise Preempted
+    os._exit(143)
 
 
 def _init_worker(slots, stop, cache_dir) -> None:
@@ -298,13 +351,17 @@ def _init_worker(slots, stop, cache_dir) -> None:
         import ctypes
 
         ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    # Before the first JAX computation: XLA sizes its thread pools from this affinity.
-    os.sched_setaffinity(0, slots.get())
+    signal.signal(signal.SIGTERM, _worker_sigterm)
+    # Before the first JAX computation: XLA sizes its thread pools from this affinity. A worker
+    # the Pool started in place of one that exited finds the slots taken: it keeps every core.
+    with contextlib.suppress(queue.Empty):
+        os.sched_setaffinity(0, slots.get(timeout=1.0))
     if cache_dir:
         _use_compile_cache(cache_dir)
 
 
 def _worker_task(task):
+    global _BUSY
     i, rc, run_dir, device = task
     if _STOP.is_set():
         return i, "preempted", None
@@ -312,18 +369,23 @@ def _worker_task(task):
     saved = os.dup(1), os.dup(2)
     sys.stdout.flush(), sys.stderr.flush()
     os.dup2(log.fileno(), 1), os.dup2(log.fileno(), 2)  # C-level output (XLA, absl) too
+    _BUSY = True
     try:
         return i, "ok", train_and_evaluate(rc, run_dir, device, _PROGRAMS)
-    except SystemExit as e:  # SIGTERM: the train job saved a checkpoint
+    except Preempted:  # SIGTERM in the warm start, diagnosis or evaluation: nothing to save
+        print("SIGTERM: stopped; the rerun resumes this run", flush=True)
+        return i, "preempted", "SIGTERM"
+    except SystemExit as e:  # SIGTERM in the train loop: it saved a checkpoint
         return i, ("preempted" if e.code == 143 else "failed"), f"exit {e.code}"
     except Exception:
         text = traceback.format_exc()
         print(text, flush=True)
         return i, "failed", text[-2000:]
     finally:
-        # A run that raised may leave the train job's SIGTERM flag handler installed: an idle worker
-        # must die on SIGTERM (Pool.terminate) instead of swallowing it.
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        _BUSY = False
+        # A run that raised may leave the train job's SIGTERM flag handler installed: an idle
+        # worker must exit on SIGTERM (Pool.terminate) instead of swallowing it.
+        signal.signal(signal.SIGTERM, _worker_sigterm)
         sys.stdout.flush(), sys.stderr.flush()
         os.dup2(saved[0], 1), os.dup2(saved[1], 2)
         log.close()

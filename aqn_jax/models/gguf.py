@@ -46,6 +46,7 @@ import os
 import shutil
 import struct
 import sys
+import tempfile
 import time
 
 CHECK_PROMPT = "What is 7 plus 5? Answer with a number."
@@ -339,10 +340,16 @@ def check_inputs(paths: list[str], out: str) -> None:
             " a snapshot: choose another path or remove it"
         )
     parent = os.path.dirname(os.path.abspath(out))
-    while not os.path.isdir(parent):  # created only once the snapshot is ready
+    while not os.path.exists(parent):  # created only once the snapshot is ready
         parent = os.path.dirname(parent)
-    if not os.access(parent, os.W_OK):
-        raise PermissionError(f"--out={out!r}: {parent} is not writable")
+    if not os.path.isdir(parent):
+        raise ValueError(f"--out={out!r}: {parent} is a file, not a directory")
+    try:  # written, not only os.access: root passes that on a read-only filesystem
+        os.rmdir(tempfile.mkdtemp(prefix=".gguf-out-check-", dir=parent))
+    except OSError as e:
+        raise PermissionError(
+            f"--out={out!r}: {parent} is not writable ({e.strerror}); choose another --out"
+        ) from None
     for mod in ("gguf", "transformers", "torch"):
         if importlib.util.find_spec(mod) is None:
             raise ModuleNotFoundError(

@@ -140,6 +140,13 @@ def correction_from(algo, rollout) -> RolloutCorrection:
         thresholds[field] = float(value)
     upper = thresholds["rollout_rs_threshold"]
     lower = algo.get("rollout_rs_threshold_lower", None)
+    if lower is None and upper < 1.0:  # the lower bound the user did not set: 1 / upper > upper
+        raise ValueError(
+            f"config.algo.rollout_rs_threshold={upper}; must be >= 1 while"
+            " config.algo.rollout_rs_threshold_lower is unset (it defaults to 1 / threshold ="
+            f" {1.0 / upper:g}, and [1 / threshold, threshold] keeps nothing), or set"
+            f" rollout_rs_threshold_lower <= {upper}"
+        )
     if lower is None:
         lower = 1.0 / upper
     elif not (isinstance(lower, int | float) and math.isfinite(lower) and lower > 0):

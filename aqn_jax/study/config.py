@@ -13,6 +13,9 @@ def compare_config() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.arms = STUDY_ARMS
     c.seeds = (0, 1, 2, 3, 4)
+    # One seed leaves the report's tests (CIs, Welch, power) without a variance: refused unless
+    # asked for (a quick look at one run per arm).
+    c.allow_single_seed = False
     c.variant = "default"  # a name for the report (configs/compare.py sets it per sweep)
     c.reference_arm = "global_aqn"
     c.comparisons = (("targeted", "global_aqn"), ("healthy", "global_aqn"))
@@ -29,6 +32,12 @@ def check_compare(cmp) -> None:
     seeds = tuple(cmp.seeds)
     if not seeds or len(set(seeds)) != len(seeds) or any(int(s) < 0 for s in seeds):
         raise ValueError(f"config.compare.seeds={seeds}; expected distinct seeds >= 0")
+    if len(seeds) < 2 and not cmp.get("allow_single_seed", False):
+        raise ValueError(
+            f"config.compare.seeds={seeds}: the study's tests (CIs, Welch, power) need >= 2 seeds"
+            " per arm, e.g. --config.compare.seeds='(0,1)'; or"
+            " --config.compare.allow_single_seed=True for a report without them"
+        )
     for pair in cmp.comparisons:
         if len(pair) != 2 or any(a not in ARMS for a in pair):
             raise ValueError(f"config.compare.comparisons has {tuple(pair)}; expected arm pairs")
