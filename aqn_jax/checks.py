@@ -16,12 +16,13 @@ from aqn_jax.checkpoint import check_final
 from aqn_jax.data.config import check_data, load_split
 from aqn_jax.data.gsm8k import tokenize_prompts
 from aqn_jax.diagnosis.srdd import check_config as check_diagnosis
-from aqn_jax.faults.config import fault_plan
+from aqn_jax.faults.config import check_bit_dtypes, fault_plan
 from aqn_jax.lora import check_ranks, lora_spec
 from aqn_jax.models.factory import model_config
 from aqn_jax.models.hf import abstract_params
 from aqn_jax.models.registry import family_of
 from aqn_jax.rl.advantages import ESTIMATORS
+from aqn_jax.rl.guard import guard_spec
 from aqn_jax.rl.optim import check_optimizer
 from aqn_jax.rl.sampler import check_rollout
 from aqn_jax.rl.step import hyper_from
@@ -209,6 +210,8 @@ def check_train(config, workdir: str | None = None, cache: dict | None = None) -
     warm = warm_start_spec(config)  # config.sft checked when enabled
     check_diagnosis(config.diagnosis)
     hw = fault_plan(config.faults, n)  # fault layers within the model, fields valid
+    check_bit_dtypes(config.faults, model_cfg.dtype, model_cfg.param_dtype)
+    guard_spec(config.get("sdc"))  # config.sdc: the guard's fields
     # The AQN arm parses now; 'located' / 'srdd' get their layers from the diagnosis later.
     build_plan(
         config.faults, config.aqn, n, srdd_sigmas=dict.fromkeys(range(n), 0.05), srdd_layers=[0]

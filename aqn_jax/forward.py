@@ -9,8 +9,10 @@ the weights attaches in one place:
   * trained RMSNorm weights over a frozen base (`Weights.norms`, QeRL's `--ln`);
   * a packed low-precision base (`aqn_jax/quant_base.py`: NVFP4/MXFP4 codes and scales,
     dequantised here, inside the jitted program, on every call);
-  * `weight_transform`, a params -> params function applied last, to the weights exactly as the
-    forward reads them (weight faults).
+  * `weight_transform`, a params -> params function applied to the weights exactly as the
+    forward reads them, then the plan's weight faults of this phase (`bitfaults.TreeBits` with
+    target 'weight': bit flips or stuck bits of the weights as read, the stored ones untouched;
+    their flips are reported in `fault_stats` under `weights`).
 
 `params` is either a plain param tree (full fine-tuning, the reference, the embedded default:
 nothing changes for it) or a `Weights`. The fault plan's interceptor is entered inside this
@@ -30,6 +32,7 @@ import jax.numpy as jnp
 
 from aqn_jax import quant_base
 from aqn_jax.faults.intercept import FaultPlan
+from aqn_jax.faults.transforms import STATS_COLLECTION as STATS
 
 LORA_COLLECTION = "lora"
 _NO_FAULTS = FaultPlan()
@@ -119,16 +122,49 @@ def forward(
     interceptors: entered outside the fault plan's (SRDD's probes: the layer calls they make
       go through the plan). kwargs: the model's own (cache, last_only, positions).
     """
+    plan = plan or _NO_FAULTS
+    flips: list[jax.Array] = []
+    faults = plan.tree_faults(phase, "weight")
+    if faults:  # weight faults: on the weights as this forward reads them, after the rest
+        weight_transform = _with_weight_faults(weight_transform, faults, key, values, flips)
     vs = variables(params, weight_transform)
     if state:
         vs.update(state)
     with contextlib.ExitStack() as stack:
         for icpt in interceptors:
             stack.enter_context(nn.intercept_methods(icpt))
-        stack.enter_context((plan or _NO_FAULTS).apply(phase, key=key, values=values or {}))
+        stack.enter_context(plan.apply(phase, key=key, values=values or {}))
         if mutable:
-            return model.apply(vs, ids, attention_mask=mask, mutable=list(mutable), **kwargs)
+            out, got = model.apply(vs, ids, attention_mask=mask, mutable=list(mutable), **kwargs)
+            if flips and STATS in mutable:  # the weight faults' telemetry, as a site's
+                n = sum(flips).astype(jnp.float32)
+                stats = {**got.get(STATS, {}), "weights": {f"{faults[0][1].name}.flips": (n,)}}
+                got = {**got, STATS: stats}
+            return out, got
         return model.apply(vs, ids, attention_mask=mask, **kwargs)
+
+
+def _with_weight_faults(weight_transform, faults, key, values, flips: list):
+    """`weight_transform` followed by the plan's weight faults (`bitfaults.TreeBits`), keyed
+    by the forward's fault key (seed, step, phase) and each injection's index; the bits they
+    change are appended to `flips`."""
+    if key is None:
+        raise ValueError(
+            f"weight faults ({', '.join(inj.name for _, inj in faults)}) need the forward's"
+            " fault key: forward(..., key=step_key(seed, step, phase))"
+        )
+
+    def transform(params):
+        if weight_transform is not None:
+            params = weight_transform(params)
+        for index, inj in faults:
+            params, n = inj.transform.apply(
+                params, inj.sites, jax.random.fold_in(key, index), values or {}, tag="w/"
+            )
+            flips.append(n)
+        return params
+
+    return transform
 
 
 def token_nll(logits_BTV: jax.Array, ids_BT: jax.Array, loss_mask_BT: jax.Array):

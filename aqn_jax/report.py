@@ -15,6 +15,7 @@ import numpy as np
 
 from aqn_jax import parallel
 from aqn_jax.diagnosis.srdd import sigmas_of
+from aqn_jax.faults.config import BUILDERS
 from aqn_jax.faults.fields import parse_layers
 
 
@@ -241,11 +242,11 @@ def recovered(start: Mapping[str, float], end: Mapping[str, float]) -> float | N
 
 
 def fault_layers(faults, n_layers: int) -> list[int]:
-    """The layers of the run's hardware fault (`faults`: config.faults; the deadzone's, else
-    the noise's)."""
-    for name in ("deadzone", "noise"):
-        section = faults[name]
-        if section.enabled:
+    """The layers of the run's hardware fault (`faults`: config.faults): those of the first
+    enabled kind in the fault table's order (deadzone, noise, quant, the bit-level kinds)."""
+    for name in BUILDERS:
+        section = faults.get(name)
+        if section is not None and section.enabled:
             layers = parse_layers(section.layers, f"config.faults.{name}.layers", n_layers)
             return list(range(n_layers)) if layers == "all" else list(layers)
     return []

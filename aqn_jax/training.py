@@ -35,6 +35,7 @@ from aqn_jax.checks import check_train
 from aqn_jax.data.config import load_split
 from aqn_jax.diagnosis import srdd
 from aqn_jax.export import EXPORT_DIR, export_policy
+from aqn_jax.faults.config import with_abft
 from aqn_jax.faults.intercept import step_key
 from aqn_jax.lora import fingerprint as lora_fingerprint
 from aqn_jax.lora import merged as lora_merged
@@ -43,6 +44,7 @@ from aqn_jax.models.registry import causal_lm, family_of, init_cache
 from aqn_jax.report import print_summary, run_summary, summary_spec, write_run_report
 from aqn_jax.rl import sampler as rl_sampler
 from aqn_jax.rl import step as rl_step
+from aqn_jax.rl.guard import RollbackNeeded
 from aqn_jax.rl.rollout_correction import correct
 from aqn_jax.rl.trainer import Trainer, loop_spec, prompt_batcher, train_batch
 from aqn_jax.warm_start import warm_start
@@ -109,6 +111,9 @@ def run(config, workdir: str) -> None:
         srdd_sigmas=srdd_sigmas,
         srdd_layers=None if diagnosis is None else diagnosis["verdict"]["layers"],
     )
+    sdc = config.get("sdc")  # SDC detection: ABFT checks after the faults (rl/guard.py)
+    if sdc is not None and sdc.abft:
+        plan = with_abft(plan)
     print(plan.describe())
     manifest = {
         phase: plan.trace_manifest(causal_lm(model_cfg), float_params, phase)
@@ -137,11 +142,12 @@ def run(config, workdir: str) -> None:
         in_shardings=(sh.state, ref_sh, sh.rows, sh.scores, rep, rep),
         out_shardings=(sh.rows, rep),
     )
+    guarded = static.sdc is not None and static.sdc.guard.on
     update = jax.jit(
         functools.partial(rl_step.update_step, static),
         in_shardings=(sh.state, sh.rows, rep, rep),
         out_shardings=(sh.state, rep),
-        donate_argnums=0,
+        donate_argnums=() if guarded else 0,  # a guard may keep the state before the step
     )
     loop = Trainer(
         spec, static, sh, prepare, update, ref_params, batcher, tokenizer, test_examples, hw_plan
@@ -205,11 +211,34 @@ def run(config, workdir: str) -> None:
     stop = Preemption()
     bar = progress(total, "RL")
     bar.update(start)
+    # The loop's first state and data position: a rollback's target without a checkpoint (a
+    # guard keeps the update from donating the state, so these buffers stay valid).
+    state0, data0 = state, batcher.state()
+
+    def rollback(e: RollbackNeeded):
+        """The state and data position of the last checkpoint (the loop's first ones without
+        one), and the step to run next."""
+        loop.note_rollback(e.step)
+        print(f"{e}")
+        got = ckpt.restore_latest(rl_step.saveable(state))
+        if got is None:
+            batcher.load_state(data0)
+            return state0, start + 1
+        back, restored, meta = got
+        batcher.load_state(meta["data"])
+        return restored.replace(base=state.base), int(back) + 1
+
     try:
-        for step in range(start + 1, total + 1):
+        step = start + 1
+        while step <= total:
             # The first step's time includes the wait for the compile ahead (what it did not hide).
-            wait = ahead.wait() if step == start + 1 else 0.0
-            state, m = loop.step(state, step)
+            wait = ahead.wait() if step == start + 1 and ahead is not None else 0.0
+            try:
+                state, m = loop.step(state, step)
+            except RollbackNeeded as e:  # the guard's last resort (config.sdc.guard)
+                state, step = rollback(e)
+                del history[step:]  # the rows of the steps to redo
+                continue
             m["timing_s/step"] += wait
             every = config.trainer.val_every
             if step == total or (every and step % every == 0):
@@ -230,6 +259,7 @@ def run(config, workdir: str) -> None:
             if stop.requested and step < total:
                 print(f"SIGTERM: saved RL step {step} to {ckpt.directory}; rerun to resume")
                 raise SystemExit(143)
+            step += 1
     finally:  # also on a crash: SIGTERM given back, async saves finished
         stop.close()
         if ahead is not None:
@@ -339,7 +369,7 @@ def compile_step_programs(loop: Trainer, state, prompt_shape: tuple[int, int], s
         *parallel.put_batch((ids, ids), mesh),
         (key, key),
         cache,
-        {AQN_SIGMA: sigma},
+        {AQN_SIGMA: sigma, **loop.sdc_values(step, 0)},
     ).compile()
 
     # prepare: the rollout as train rows (`train_batch`), on the mesh as the step puts them
@@ -349,7 +379,7 @@ def compile_step_programs(loop: Trainer, state, prompt_shape: tuple[int, int], s
     dev = parallel.put_batch({k: v for k, v in tb.items() if k != "scores"}, mesh)
     scores = parallel.put_batch(tb["scores"], mesh)
     train_key = step_key(seed, step, "train")
-    values = {AQN_SIGMA: sigma}
+    values = {AQN_SIGMA: sigma, **loop.sdc_values(step, 0)}
     prepared = loop.prepare.lower(state, loop.ref_params, dev, scores, train_key, values).compile()
 
     # update: the prepared rows and the rollout correction's, as `Trainer.step` assembles them

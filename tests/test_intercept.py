@@ -11,7 +11,15 @@ import pytest
 
 from aqn_jax.faults.intercept import FaultPlan, Injection, fault_trial, step_key, summarize_stats
 from aqn_jax.faults.sites import SiteSelector
-from aqn_jax.faults.transforms import Deadzone, Noise, NoisyLinear, NormWeightNoise, Quantize, Scale
+from aqn_jax.faults.transforms import (
+    Deadzone,
+    Noise,
+    NoisyLinear,
+    NormWeightNoise,
+    Quantize,
+    Scale,
+    TransformBase,
+)
 from aqn_jax.models.qwen2 import Qwen2Config, Qwen2ForCausalLM
 
 from conftest import random_params
@@ -413,8 +421,9 @@ def test_mxfp4_on_all_linear_inputs_reports_error():
 
 
 # --- a transform is a function: a new fault needs no change to the interceptor -----------------
-class _ScaleBy:
-    """A fault the interceptor has never seen: x * factor, reporting the site and a key draw."""
+class _ScaleBy(TransformBase):
+    """A fault the interceptor has never seen: x * factor, reporting the site and a key draw
+    (`TransformBase` gives the protocol's defaults: any kind, no traced value)."""
 
     level = "value"
 
@@ -430,7 +439,7 @@ class _ScaleBy:
         return f"scale_by({self.factor})"
 
 
-class _ZeroOp:
+class _ZeroOp(TransformBase):
     """An op-level fault the interceptor has never seen: the module's output replaced by 0."""
 
     level = "op"

@@ -7,7 +7,8 @@ Every experiment scripts faults the same way:
 
 Layers are 'all', an int, a tuple of ints, or a string of those ('5', '(3,5)', '3,5', '10:15'
 for a range). Validation names the field and runs before anything compiles. Each fault kind is
-one builder in `BUILDERS`; `fault_plan` is the device alone. The treatment (AQN, `config.aqn`)
+one builder registered with `fault_kind` (its section's defaults beside it); `fault_plan` is
+the device alone. The treatment (AQN, `config.aqn`)
 is placed among these injections by `aqn_jax.aqn.plan.build_plan`.
 """
 
@@ -18,32 +19,64 @@ from typing import Any
 
 import ml_collections
 
-from . import ops
+from . import bits, ops
+from .bitfaults import (
+    BACKWARD_POINTS,
+    TARGETS,
+    Abft,
+    BitFault,
+    Bits,
+    BitsLinear,
+    ScaleFlip,
+    TreeBits,
+)
 from .fields import check_choice, check_phases, parse_layers
 from .intercept import PHASES, FaultPlan, Injection
 from .sites import LINEAR_KINDS, POINTS, SiteSelector, expand_kinds
 from .transforms import Deadzone, Noise, NoisyLinear, Quantize, Scale
 
+# Fault kind (a subsection of `config.faults`) -> its builder (section, num_layers) -> injections,
+# and -> its section's defaults (off). A new kind is one builder registered with `fault_kind`;
+# plans list the kinds' injections in registration order, so a deadzone sees its site's value
+# first.
+BUILDERS: dict[str, Callable[[Any, int], list[Injection]]] = {}
+SECTIONS: dict[str, Callable[[], ml_collections.ConfigDict]] = {}
+
+
+def fault_kind(name: str, section: Callable[[], ml_collections.ConfigDict]):
+    """Registers the decorated builder `(section, num_layers) -> [Injection]` as fault kind
+    `name`, whose `config.faults.<name>` defaults (everything off) are `section()`."""
+
+    def register(build):
+        BUILDERS[name], SECTIONS[name] = build, section
+        return build
+
+    return register
+
 
 def faults_config() -> ml_collections.ConfigDict:
-    """The hardware-fault section, everything off (a clean device)."""
+    """The hardware-fault section, everything off (a clean device): one subsection per kind."""
+    return ml_collections.ConfigDict({name: section() for name, section in SECTIONS.items()})
+
+
+def _deadzone_section() -> ml_collections.ConfigDict:
+    """config.faults.deadzone: the MXFP4-style deadzone."""
     c = ml_collections.ConfigDict()
-    c.deadzone = ml_collections.ConfigDict()
-    c.deadzone.enabled = False  # MXFP4-style deadzone (REFERENCE.md)
-    c.deadzone.layers = "15"  # decoder layer ids: 'all', 5, '(3,5)', '10:15'
-    c.deadzone.site = "layer"  # module kind(s); 'layer' = the residual stream after the layer
-    c.deadzone.point = "output"  # input | output of the module
+    c.enabled = False  # MXFP4-style deadzone (REFERENCE.md)
+    c.layers = "15"  # decoder layer ids: 'all', 5, '(3,5)', '10:15'
+    c.site = "layer"  # module kind(s); 'layer' = the residual stream after the layer
+    c.point = "output"  # input | output of the module
     # How severity is stated: amax (flush |h| < threshold * amax: the original's; a real LM's
     # massive activations make 0.01 flush 96-100% of its stream, the tiny model's 3%) |
     # quantile (flush the `quantile` fraction of smallest |h|: transfers between models).
-    c.deadzone.severity = "amax"
-    c.deadzone.threshold = 0.01  # severity='amax': flush |h| < threshold * amax; in (0, 1)
-    c.deadzone.quantile = 0.5  # severity='quantile': fraction of |h| flushed; in (0, 1)
-    c.deadzone.granularity = "tensor"  # amax over: tensor (original) | token | block
-    c.deadzone.block_size = 32  # lanes per block for granularity='block'
-    c.deadzone.sparsity = 1.0  # fraction of lanes that are faulty, (0, 1]
-    c.deadzone.sparsity_seed = 0  # seed of the fixed faulty-lane mask
-    c.deadzone.grad = "mask"  # mask: zero grad where flushed (original) | ste
+    c.severity = "amax"
+    c.threshold = 0.01  # severity='amax': flush |h| < threshold * amax; in (0, 1)
+    c.quantile = 0.5  # severity='quantile': fraction of |h| flushed; in (0, 1)
+    c.granularity = "tensor"  # amax over: tensor (original) | token | block
+    c.block_size = 32  # lanes per block for granularity='block'
+    c.sparsity = 1.0  # fraction of lanes that are faulty, (0, 1]
+    c.sparsity_seed = 0  # seed of the fixed faulty-lane mask
+    c.grad = "mask"  # mask: zero grad where flushed (original) | ste
     # The tokens amax (or the quantile) is taken over with granularity='tensor' (issue 19):
     # call (the module call's tensor: the original's; the whole sequence when teacher-forced,
     # one token per row when decoding, so rollout and training see different faults) | causal
@@ -55,36 +88,43 @@ def faults_config() -> ml_collections.ConfigDict:
     # (quantile 0.75: accuracy 0.80 -> 0.48) and every recorded result were calibrated under
     # it, and token at the same quantile is a different, milder fault (0.67; 0.58 at 0.9):
     # switching needs a new severity calibration. New studies: token (quantile) or causal.
-    c.deadzone.scope = "call"
-    c.deadzone.phases = PHASES  # the device is faulty in every phase
-
-    c.noise = ml_collections.ConfigDict()
-    c.noise.enabled = False  # hardware error model of the original (seeds 002/003)
-    c.noise.kind = "relative_gaussian"  # relative_gaussian | absolute_gaussian | systematic_bias
-    c.noise.scale = 0.05  # relative: 0.05 = 5% error; absolute: std; bias: magnitude
-    c.noise.sites = ("linear",)  # module kinds or groups (linear, rmsnorm)
-    c.noise.layers = "all"
-    c.noise.point = "output"  # input: op(x + e) | output: op(x) + e
-    c.noise.forward = True  # error in the forward pass
-    c.noise.backward = False  # error on dX and dW of linears (operator level)
-    c.noise.phases = PHASES
-
-    c.quant = ml_collections.ConfigDict()
-    c.quant.enabled = False  # fake quantisation (MX / NVFP4) at sites
-    c.quant.format = (
-        "mxfp4"  # mxfp4 | mxfp6_e2m3 | mxfp6_e3m2 | mxfp8_e4m3 | mxfp8_e5m2 | mxint8 | nvfp4
-    )
-    c.quant.sites = ("linear",)
-    c.quant.layers = "all"
-    c.quant.point = "input"  # linear inputs: blocks along the contraction axis
-    c.quant.scale_rule = "floor"  # floor (OCP MX) | ceil (NVIDIA TE, torchao RCEIL)
-    c.quant.rounding = "away"  # away (microxcaling default) | even
-    c.quant.block_size = 32
-    c.quant.scope = "call"  # nvfp4's global scale over: call | token (MX: call; per block)
-    c.quant.phases = PHASES
+    c.scope = "call"
+    c.phases = PHASES  # the device is faulty in every phase
     return c
 
 
+def _noise_section() -> ml_collections.ConfigDict:
+    """config.faults.noise: the error models of the original (seeds 002/003)."""
+    c = ml_collections.ConfigDict()
+    c.enabled = False  # hardware error model of the original (seeds 002/003)
+    c.kind = "relative_gaussian"  # relative_gaussian | absolute_gaussian | systematic_bias
+    c.scale = 0.05  # relative: 0.05 = 5% error; absolute: std; bias: magnitude
+    c.sites = ("linear",)  # module kinds or groups (linear, rmsnorm)
+    c.layers = "all"
+    c.point = "output"  # input: op(x + e) | output: op(x) + e
+    c.forward = True  # error in the forward pass
+    c.backward = False  # error on dX and dW of linears (operator level)
+    c.phases = PHASES
+    return c
+
+
+def _quant_section() -> ml_collections.ConfigDict:
+    """config.faults.quant: fake quantisation (MX / NVFP4)."""
+    c = ml_collections.ConfigDict()
+    c.enabled = False  # fake quantisation (MX / NVFP4) at sites
+    c.format = "mxfp4"  # mxfp4 | mxfp6_e2m3 | mxfp6_e3m2 | mxfp8_e4m3 | mxfp8_e5m2 | mxint8 | nvfp4
+    c.sites = ("linear",)
+    c.layers = "all"
+    c.point = "input"  # linear inputs: blocks along the contraction axis
+    c.scale_rule = "floor"  # floor (OCP MX) | ceil (NVIDIA TE, torchao RCEIL)
+    c.rounding = "away"  # away (microxcaling default) | even
+    c.block_size = 32
+    c.scope = "call"  # nvfp4's global scale over: call | token (MX: call; per block)
+    c.phases = PHASES
+    return c
+
+
+@fault_kind("deadzone", _deadzone_section)
 def _deadzone(dz: Any, num_layers: int) -> list[Injection]:
     """`config.faults.deadzone` -> [the deadzone injection], or [] when off."""
     # Both severities' fields, whichever one is chosen and whether the fault is on: a value
@@ -120,6 +160,7 @@ def _deadzone(dz: Any, num_layers: int) -> list[Injection]:
     return [Injection("deadzone", SiteSelector(kinds, layers, point), transform, phases)]
 
 
+@fault_kind("noise", _noise_section)
 def _noise(nz: Any, num_layers: int) -> list[Injection]:
     """`config.faults.noise` -> its injections: value noise at a point, or operator-level error
     on dX and dW of linears (`backward`, plus the forward part), or [] when off."""
@@ -167,6 +208,7 @@ def _noise(nz: Any, num_layers: int) -> list[Injection]:
     return out
 
 
+@fault_kind("quant", _quant_section)
 def _quant(qt: Any, num_layers: int) -> list[Injection]:
     """`config.faults.quant` -> [the fake-quantisation injection], or [] when off."""
     if not qt.enabled:
@@ -191,19 +233,166 @@ def _quant(qt: Any, num_layers: int) -> list[Injection]:
     ]
 
 
-# Fault kind (a subsection of `config.faults`) -> its builder (section, num_layers) -> injections.
-# A new kind is its section in `faults_config` and one builder here; plans list the kinds'
-# injections in this order, so a deadzone sees its site's value first.
-BUILDERS: dict[str, Callable[[Any, int], list[Injection]]] = {
-    "deadzone": _deadzone,
-    "noise": _noise,
-    "quant": _quant,
-}
+def _bit_section(**extra) -> ml_collections.ConfigDict:
+    """A bit-level fault's section (bitflip, stuck_at, mx_scale_flip), off."""
+    c = ml_collections.ConfigDict()
+    c.enabled = False
+    c.target = "activation"  # activation | weight | gradient | optimizer
+    c.sites = ("linear",)  # module kinds or groups hit (trees: the params those modules hold)
+    c.layers = "all"
+    c.point = "output"  # activation: input | output | dx | dw (a linear's backward products)
+    c.phases = PHASES  # gradient, optimizer, dx, dw: 'train' only (no backward elsewhere)
+    # sign | exponent | mantissa | all | bit positions, 0 = the least significant, e.g. (30,)
+    c.bits = "exponent"
+    c.rate = ml_collections.config_dict.placeholder(float)  # per element and bit, [0, 1]; or
+    c.count = ml_collections.config_dict.placeholder(int)  # elements per tensor per call
+    c.steps = "all"  # RL steps a transient fault fires at (first attempt only): 'all' | (3,)
+    c.permanent = False  # fixed lanes: an activation's last axis, a tree leaf's elements
+    c.lane_seed = 0  # seed of a permanent fault's lanes
+    # One bit position passed to the programs at run time, not compiled in: runs differing only
+    # in `bits` share their compiled programs (the vulnerability study); needs one position.
+    c.traced_bit = False
+    c.update(extra)
+    return c
+
+
+def _bitflip_section() -> ml_collections.ConfigDict:
+    """config.faults.bitflip: flips of stored bits (silent data corruption)."""
+    return _bit_section()
+
+
+def _stuck_at_section() -> ml_collections.ConfigDict:
+    """config.faults.stuck_at: bits forced to `value` on fixed lanes (a permanent fault)."""
+    return _bit_section(value=1, permanent=True)  # value: 0 | 1
+
+
+def _mx_scale_flip_section() -> ml_collections.ConfigDict:
+    """config.faults.mx_scale_flip: the tensor in an MX/NVFP4 format with flipped bits of its
+    block scales (`bits`: the scale's, E8M0 for MX: 8 exponent bits; E4M3 for nvfp4)."""
+    return _bit_section(
+        point="input",  # linear inputs: blocks along the contraction axis
+        format="mxfp4",  # an MX format (config.faults.quant.format's) | nvfp4
+        block_size=32,
+        scale_rule="floor",
+        rounding="away",
+    )
+
+
+def parse_steps(value: Any, field: str) -> tuple[int, ...] | None:
+    """'all' -> None, else RL steps (>= 1) as a sorted tuple."""
+    if isinstance(value, str) and value.strip() == "all":
+        return None
+    layers = parse_layers(value, field, 1 << 30)
+    if 0 in layers:
+        raise ValueError(f"{field}={value!r}; RL steps count from 1")
+    return layers
+
+
+def _bit_injection(kind: str, sec: Any, num_layers: int, mode: str) -> list[Injection]:
+    """A bit-level fault section -> [its injection], or [] when off."""
+    if not sec.enabled:
+        return []
+    f = f"config.faults.{kind}"
+    target = check_choice(sec.target, f"{f}.target", TARGETS)
+    kinds = expand_kinds(sec.sites, f"{f}.sites")
+    layers = parse_layers(sec.layers, f"{f}.layers", num_layers)
+    phases = check_phases(sec.phases, f"{f}.phases")
+    points = (*POINTS, *BACKWARD_POINTS) if kind != "mx_scale_flip" else POINTS
+    point = check_choice(sec.point, f"{f}.point", points) if target == "activation" else None
+    try:
+        fault = BitFault(
+            mode,
+            bits=sec.bits,
+            rate=None if sec.rate is None else float(sec.rate),
+            count=None if sec.count is None else int(sec.count),
+            permanent=bool(sec.permanent),
+            lane_seed=int(sec.lane_seed),
+            steps=parse_steps(sec.steps, f"{f}.steps"),
+            traced_bit=bool(sec.get("traced_bit", False)),
+        )
+        if not isinstance(fault.bits, str):  # the widest storage; the dtype's own width is
+            bits.positions(fault.bits, "float32")  # checked by `check_bit_dtypes`
+    except ValueError as e:
+        raise ValueError(f"{f}.{e}") from e
+    backward = "the gradients" if target == "gradient" else "the AdamW moments"
+    backward = f"point={point!r} (a backward product)" if point in BACKWARD_POINTS else backward
+    if (target in ("gradient", "optimizer") or point in BACKWARD_POINTS) and phases != ("train",):
+        raise ValueError(
+            f"{f}.phases={phases}: {backward} exist only in phase 'train' (rollout and"
+            f" eval run no backward pass); set {f}.phases=('train',)"
+        )
+    if target != "activation":
+        transform = TreeBits(fault, target, kind)
+        point = "output"
+    elif kind == "mx_scale_flip":
+        try:
+            transform = ScaleFlip(
+                fault,
+                sec.format,
+                block_size=int(sec.block_size),
+                scale_rule=sec.scale_rule,
+                rounding=sec.rounding,
+            )
+        except ValueError as e:
+            raise ValueError(f"{f}.{e}") from e
+    elif point in BACKWARD_POINTS:
+        transform, point = BitsLinear(fault, point, kind), "output"
+    else:
+        transform = Bits(fault, kind)
+    return [Injection(kind, SiteSelector(kinds, layers, point), transform, phases)]
+
+
+@fault_kind("bitflip", _bitflip_section)
+def _bitflip(sec: Any, num_layers: int) -> list[Injection]:
+    """`config.faults.bitflip` -> [its injection], or [] when off."""
+    return _bit_injection("bitflip", sec, num_layers, "flip")
+
+
+@fault_kind("stuck_at", _stuck_at_section)
+def _stuck_at(sec: Any, num_layers: int) -> list[Injection]:
+    """`config.faults.stuck_at` -> [its injection], or [] when off."""
+    if sec.enabled and sec.value not in (0, 1):
+        raise ValueError(f"config.faults.stuck_at.value={sec.value!r}; allowed: 0, 1")
+    if sec.enabled and not sec.permanent:
+        raise ValueError(
+            "config.faults.stuck_at.permanent=False: a stuck bit is a permanent fault (fixed"
+            " lanes); for transient faults use config.faults.bitflip"
+        )
+    return _bit_injection("stuck_at", sec, num_layers, f"stuck{int(sec.value)}")
+
+
+@fault_kind("mx_scale_flip", _mx_scale_flip_section)
+def _mx_scale_flip(sec: Any, num_layers: int) -> list[Injection]:
+    """`config.faults.mx_scale_flip` -> [its injection], or [] when off."""
+    if sec.enabled and sec.target != "activation":
+        raise ValueError(
+            f"config.faults.mx_scale_flip.target={sec.target!r}; allowed: 'activation' (block"
+            " scales exist where a tensor is quantised)"
+        )
+    return _bit_injection("mx_scale_flip", sec, num_layers, "flip")
+
+
+def check_bit_dtypes(faults: Any, compute_dtype, param_dtype) -> None:
+    """Bit positions within the width of the values each enabled bit fault hits: activations
+    and backward products in the compute dtype, weights and gradients in the param dtype,
+    AdamW moments in float32 (raises naming the field)."""
+    for kind in ("bitflip", "stuck_at"):
+        sec = faults.get(kind)
+        if sec is None or not sec.enabled:
+            continue
+        dtype = {"activation": compute_dtype, "optimizer": "float32"}.get(sec.target, param_dtype)
+        bits.positions(bits.parse_bits(sec.bits), dtype, f"config.faults.{kind}.bits")
 
 
 def fault_injections(faults: Any, num_layers: int) -> list[Injection]:
     """The validated injections of `config.faults` for a model of `num_layers` layers."""
-    return [inj for kind, build in BUILDERS.items() for inj in build(faults[kind], num_layers)]
+    # A config written before a kind existed has no section for it: that kind is off.
+    return [
+        inj
+        for kind, build in BUILDERS.items()
+        if kind in faults
+        for inj in build(faults[kind], num_layers)
+    ]
 
 
 def fault_plan(faults: Any, num_layers: int) -> FaultPlan:
@@ -214,3 +403,10 @@ def fault_plan(faults: Any, num_layers: int) -> FaultPlan:
     plan = FaultPlan(fault_injections(faults, num_layers))
     plan.validate(num_layers)
     return plan
+
+
+def with_abft(plan: FaultPlan, phases=("rollout", "train")) -> FaultPlan:
+    """`plan` with ABFT row checksums on every linear of every layer (`config.sdc.abft`),
+    after the faults at each site: detection, not a fault (`bitfaults.Abft`)."""
+    check = Injection("abft", SiteSelector(("linear",), "all", "output"), Abft(), phases)
+    return FaultPlan((*plan.injections, check))

@@ -511,3 +511,84 @@ _fake_quantize.defvjp(_fake_quantize_fwd, _fake_quantize_bwd)
 # One compiled program per quantiser (a no-op inside an outer jit): called eagerly, dozens of
 # small ops would each be dispatched and compiled on their own.
 _apply = jax.jit(_fake_quantize, static_argnums=0)
+
+
+# --------------------------------------------------------------------------------------------
+# A corrupted block scale (GoldenEye's metadata fault)
+# --------------------------------------------------------------------------------------------
+
+
+def scale_blocks(x_shape, fmt: str, block_size: int = MX_BLOCK_SIZE) -> tuple[int, ...]:
+    """The shape of the block scales of a tensor of `x_shape` quantised along its last axis."""
+    bs = NVFP4_BLOCK_SIZE if fmt == "nvfp4" else block_size
+    if x_shape[-1] % bs:
+        raise ValueError(
+            f"the last axis of x (shape {tuple(x_shape)}) is not a multiple of the {fmt} block"
+            f" size {bs}"
+        )
+    return (*x_shape[:-1], x_shape[-1] // bs)
+
+
+def quantize_scale_fault(
+    x: jax.Array,
+    fmt: str,
+    scale_xor: jax.Array,
+    *,
+    block_size: int = MX_BLOCK_SIZE,
+    scale_rule: str = "floor",
+    rounding: str = "away",
+) -> jax.Array:
+    """x fake-quantised along its last axis (`quantize_mx` / `quantize_nvfp4`, fmt one of
+    MX_FORMATS or 'nvfp4') with each block's stored scale XOR `scale_xor` (ints 0..255 of
+    shape `scale_blocks(x.shape, fmt, block_size)`), read back by the decoder: one flipped
+    scale bit rescales a whole block by a power of two (MX's E8M0; code 255 is NaN) or to
+    another E4M3 value (NVFP4; its sign bit flips the block's signs, 0x7F/0xFF are NaN). A zero
+    mask gives the plain fake quantisation bit for bit. The gradient is straight-through."""
+    if fmt != "nvfp4":
+        _check_choice("fmt", fmt, MX_FORMATS)
+    kind, bs = ("nvfp4", NVFP4_BLOCK_SIZE) if fmt == "nvfp4" else ("mx", block_size)
+    quantizer = _Quantizer(kind, fmt, -1, bs, scale_rule, rounding, "ste")
+    xor = jnp.asarray(scale_xor, jnp.int32)
+    if tuple(xor.shape) != scale_blocks(x.shape, fmt, bs):
+        raise ValueError(
+            f"scale_xor.shape={tuple(xor.shape)}; x of shape {tuple(x.shape)} has block scales"
+            f" {scale_blocks(x.shape, fmt, bs)}"
+        )
+    return _apply_scale_fault(quantizer, jnp.asarray(x), xor)
+
+
+def _scale_fault_kernel(quantizer: _Quantizer, blocks: jax.Array, xor: jax.Array) -> jax.Array:
+    """The encoder's output decoded with corrupted scales (`xor`: [..., n_blocks, 1])."""
+    if quantizer.kind == "mx":
+        spec = FORMAT_SPECS[quantizer.fmt]
+        q, negative, e, poisoned = mx_encode(blocks, spec, quantizer.scale_rule, quantizer.rounding)
+        code = (e + 127) ^ xor  # the stored E8M0 code (exponent biased by 127)
+        return jnp.where(poisoned | (code == 255), jnp.nan, mx_decode(q, negative, code - 127))
+    q, negative, s_block, s_global, k, poisoned = nvfp4_encode(blocks)
+    code = lax.bitcast_convert_type(s_block.astype(jnp.float8_e4m3fn), jnp.uint8)
+    read = lax.bitcast_convert_type(code ^ xor.astype(jnp.uint8), jnp.float8_e4m3fn)
+    live = s_block * s_global > 0  # a block the encoder flushed stays zero
+    out = _ieee(lax.mul, jnp.where(live, q * read.astype(jnp.float32), 0.0), s_global)
+    out = _scale_by_pow2(out, k)
+    return jnp.where(poisoned, jnp.nan, jnp.where(negative, -out, out))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _scale_faulted(quantizer: _Quantizer, x: jax.Array, xor: jax.Array) -> jax.Array:
+    n = x.shape[-1]
+    blocks = x.astype(jnp.float32).reshape(*x.shape[:-1], n // quantizer.block_size, -1)
+    out = _scale_fault_kernel(quantizer, blocks, xor[..., None])
+    return out.reshape(x.shape).astype(x.dtype)
+
+
+def _scale_faulted_fwd(quantizer, x, xor):
+    return _scale_faulted(quantizer, x, xor), None
+
+
+def _scale_faulted_bwd(quantizer, _, g):
+    return g, None
+
+
+_scale_faulted.defvjp(_scale_faulted_fwd, _scale_faulted_bwd)
+# One compiled program per quantiser, as `_apply`.
+_apply_scale_fault = jax.jit(_scale_faulted, static_argnums=0)

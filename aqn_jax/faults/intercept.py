@@ -58,7 +58,7 @@ import numpy as np
 from aqn_jax.models import registry
 
 from .sites import Site, SiteSelector, classify
-from .transforms import STATS_COLLECTION, Ctx, Scale
+from .transforms import STATS_COLLECTION, Ctx
 
 PHASES = ("rollout", "train", "eval")
 _PHASE_IDS = {p: i for i, p in enumerate(PHASES)}
@@ -105,7 +105,7 @@ class Injection:
         bad = [p for p in self.phases if p not in PHASES]
         if bad or not self.phases:
             raise ValueError(f"injection {self.name!r}: phases={self.phases}; allowed: {PHASES}")
-        allowed = getattr(self.transform, "allowed_kinds", None)
+        allowed = self.transform.allowed_kinds
         if allowed is not None:
             wrong = [k for k in self.sites.kinds if k not in allowed]
             if wrong:
@@ -142,7 +142,7 @@ class FaultPlan:
         """Layer ids within the model; raised before anything compiles."""
         for inj in self.injections:
             inj.sites.check_layers(num_layers, field=f"injection {inj.name!r} layers")
-            ls = getattr(getattr(inj.transform, "scale", None), "layer_scales", None)
+            ls = inj.transform.layer_ids()
             if ls:
                 bad = sorted(i for i in ls if not 0 <= i < num_layers)
                 if bad:
@@ -155,6 +155,15 @@ class FaultPlan:
         if phase not in PHASES:
             raise ValueError(f"phase={phase!r}; allowed: {PHASES}")
         return [(i, inj) for i, inj in enumerate(self.injections) if phase in inj.phases]
+
+    def tree_faults(self, phase: str, target: str) -> list[tuple[int, Injection]]:
+        """The active tree-level injections of `phase` on `target` (weight | gradient |
+        optimizer), with their plan indices."""
+        return [
+            (i, inj)
+            for i, inj in self.active(phase)
+            if inj.transform.level == "tree" and inj.transform.target == target
+        ]
 
     def describe(self) -> str:
         if not self.injections:
@@ -176,7 +185,7 @@ class FaultPlan:
                         if inj.sites.layers == "all"
                         else list(inj.sites.layers),
                         "phases": list(inj.phases),
-                        "scope": getattr(inj.transform, "scope", None),
+                        "scope": inj.transform.scope,
                     }
                     for inj in self.injections
                 ],
@@ -198,7 +207,8 @@ class FaultPlan:
         after a model call (empty when nothing ran or no injection is active); an active
         injection that hit no module raises then. The plan itself is never written."""
         hits: dict[str, list[str]] = {}
-        active = self.active(phase)
+        # Faults on trees act outside module calls (the forward seam, the optimizer).
+        active = [(i, inj) for i, inj in self.active(phase) if inj.transform.level != "tree"]
         if not active:
             yield hits
             return
@@ -219,7 +229,7 @@ class FaultPlan:
         """Trace one forward abstractly (`jax.eval_shape`, nothing runs) and return the hits of
         `phase`, {injection name: [site:point]}; an injection that hits nothing raises."""
         ids = jax.ShapeDtypeStruct((1, seq_len), jnp.int32)
-        values = {name: jnp.float32(1.0) for name in self._value_names()}
+        values = {name: jnp.float32(1.0) for name in self.value_names()}
         traced: dict[str, list[str]] = {}
 
         def forward(params, ids):
@@ -229,17 +239,18 @@ class FaultPlan:
             return out
 
         jax.eval_shape(forward, params, ids)
+        for _, inj in self.active(phase):
+            if inj.transform.level == "tree":  # the param paths it selects
+                traced[inj.name] = inj.transform.paths(params, inj.sites)
+                if not traced[inj.name]:
+                    raise ValueError(
+                        f"phase {phase!r}: fault injection matched no parameter: {inj.describe()}"
+                    )
         return traced
 
-    def _value_names(self) -> set[str]:
-        names = set()
-        for inj in self.injections:
-            scale = getattr(inj.transform, "scale", None)
-            if isinstance(scale, Scale) and scale.value:
-                names.add(scale.value)
-            if getattr(inj.transform, "threshold_value", None):
-                names.add(inj.transform.threshold_value)
-        return names
+    def value_names(self) -> set[str]:
+        """The traced values the plan's transforms read (`plan.apply(values=...)`)."""
+        return {name for inj in self.injections for name in inj.transform.value_names()}
 
 
 class _Run:
@@ -282,6 +293,7 @@ class _Run:
             self.hits[inj.name].append(f"{site}:{inj.sites.point}")
 
         op = [(i, inj) for i, inj in chosen if inj.transform.level == "op"]
+        checks = [(i, inj) for i, inj in chosen if inj.transform.level == "check"]
         if len(op) > 1:
             raise ValueError(
                 f"{site}: more than one op-level injection ({[inj.name for _, inj in op]})"
@@ -306,6 +318,9 @@ class _Run:
                 out = (self._chain(out[0], outputs, site, module), *out[1:])
             else:
                 out = self._chain(out, outputs, site, module)
+        for index, inj in checks:  # detectors see the output as the next module will
+            y = out[0] if isinstance(out, tuple) else out
+            inj.transform(module, args, y, Ctx(self, site, module, index, inj.name, {}))
         return out
 
     def _chain(self, x, chain, site, module):

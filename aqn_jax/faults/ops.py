@@ -412,6 +412,10 @@ def _linear(x: jax.Array, w: jax.Array, b: jax.Array | None, lora=None) -> jax.A
     return y
 
 
+# The model's Linear expression, for the op-level faults elsewhere (bitfaults.py).
+linear = _linear
+
+
 def _relative_error_f32(v: jax.Array, scale: jax.Array, key: jax.Array) -> jax.Array:
     return jax.random.normal(key, v.shape, jnp.float32) * jnp.abs(v) * scale
 

@@ -1,24 +1,31 @@
 """The fault transforms: what a `FaultPlan` injection does at a site (`intercept.py` applies
 them and knows no transform types).
 
-A value-level transform is `transform(x, ctx) -> x`, applied to a module's input or output; an
-op-level one is `transform(module, args, ctx) -> out` and replaces the module's computation.
-Each says which with `level`; `allowed_kinds`, when set, limits the module kinds it may select.
-`ctx` (`Ctx`, below) gives the site, its key, the traced values, `sow` and the state shared
-along the chain at one site and point. A transform's `describe()` is its line in the plan.
+Every transform follows `Transform` (below; `TransformBase` gives the defaults). Its `level`
+says how the interceptor calls it:
+  value  `transform(x, ctx) -> x` on a module's input or output;
+  op     `transform(module, args, ctx) -> out`, replacing the module's computation;
+  check  `transform(module, args, out, ctx) -> None` after the outputs (a detector: ABFT);
+  tree   not at a module call: a fault on a tree (weights, gradients, optimizer moments) that
+         the forward seam or the optimizer applies (`bitfaults.TreeBits`).
+`allowed_kinds`, when set, limits the module kinds it may select. `ctx` (`Ctx`, below) gives
+the site, its key, the traced values, `sow` and the state shared along the chain at one site
+and point. A transform's `describe()` is its line in the plan, `value_names()` the traced
+values it reads, `layer_ids()` the layers its static per-layer settings name.
 
   Deadzone        |x| below a threshold -> 0 (`ops.deadzone`; the MXFP4 deadzone fault)
   Noise           x + e, e of a noise kind at the site's `Scale` (`ops.noise_error`)
   Quantize        fake quantisation: MX formats, NVFP4 (`formats.py`)
   NoisyLinear     operator-level error on a linear's output and its dX, dW (`ops.noisy_linear`)
   NormWeightNoise QeRL's AQN: noise on an RMSNorm's weight vector for this call
+The bit-level faults and ABFT are in `bitfaults.py`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar, Protocol
 
 import flax.linen as nn
 import jax
@@ -91,6 +98,44 @@ class Ctx:
             self.module.put_variable(STATE_COLLECTION, f"{self.name}.{stat}", value)
 
 
+class Transform(Protocol):
+    """What the interceptor and the plan read of a transform (see the module docstring)."""
+
+    level: ClassVar[str]  # value | op | check | tree
+    allowed_kinds: ClassVar[tuple[str, ...] | None]  # module kinds it may select; None: any
+    scope: str | None  # the tokens a tensor-wide statistic covers (ops.SCOPES), for the manifest
+
+    def describe(self) -> str: ...
+
+    def value_names(self) -> frozenset[str]: ...
+
+    def layer_ids(self) -> tuple[int, ...]: ...
+
+
+class TransformBase:
+    """`Transform`'s defaults: a value-level transform of any kind reading no traced value."""
+
+    level: ClassVar[str] = "value"
+    allowed_kinds: ClassVar[tuple[str, ...] | None] = None
+    scope: str | None = None
+
+    def value_names(self) -> frozenset[str]:
+        return frozenset()
+
+    def layer_ids(self) -> tuple[int, ...]:
+        return ()
+
+
+class _Scaled(TransformBase):
+    """A transform at a `Scale` (`self.scale`): its traced value and per-layer scales."""
+
+    def value_names(self) -> frozenset[str]:
+        return frozenset({self.scale.value} if self.scale.value else ())
+
+    def layer_ids(self) -> tuple[int, ...]:
+        return tuple(sorted(self.scale.layer_scales or ()))
+
+
 def _check_scope(scope: str, allowed: tuple[str, ...], why: str) -> None:
     if scope not in ops.SCOPES:
         raise ValueError(f"scope={scope!r}; allowed: {ops.SCOPES}")
@@ -154,7 +199,7 @@ def traced_value(values: Mapping[str, Any], name: str, site: Site) -> jax.Array:
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class Deadzone:
+class Deadzone(TransformBase):
     """|x| < threshold * amax -> 0 (see `ops.deadzone`); with severity='quantile' the
     `threshold` smallest fraction of |x| -> 0 instead. `reuse_threshold`: when an earlier
     deadzone ran at the same site and point, reuse its absolute threshold (the original
@@ -234,6 +279,9 @@ class Deadzone:
             severity=self.severity,
         )
 
+    def value_names(self) -> frozenset[str]:
+        return frozenset({self.threshold_value} if self.threshold_value else ())
+
     def lane_mask(self, lanes: int) -> np.ndarray | None:
         if self.sparsity >= 1.0:
             return None
@@ -250,7 +298,7 @@ class Deadzone:
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class Noise:
+class Noise(_Scaled):
     """x + e with e of `kind` (see `ops.noise_error`) at the site's scale."""
 
     kind: str
@@ -272,7 +320,7 @@ class Noise:
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class Quantize:
+class Quantize(TransformBase):
     """Fake quantisation (dequantised) of the tensor: MX formats or NVFP4, blocks along the
     last axis (the contraction axis of a linear's input)."""
 
@@ -332,7 +380,7 @@ class Quantize:
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class NoisyLinear:
+class NoisyLinear(_Scaled):
     """Operator-level error in a linear: relative error on y (forward) and on dX, dW
     (backward), recomputed from the module's own kernel (see `ops.noisy_linear`)."""
 
@@ -366,7 +414,7 @@ class NoisyLinear:
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class NormWeightNoise:
+class NormWeightNoise(_Scaled):
     """QeRL's AQN: N(0, sigma^2) added to the RMSNorm weight vector for this call, drawn anew
     for each (step, site) from the clean weights; params are never modified."""
 

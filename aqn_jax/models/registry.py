@@ -143,6 +143,20 @@ def site_of(path: tuple[str, ...], module: nn.Module) -> tuple[str, int | None] 
     return None
 
 
+def sites_of_param(path: tuple[str, ...]) -> list[tuple[str, int | None]]:
+    """The sites (kind, layer id) that hold the parameter at `path` (a param tree path, its last
+    entry the param's name), innermost first: `layers_3/mlp/down_proj/kernel` is held by
+    down_proj, mlp and layer of layer 3. Faults on trees (weights, gradients, optimizer
+    moments) select their leaves by these."""
+    out = []
+    for family in FAMILIES.values():
+        for end in range(len(path) - 1, 0, -1):
+            site = family.site_of(tuple(path[:end]))
+            if site is not None and site not in out:
+                out.append(site)
+    return out
+
+
 def norm_with_weight(module: nn.Module, x: Any, weight: Any) -> Any:
     """The norm `module`'s computation on `x` with `weight` instead of its own."""
     for family in FAMILIES.values():

@@ -41,6 +41,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from aqn_jax import lora as lora_lib
 from aqn_jax import parallel, quant_base
+from aqn_jax.faults.bitfaults import SDC_ATTEMPT, SDC_BIT, SDC_STEP
 from aqn_jax.faults.intercept import FaultPlan
 from aqn_jax.forward import Weights, forward
 from aqn_jax.lora import LoraSpec
@@ -49,6 +50,8 @@ from aqn_jax.models.registry import ModelConfig, causal_lm, family_of
 
 from . import advantages as adv_lib
 from . import losses
+from . import optim as optim_lib
+from .guard import GuardSpec, guard_spec
 from .optim import OptimizerSpec
 from .rollout_correction import RolloutCorrection, correction_from
 
@@ -196,6 +199,7 @@ class Static:
     max_new: int  # response slots of a row (config.rollout.max_new_tokens)
     total_steps: int  # RL steps of the run (the LR and AQN schedules run over them)
     updates: int  # optimizer updates per RL step: ppo_epochs x mini-batches
+    sdc: SdcSpec | None = None  # bit faults on trees, the guard's metrics (None: neither)
     lora: LoraSpec = LoraSpec(0, 16.0, lora_lib.TARGETS, False)  # config.lora (rank 0: off)
     weight_format: str = "none"  # config.model.weight_format: the frozen base's storage
 
@@ -209,6 +213,67 @@ class Static:
 
 
 @dataclasses.dataclass(frozen=True)
+class SdcSpec:
+    """Silent data corruption in the update (`sdc_spec`): the bit faults on the gradients and
+    on the AdamW moments, whether the step reports the guard's metrics and the counts of the
+    bit faults and ABFT at module sites (`sites`)."""
+
+    gradient: tuple = ()  # (TreeBits, SiteSelector) pairs
+    moments: tuple = ()
+    guard: GuardSpec = GuardSpec()  # config.sdc; when on: sdc/update_rms and sdc/moments_ok
+    sites: bool = False  # bit faults or ABFT at module calls of the train passes
+    moment_bound: float | None = None  # optim.moment_bound of the actor's clip
+
+    @property
+    def trees(self) -> bool:
+        return bool(self.gradient or self.moments)
+
+
+def sdc_spec(spec: StepSpec, plan: FaultPlan, total_updates: int) -> SdcSpec | None:
+    """The update's SDC settings from the plan's train-phase injections and config.sdc; None
+    when there is nothing to do (the update's program is then unchanged)."""
+    train = [inj for _, inj in plan.active("train")]
+    trees = {
+        target: tuple(
+            (inj.transform, inj.sites)
+            for inj in train
+            if inj.transform.level == "tree" and inj.transform.target == target
+        )
+        for target in ("gradient", "optimizer")
+    }
+    sites = any(inj.name in SDC_KINDS for inj in train if inj.transform.level != "tree")
+    if not (trees["gradient"] or trees["optimizer"] or sites or spec.guard.on):
+        return None
+    return SdcSpec(
+        gradient=trees["gradient"],
+        moments=trees["optimizer"],
+        guard=spec.guard,
+        sites=sites,
+        moment_bound=optim_lib.moment_bound(spec.actor.grad_clip, total_updates),
+    )
+
+
+# The injections whose telemetry is SDC's: the bit-level kinds and ABFT.
+SDC_KINDS = ("bitflip", "stuck_at", "mx_scale_flip", "abft")
+
+
+def sdc_site_counts(fault_stats, backward: bool = False) -> dict[str, jax.Array]:
+    """{'flips': bits flipped, 'abft': rows ABFT flagged} summed over the sites of a
+    `fault_stats` tree (SDC_KINDS' `flips` and `detected`; `bwd_flips`, the backward products',
+    with `backward`: the passes that were differentiated)."""
+    out = {"flips": jnp.zeros((), jnp.float32), "abft": jnp.zeros((), jnp.float32)}
+    for path, v in jax.tree_util.tree_leaves_with_path(fault_stats):
+        names = [k.key for k in path if isinstance(k, jax.tree_util.DictKey)]
+        kind, _, stat = str(names[-1] if names else "").partition(".")
+        if kind in SDC_KINDS and stat == "bwd_flips" and backward:
+            stat = "flips"
+        if kind in SDC_KINDS and stat in ("flips", "detected"):
+            key = "flips" if stat == "flips" else "abft"
+            out[key] = out[key] + jnp.sum(jnp.asarray(v, jnp.float32))
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
 class StepSpec:
     """What the step programs read of an experiment config (`step_spec`)."""
 
@@ -217,6 +282,8 @@ class StepSpec:
     critic: OptimizerSpec  # config.critic's optimizer
     max_new: int  # config.rollout.max_new_tokens
     critic_faults: bool  # config.critic.faults: the critic runs the hardware faults
+    seed: int = 0  # config.seed (the tree faults' keys)
+    guard: GuardSpec = GuardSpec()  # config.sdc
     lora: LoraSpec = LoraSpec(0, 16.0, lora_lib.TARGETS, False)  # config.lora
     weight_format: str = "none"  # config.model.weight_format
 
@@ -234,6 +301,8 @@ def step_spec(config) -> StepSpec:
         critic=OptimizerSpec.of(config.critic, "lr_warmup_steps", "config.critic"),
         max_new=int(config.rollout.max_new_tokens),
         critic_faults=bool(config.critic.faults),
+        seed=int(config.seed),
+        guard=guard_spec(config.get("sdc")),
         lora=lora_spec_of(config),
         weight_format=str(config.model.get("weight_format", "none")),
     )
@@ -252,6 +321,9 @@ def static_from(
     updates = h.ppo_epochs * h.mini_batches
     actor_schedule, actor_opt = spec.actor.build(total_steps * updates, updates)
     _, critic_opt = spec.critic.build(total_steps * updates, updates)
+    sdc = sdc_spec(spec, plan, total_steps * updates)
+    if sdc is not None:  # bit faults on the gradients / AdamW moments: around the optimizer
+        actor_opt = optim_lib.with_tree_faults(actor_opt, sdc.gradient, sdc.moments, spec.seed)
     return Static(
         h=h,
         model_cfg=model_cfg,
@@ -265,6 +337,7 @@ def static_from(
         max_new=spec.max_new,
         total_steps=int(total_steps),
         updates=updates,
+        sdc=sdc,
         lora=spec.lora,
         weight_format=spec.weight_format,
     )
@@ -512,7 +585,7 @@ def prepare_step(static: Static, state: RLState, ref_params, batch, scores, key,
 def actor_loss(static: Static, params, mic, denom, key, values):
     """Clipped (dual-clip) policy loss - entropy bonus (+ KL loss) of one micro-batch."""
     h = static.h
-    logits, _ = _policy_logits(static, params, mic, key, values)
+    logits, fstate = _policy_logits(static, params, mic, key, values)
     logits = logits / h.temperature
     logp = token_logprobs(logits, mic["tokens"], 1.0)
     mask = mic["rmask"]
@@ -536,6 +609,9 @@ def actor_loss(static: Static, params, mic, denom, key, values):
             losses.kl_penalty(logp, mic["ref_logp"], h.kl_type), mask, h.agg, denom
         )
         loss = loss + h.kl_loss_coef * kl_loss
+    if static.sdc is not None and static.sdc.sites:  # this pass's flips and ABFT detections
+        counts = sdc_site_counts(fstate.get("fault_stats", {}), backward=True)
+        aux = {**aux, "sdc_flips": counts["flips"], "sdc_abft": counts["abft"]}
     return loss, {"pg_loss": pg, "kl_loss": kl_loss, "entropy": ent, **aux}
 
 
@@ -621,13 +697,22 @@ def _minibatch_update(static: Static, key, values, mbatch, st: RLState, idx):
     grad_norm = optax.tree.norm(g)
     # No actor update during the critic warm-up (verl critic_warmup).
     live = st.step >= h.critic_warmup if static.use_critic else jnp.bool_(True)
-    u, opt = static.actor_opt.update(g, st.opt_state, st.params)
+    extra = {}
+    if static.sdc is not None and static.sdc.trees:  # the RL step and attempt key the faults
+        extra = {
+            "sdc_step": jnp.asarray(values.get(SDC_STEP, st.step + 1), jnp.int32),
+            "sdc_attempt": jnp.asarray(values.get(SDC_ATTEMPT, 0), jnp.int32),
+            "sdc_bit": jnp.asarray(values.get(SDC_BIT, 0), jnp.int32),
+        }
+    u, opt = static.actor_opt.update(g, st.opt_state, st.params, **extra)
     params = jax.tree_util.tree_map(
         lambda p, q: jnp.where(live, q, p), st.params, optax.apply_updates(st.params, u)
     )
     opt = jax.tree_util.tree_map(lambda a, b: jnp.where(live, b, a), st.opt_state, opt)
     mets.update({f"actor/{k}": v for k, v in am.items()})
     mets["actor/grad_norm"] = grad_norm
+    if extra and static.sdc.gradient:  # the norm after the gradient faults (the guard's)
+        mets["sdc/grad_norm"] = optim_lib.faulty_grad_norm(opt)
     st = st.replace(params=params, opt_state=opt, critic_params=cparams, critic_opt_state=copt)
     return st, mets
 
@@ -637,11 +722,45 @@ def update_step(static: Static, state: RLState, batch, key, values) -> tuple[RLS
     returns the next state and the step's metrics (means over the updates)."""
     h = static.h
     mbatch = mini_batches(static, batch)
+    before = state
     state, mets = jax.lax.scan(
         lambda st, idx: _minibatch_update(static, key, values, mbatch, st, idx),
         state,
         jnp.arange(h.ppo_epochs * h.mini_batches),
     )
     mets = jax.tree_util.tree_map(jnp.mean, mets)
+    if static.sdc is not None:
+        mets.update(sdc_update_metrics(static, before, state, mets))
     mets["actor/lr"] = jnp.asarray(static.actor_schedule(state.step * static.updates), jnp.float32)
     return state.replace(step=state.step + 1), mets
+
+
+def sdc_update_metrics(static: Static, before: RLState, after: RLState, mets) -> dict:
+    """The update's SDC metrics: bits flipped (module sites: summed over every pass; trees:
+    gradients and moments), ABFT rows flagged, and for the guard the update's RMS and whether
+    every AdamW moment is in range (`optim.moment_bound`)."""
+    sdc, out = static.sdc, {}
+    passes = static.updates * static.h.micro_batches  # the per-pass means back to totals
+    if sdc.sites:
+        out["sdc/injected_update"] = mets.pop("actor/sdc_flips") * passes
+        out["sdc/detected_abft_update"] = mets.pop("actor/sdc_abft") * passes
+    if sdc.trees:
+        flips = optim_lib.tree_fault_flips(after.opt_state) - optim_lib.tree_fault_flips(
+            before.opt_state
+        )
+        out["sdc/injected_tree"] = flips.astype(jnp.float32)
+    if sdc.guard.on:
+        deltas = [
+            (a.astype(jnp.float32) - b.astype(jnp.float32))
+            for a, b in zip(
+                jax.tree_util.tree_leaves(after.params),
+                jax.tree_util.tree_leaves(before.params),
+                strict=True,
+            )
+        ]
+        n = sum(d.size for d in deltas)
+        out["sdc/update_rms"] = jnp.sqrt(sum(jnp.sum(d * d) for d in deltas) / n)
+        if sdc.moment_bound is not None:
+            ok = optim_lib.moments_in_range(after.opt_state, sdc.moment_bound)
+            out["sdc/moments_ok"] = ok.astype(jnp.float32)
+    return out

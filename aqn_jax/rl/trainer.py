@@ -20,7 +20,7 @@ import dataclasses
 import math
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -30,14 +30,33 @@ from aqn_jax import parallel, quant_base
 from aqn_jax.aqn.config import AQN_SIGMA, AqnSchedule
 from aqn_jax.data.gsm8k import Example, PromptBatcher
 from aqn_jax.data.tokenizers import Tokenizer
+from aqn_jax.faults.bitfaults import SDC_ATTEMPT, SDC_BIT, SDC_STEP, traced_bit
 from aqn_jax.faults.intercept import FaultPlan, step_key, summarize_stats
 from aqn_jax.models.registry import causal_lm
 from aqn_jax.rewards import score_batch
 from aqn_jax.rl.scoring import eval_scores
 
+from .guard import Guard, RollbackNeeded
 from .rollout_correction import correct
 from .sampler import Sampler, SamplingParams
-from .step import RLState, Shardings, Static, policy_weights
+from .step import SDC_KINDS, RLState, Shardings, Static, policy_weights, sdc_site_counts
+
+# Folded into a recomputed attempt's train key (attempt >= 1): a stream apart from the passes'.
+ATTEMPT_TAG = 1 << 30
+
+
+class _Train(NamedTuple):
+    """One attempt at a step's training: the next state and what the metrics read of it."""
+
+    state: RLState
+    prep: Any
+    train_stats: Any
+    corr: Any
+    mets: dict
+    old_logp: np.ndarray
+    t_prep: float
+    t_corr: float
+    t_upd: float
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,6 +156,14 @@ class Trainer:
         # bf16 compute with fp32 master weights: the update keeps the fp32 params (each matmul
         # casts its kernel); generation gets one bf16 copy per step (the inference engine's
         # weights), which equals what every traced cast produces.
+        sdc = static.sdc
+        self.guard = Guard(sdc.guard) if sdc is not None and sdc.guard.on else None
+        self.first_attempt: dict[int, int] = {}  # step -> its first attempt after a rollback
+        self.rolled_back = False  # the next step's metrics say so
+        # What a non-finite step's error names: the bit faults the device runs.
+        self.sdc_note = "; ".join(
+            inj.describe() for inj in static.plan.injections if inj.name in SDC_KINDS[:3]
+        )
         self._cast = None
         model_cfg = static.model_cfg
         if jnp.dtype(model_cfg.dtype) != jnp.dtype(model_cfg.param_dtype):
@@ -160,8 +187,20 @@ class Trainer:
             batch["attention_mask"],
             jax.random.fold_in(key, 0),
             fault_key=step_key(self.seed, step, "rollout"),
-            values={AQN_SIGMA: np.float32(sigma)},
+            values={AQN_SIGMA: np.float32(sigma), **self.sdc_values(step, 0)},
         )
+
+    def sdc_values(self, step: int, attempt: int) -> dict[str, np.ndarray]:
+        """The RL step and attempt as traced values, for bit faults planted at given steps
+        (`bitfaults.SDC_STEP`); none when the plan has no such fault (the programs are then
+        unchanged)."""
+        names = self.static.plan.value_names()
+        out = {}
+        if SDC_STEP in names:
+            out.update({SDC_STEP: np.float32(step), SDC_ATTEMPT: np.float32(attempt)})
+        if SDC_BIT in names:
+            out[SDC_BIT] = np.float32(traced_bit(self.static.plan))
+        return out
 
     def step(self, state: RLState, step: int) -> tuple[RLState, dict[str, float]]:
         """One RL step: the next state and the step's metrics (host floats)."""
@@ -178,37 +217,11 @@ class Trainer:
         truths = [g for g in batch["ground_truth"] for _ in range(self.static.h.n)]
         scores = score_batch(texts, truths, method=self.spec.reward_method)
         tb = train_batch(out, scores)
-        t0 = time.perf_counter()
-        dev = parallel.put_batch({k: v for k, v in tb.items() if k != "scores"}, self.mesh)
-        train_key = step_key(self.seed, step, "train")
-        scores_dev = parallel.put_batch(tb["scores"], self.mesh)
-        values = {AQN_SIGMA: np.float32(sigma)}
-        prep, train_stats = self.prepare(state, self.ref_params, dev, scores_dev, train_key, values)
-        prep = jax.block_until_ready(prep)
-        t_prep = time.perf_counter() - t0
-        upd = {k: dev[k] for k in ("ids", "mask", "tokens", "rmask")}
-        upd.update({k: prep[k] for k in ("old_logp", "advantages")})
-        if "ref_logp" in prep:
-            upd["ref_logp"] = prep["ref_logp"]
-        if self.static.use_critic:
-            upd.update(values=prep["values"], returns=prep["returns"])
-        # Rollout correction (rl/rollout_correction.py): the sampler's log-probs against the
-        # trainer's; IS weights, the loss mask without rejected tokens, bypass's old policy.
-        t0 = time.perf_counter()
-        old_logp = parallel.to_host(prep["old_logp"])
-        corr = correct(old_logp, tb["sampler_logp"], tb["rmask"], self.static.h.correction)
-        for key, value in (
-            ("is_weights", corr.is_weights),
-            ("rmask", corr.loss_mask),
-            ("old_logp", corr.old_logp),
-        ):
-            if value is not None:
-                upd[key] = parallel.put_batch(value, self.mesh)
-        t_corr = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        state, mets = self.update(state, upd, train_key, values)
-        mets = {k: float(parallel.to_host(v)) for k, v in mets.items()}
-        t_upd = time.perf_counter() - t0
+        train = self._train(state, step, tb, sigma, 0)
+        sdc: dict[str, float] = {}
+        if self.guard is not None:
+            train, sdc = self._guarded(state, step, tb, sigma, train)
+        state, prep, train_stats, corr, mets, old_logp, t_prep, t_corr, t_upd = train
 
         rmask = tb["rmask"]
         lengths = rmask.sum(1)
@@ -245,6 +258,8 @@ class Trainer:
             m["critic/returns/mean"] = float(parallel.to_host(prep["returns"])[rmask > 0].mean())
         m.update(corr.metrics)
         m.update(mets)
+        if self.static.sdc is not None:
+            m.update(sdc_metrics(m, out.fault_stats, sdc))
         for name, v in summarize_stats(out.fault_stats).items():
             if name.endswith("/mean"):
                 m[f"faults/rollout/{name.removesuffix('/mean')}"] = v
@@ -253,8 +268,105 @@ class Trainer:
         ).items():
             if name.endswith("/mean"):
                 m[f"faults/train/{name.removesuffix('/mean')}"] = v
-        check_finite(step, m)
+        if sdc.get("sdc/guard_skipped"):  # the rejected attempt's non-finite values, dropped
+            m = {k: v for k, v in m.items() if math.isfinite(v)}
+        # The sdc/ diagnostics describe the fault, not the run's state: the gradient norm the
+        # optimizer received is inf when a flipped exponent overflows it, and global-norm
+        # clipping then makes that update zero, not NaN (the guard still acts on it).
+        check_finite(step, {k: v for k, v in m.items() if not k.startswith("sdc/")}, self.sdc_note)
         return state, m
+
+    def _train(self, state: RLState, step: int, tb, sigma: float, attempt: int) -> _Train:
+        """Prepare, rollout correction and update of one attempt at a step (the rollout `tb` is
+        the step's, whatever the attempt)."""
+        t0 = time.perf_counter()
+        dev = parallel.put_batch({k: v for k, v in tb.items() if k != "scores"}, self.mesh)
+        train_key = step_key(self.seed, step, "train")
+        if attempt:  # a recomputed step draws its faults anew: (seed, step, attempt, phase)
+            train_key = jax.random.fold_in(train_key, ATTEMPT_TAG + attempt)
+        scores_dev = parallel.put_batch(tb["scores"], self.mesh)
+        values = {AQN_SIGMA: np.float32(sigma), **self.sdc_values(step, attempt)}
+        prep, train_stats = self.prepare(state, self.ref_params, dev, scores_dev, train_key, values)
+        prep = jax.block_until_ready(prep)
+        t_prep = time.perf_counter() - t0
+        upd = {k: dev[k] for k in ("ids", "mask", "tokens", "rmask")}
+        upd.update({k: prep[k] for k in ("old_logp", "advantages")})
+        if "ref_logp" in prep:
+            upd["ref_logp"] = prep["ref_logp"]
+        if self.static.use_critic:
+            upd.update(values=prep["values"], returns=prep["returns"])
+        # Rollout correction (rl/rollout_correction.py): the sampler's log-probs against the
+        # trainer's; IS weights, the loss mask without rejected tokens, bypass's old policy.
+        t0 = time.perf_counter()
+        old_logp = parallel.to_host(prep["old_logp"])
+        corr = correct(old_logp, tb["sampler_logp"], tb["rmask"], self.static.h.correction)
+        for key, value in (
+            ("is_weights", corr.is_weights),
+            ("rmask", corr.loss_mask),
+            ("old_logp", corr.old_logp),
+        ):
+            if value is not None:
+                upd[key] = parallel.put_batch(value, self.mesh)
+        t_corr = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        state, mets = self.update(state, upd, train_key, values)
+        mets = {k: float(parallel.to_host(v)) for k, v in mets.items()}
+        t_upd = time.perf_counter() - t0
+        if self.static.sdc is not None and self.static.sdc.sites:  # prepare's passes, in all
+            passes = self.static.h.mini_batches * self.static.h.micro_batches
+            counts = sdc_site_counts(jax.tree_util.tree_map(parallel.to_host, train_stats))
+            mets["sdc/injected_prepare"] = float(counts["flips"]) * passes
+            mets["sdc/detected_abft_train"] = (
+                float(counts["abft"]) * passes + mets["sdc/detected_abft_update"]
+            )
+        return _Train(state, prep, train_stats, corr, mets, old_logp, t_prep, t_corr, t_upd)
+
+    def _guarded(self, state: RLState, step: int, tb, sigma: float, train: _Train):
+        """The guard's verdict on each attempt (rl/guard.py): skip, recompute with a fresh
+        fault draw, or ask the job for a rollback; (the accepted attempt, sdc/* metrics)."""
+        t0, skipped = time.perf_counter(), False
+        rejected = {"sdc/injected_rejected": 0.0, "sdc/detected_abft_rejected": 0.0}
+        first = attempt = self.first_attempt.get(step, 0)
+        if first:  # after a rollback the step starts past the attempts that failed
+            train = self._train(state, step, tb, sigma, first)
+        while (reason := self.guard.verdict(train.mets)) is not None:
+            if self.guard.spec.mode == "skip":  # the update is dropped; the step counts
+                skipped = True
+                train = train._replace(state=state.replace(step=train.state.step))
+                print(f"RL step {step}: {reason}; update skipped (config.sdc.guard=skip)")
+                break
+            # What fired in the rejected attempt still counts (sdc/injected includes it).
+            rejected["sdc/injected_rejected"] += sum(
+                train.mets.get(f"sdc/injected_{k}", 0.0) for k in ("prepare", "update", "tree")
+            )
+            rejected["sdc/detected_abft_rejected"] += train.mets.get("sdc/detected_abft_train", 0.0)
+            attempt += 1
+            if attempt - first > self.guard.spec.max_recomputes:
+                raise RollbackNeeded(step, reason)
+            print(f"RL step {step}: {reason}; recomputing (attempt {attempt})")
+            train = self._train(state, step, tb, sigma, attempt)
+        if not skipped:
+            self.guard.accept(train.mets)
+        rolled, self.rolled_back = self.rolled_back, False
+        return train, {
+            **rejected,
+            "sdc/rolled_back": float(rolled),
+            "sdc/recomputed": float(attempt - first),
+            "sdc/guard_skipped": float(skipped),
+            "timing_s/sdc_recompute": time.perf_counter() - t0 if attempt else 0.0,
+        }
+
+    def note_rollback(self, step: int) -> None:
+        """The job rolled back to a checkpoint because `step` failed every recompute: when the
+        run reaches it again, its attempts continue past those (fresh draws); a second
+        rollback of the same step raises (a fault no recompute cures)."""
+        if step in self.first_attempt:
+            raise FloatingPointError(
+                f"RL step {step}: failed every recompute again after a rollback (a permanent"
+                f" fault? {self.sdc_note or 'no bit fault configured'})"
+            )
+        self.first_attempt[step] = self.guard.spec.max_recomputes + 1
+        self.rolled_back = True
 
     # -- validation ------------------------------------------------------------------------------
     def eval_accuracy(self, params, step: int, size: int, batch_size: int) -> dict[str, float]:
@@ -272,6 +384,7 @@ class Trainer:
                 batch_size,
                 self.spec.max_prompt_len,
                 fault_key=step_key(self.seed, step, "eval"),
+                values=self.sdc_values(step, 0) or None,
                 method=self.spec.reward_method,
             )
             by_source: dict[str, list[float]] = {}
@@ -298,10 +411,40 @@ def train_batch(out, scores) -> dict[str, np.ndarray]:
     }
 
 
-def check_finite(step: int, metrics: Mapping[str, float]) -> None:
-    """Raise naming the step and the metric on NaN/Inf (the run stops; nothing is saved)."""
+def check_finite(step: int, metrics: Mapping[str, float], faults: str = "") -> None:
+    """Raise naming the step and the metric on NaN/Inf (the run stops; nothing is saved);
+    `faults`: the bit faults the device runs, named in the error with the guard that would
+    survive them."""
     bad = [k for k, v in metrics.items() if not math.isfinite(v)]
     if bad:
-        raise FloatingPointError(
-            f"RL step {step}: non-finite metric(s) {bad} (e.g. {bad[0]}={metrics[bad[0]]})"
+        cause = (
+            f"; the device runs bit faults ({faults}): config.sdc.guard=skip or recompute"
+            " survives a corrupted step"
+            if faults
+            else ""
         )
+        raise FloatingPointError(
+            f"RL step {step}: non-finite metric(s) {bad} (e.g. {bad[0]}={metrics[bad[0]]})" + cause
+        )
+
+
+def sdc_metrics(m: Mapping[str, float], rollout_stats, guard: Mapping[str, float]) -> dict:
+    """The step's sdc/* metrics: `injected` (bits flipped in the train passes and the
+    optimizer's trees, exact, the guard's rejected attempts included), `injected_rollout` and
+    `detected_abft_rollout` (per rollout forward call, summed over sites: the sampler reports
+    means over its calls), `detected_abft` (rows ABFT flagged in the train passes, rejected
+    attempts included), the guard's counts (`guard`)."""
+    rollout = sdc_site_counts(rollout_stats)
+    out = {
+        "sdc/injected": sum(
+            m.get(k, 0.0)
+            for k in ("sdc/injected_prepare", "sdc/injected_update", "sdc/injected_tree")
+        )
+        + guard.get("sdc/injected_rejected", 0.0),
+        "sdc/injected_rollout": float(rollout["flips"]),
+        "sdc/detected_abft": m.get("sdc/detected_abft_train", 0.0)
+        + guard.get("sdc/detected_abft_rejected", 0.0),
+        "sdc/detected_abft_rollout": float(rollout["abft"]),
+    }
+    out.update(guard)
+    return out

@@ -1,0 +1,629 @@
+"""Bit-level faults (issue 44): hand-computed flips and stuck bits, the rate's statistics, the
+fault kinds at module sites (manifest, telemetry, steps, permanent lanes), the backward
+products, the MX/NVFP4 scale flip, ABFT and the config's errors."""
+
+import functools
+import json
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import pytest
+
+from aqn_jax.faults import bits, formats
+from aqn_jax.faults.bitfaults import (
+    SDC_ATTEMPT,
+    SDC_BIT,
+    SDC_STEP,
+    BitFault,
+    Bits,
+    BitsLinear,
+    ScaleFlip,
+    abft_check,
+)
+from aqn_jax.faults.config import check_bit_dtypes, fault_plan, faults_config
+from aqn_jax.faults.intercept import FaultPlan, Injection, step_key, summarize_stats
+from aqn_jax.faults.sites import SiteSelector
+from aqn_jax.models.qwen2 import Qwen2Config, Qwen2ForCausalLM
+
+from conftest import random_params
+
+CONFIG = Qwen2Config.tiny(num_hidden_layers=2)
+MODEL = Qwen2ForCausalLM(CONFIG)
+PARAMS = random_params(CONFIG, seed=0)
+IDS = np.random.RandomState(0).randint(0, CONFIG.vocab_size, size=(2, 8))
+
+
+def flip(x, *positions):
+    x = jnp.asarray(x)
+    mask = sum(1 << p for p in positions)
+    return np.asarray(bits.apply_bits(x, jnp.asarray(mask, bits.uint_of(x.dtype))))
+
+
+# --- hand-computed bits ----------------------------------------------------------------------
+def test_f32_flips_by_hand():
+    # 1.0 = 0x3F800000: bit 30 is the exponent's top bit (0 in 0x3F..), setting it gives
+    # exponent 0xFF with a zero mantissa = +inf; bit 31 is the sign; bit 22 the mantissa's top
+    # bit: 1 + 2^-1 = 1.5.
+    assert flip(np.float32(1.0), 30) == np.inf
+    assert flip(np.float32(1.0), 31) == -1.0
+    assert flip(np.float32(1.0), 22) == 1.5
+    assert flip(np.float32(1.0), 0) == np.float32(1.0) + np.finfo(np.float32).eps  # one ulp
+    assert flip(np.float32(1.0), 23) == 0.5  # the exponent's lowest bit: 127 -> 126
+    # A flip is its own inverse.
+    x = np.float32(-3.25)
+    assert flip(flip(x, 30, 7), 30, 7) == x
+
+
+def test_bf16_flips_at_their_own_positions():
+    # bf16 1.0 = 0x3F80: sign 15, exponent 14..7, mantissa 6..0.
+    one = jnp.bfloat16(1.0)
+    assert flip(one, 14) == np.inf
+    assert flip(one, 15) == -1.0
+    assert flip(one, 6) == 1.5
+    assert flip(one, 0) == 1.0 + 2.0**-7  # bf16 has 7 stored mantissa bits
+    assert flip(one, 7) == 0.5
+    assert flip(one, 14).dtype == jnp.bfloat16
+    assert bits.positions("exponent", jnp.bfloat16) == (14, 13, 12, 11, 10, 9, 8, 7)
+    assert bits.positions("mantissa", jnp.float32) == tuple(range(22, -1, -1))
+    with pytest.raises(ValueError, match=r"bits=\(16,\).*past the width of bfloat16"):
+        bits.positions((16,), jnp.bfloat16)
+
+
+def test_stuck_at_one_on_bit_30():
+    # Forcing the exponent's top bit of an f32 lane: a normal |x| < 1 has exponent field
+    # < 127 (top bit 0), so setting it adds 128 to the field: x * 2^128, still finite (field
+    # <= 126 + 128 = 254); 0 (field 0) becomes field 128, mantissa 0: 2.0; |x| in [1, 2) has
+    # field 127 -> 255: inf (mantissa 0) or NaN; |x| >= 2 already has the bit set: unchanged.
+    x = np.array([0.75, -0.3, 0.0, 1.0, 1.5, 2.0, -7.0, 1e-3], np.float32)
+    lanes = np.array([1, 1, 1, 1, 1, 1, 1, 0], np.uint32) << 30  # the last lane is healthy
+    y = np.asarray(bits.apply_bits(jnp.asarray(x), jnp.asarray(lanes), "stuck1"))
+    np.testing.assert_array_equal(y[:2], x[:2] * np.float32(2.0**64) * np.float32(2.0**64))
+    assert np.all(np.isfinite(y[:2]))
+    assert y[2] == 2.0
+    assert y[3] == np.inf and np.isnan(y[4])
+    np.testing.assert_array_equal(y[5:], x[5:])
+    # stuck at 0 clears the bit: 2.0 (field 128) -> field 0: +0; 0.75 has it clear already.
+    y0 = np.asarray(bits.apply_bits(jnp.asarray(x), jnp.asarray(lanes), "stuck0"))
+    assert y0[5] == 0.0 and y0[0] == 0.75
+
+
+# --- the masks -------------------------------------------------------------------------------
+def test_rate_statistics_and_determinism():
+    shape, pos, rate, draws = (32, 64), bits.positions("exponent", jnp.float32), 0.01, 16
+    keys = jax.random.split(jax.random.key(7), draws)
+    counts = jax.jit(
+        jax.vmap(lambda k: bits.popcount(bits.draw_mask(k, shape, jnp.float32, pos, rate=rate)))
+    )(keys)
+    n = draws * 32 * 64 * len(pos)
+    total = int(np.sum(counts))
+    # Binomial(n, rate): mean n p = 2621, sd sqrt(n p (1 - p)) = 51; 6 sd fails w.p. ~2e-9.
+    assert abs(total - n * rate) < 6 * np.sqrt(n * rate * (1 - rate)), total
+    # Only the selected bits are ever set.
+    m = bits.draw_mask(keys[0], shape, jnp.float32, pos, rate=0.5)
+    assert int(np.bitwise_or.reduce(np.asarray(m).ravel())) == 0x7F800000
+    # Deterministic for a key; a new step's key draws anew.
+    k3, k4 = step_key(0, 3, "train"), step_key(0, 4, "train")
+    a = bits.draw_mask(k3, shape, jnp.float32, pos, rate=rate)
+    np.testing.assert_array_equal(a, bits.draw_mask(k3, shape, jnp.float32, pos, rate=rate))
+    assert np.any(
+        np.asarray(a) != np.asarray(bits.draw_mask(k4, shape, jnp.float32, pos, rate=rate))
+    )
+
+
+def test_count_is_exact_one_bit_per_element():
+    m = np.asarray(bits.draw_mask(jax.random.key(1), (8, 16), jnp.bfloat16, (3, 9), count=5))
+    assert m.dtype == np.uint16
+    assert np.count_nonzero(m) == 5
+    assert set(np.unique(m[m != 0])) <= {1 << 3, 1 << 9}
+    # More than the tensor holds: every element, once.
+    assert (
+        np.count_nonzero(bits.draw_mask(jax.random.key(1), (3,), jnp.float32, (0,), count=9)) == 3
+    )
+
+
+# --- at module sites -------------------------------------------------------------------------
+def program(plan, phase="train"):
+    """The jitted forward of `plan`: (key, values) -> (logits, flat fault stats); one compile
+    per plan, whatever the key and values."""
+
+    @jax.jit
+    def f(params, key, values):
+        with plan.apply(phase, key=key, values=values):
+            return MODEL.apply({"params": params}, IDS, mutable=["fault_stats"])
+
+    def run(values=None, key=None):
+        key = step_key(0, 1, phase) if key is None else key
+        values = {k: jnp.float32(v) for k, v in (values or {}).items()}
+        logits, state = f(PARAMS, key, values)
+        return np.asarray(logits), summarize_stats(state)
+
+    return run
+
+
+def forward(plan, **kw):
+    return program(plan)(**kw)
+
+
+def test_bitflip_count_at_one_site_manifest_and_telemetry():
+    fault = BitFault("flip", bits=(30,), count=3)
+    plan = FaultPlan([Injection("bitflip", SiteSelector(("down_proj",), (1,)), Bits(fault))])
+    hits = plan.trace_manifest(MODEL, PARAMS, "train")
+    assert hits == {"bitflip": ["layers_1/down_proj:output"]}
+    clean, _ = forward(FaultPlan())
+    out, stats = forward(plan)
+    assert stats["bitflip.flips/layers_1/mlp/down_proj"] == 3.0  # three elements, one bit each
+    assert not np.array_equal(out, clean)
+    # The bit as a traced value (one program for every bit): the same flips.
+    traced = BitFault("flip", bits=(30,), count=3, traced_bit=True)
+    plan_t = FaultPlan([Injection("bitflip", SiteSelector(("down_proj",), (1,)), Bits(traced))])
+    np.testing.assert_array_equal(forward(plan_t, values={SDC_BIT: 30})[0], out)
+    # Negative control: a zero rate flips nothing and leaves the logits bit for bit.
+    zero = FaultPlan(
+        [Injection("bitflip", SiteSelector(("down_proj",), (1,)), Bits(BitFault(rate=0.0)))]
+    )
+    out0, stats0 = forward(zero)
+    np.testing.assert_array_equal(out0, clean)
+    assert stats0["bitflip.flips/layers_1/mlp/down_proj"] == 0.0
+
+
+def test_steps_fire_on_the_first_attempt_only_and_permanent_lanes_stay():
+    once = BitFault("flip", bits="sign", count=4, steps=(3,))
+    plan = FaultPlan([Injection("bitflip", SiteSelector(("o_proj",), (0,)), Bits(once))])
+    assert plan.value_names() == {SDC_STEP, SDC_ATTEMPT}
+    site = "bitflip.flips/layers_0/self_attn/o_proj"
+    run = program(plan)
+    assert run(values={SDC_STEP: 3, SDC_ATTEMPT: 0})[1][site] == 4.0
+    assert run(values={SDC_STEP: 3, SDC_ATTEMPT: 1})[1][site] == 0.0  # recomputed
+    assert run(values={SDC_STEP: 2, SDC_ATTEMPT: 0})[1][site] == 0.0
+    # Permanent: the same lanes whatever the step's key; a transient fault draws anew.
+    sel = SiteSelector(("o_proj",), (0,))
+    for fault, same in (
+        (BitFault("stuck1", bits=(20,), count=2, permanent=True, lane_seed=5), True),
+        (BitFault(bits=(20,), count=2), False),
+    ):
+        run = program(FaultPlan([Injection("bitflip", sel, Bits(fault))]))
+        a, b = run(key=step_key(0, 1, "train"))[0], run(key=step_key(0, 9, "train"))[0]
+        assert np.array_equal(a, b) == same
+
+
+def test_backward_product_flip_changes_exactly_the_flipped_element():
+    # dW of layer 1's down_proj with one element's exponent bit 23 flipped: against the same
+    # program with a zero rate, exactly that element of the kernel's gradient differs, by the
+    # flip (a factor 2 or 1/2), and every other gradient leaf is bit for bit the same.
+    sel = SiteSelector(("down_proj",), (1,))
+    key = step_key(0, 1, "train")
+
+    def grads(fault):
+        plan = FaultPlan([Injection("bitflip", sel, BitsLinear(fault, "dw"))])
+
+        @jax.jit
+        def g(params):
+            def loss(p):
+                with plan.apply("train", key=key):
+                    logits, st = MODEL.apply({"params": p}, IDS, mutable=["fault_stats"])
+                return jnp.mean(logits**2), st
+
+            return jax.grad(loss, has_aux=True)(params)
+
+        return g(PARAMS)
+
+    (g0, _), (g1, st) = grads(BitFault(bits=(23,), rate=0.0)), grads(BitFault(bits=(23,), count=1))
+    assert summarize_stats(st)["bitflip.bwd_flips/layers_1/mlp/down_proj"] == 1.0
+    k0 = np.asarray(g0["layers_1"]["mlp"]["down_proj"]["kernel"])
+    k1 = np.array(g1["layers_1"]["mlp"]["down_proj"]["kernel"])
+    diff = np.argwhere(k0 != k1)
+    assert len(diff) == 1
+    i, j = diff[0]
+    assert k1[i, j] == flip(k0[i, j], 23)
+    k1[i, j] = k0[i, j]
+    for a, b in zip(jax.tree_util.tree_leaves(g0), jax.tree_util.tree_leaves(g1), strict=True):
+        if a.shape == k0.shape and np.array_equal(np.asarray(a), k0):
+            continue
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_mx_scale_flip_rescales_one_block():
+    x = jax.random.normal(jax.random.key(2), (3, 64))
+    for fmt, bs in (("mxfp4", 32), ("nvfp4", 16)):
+        ref = formats.quantize_nvfp4(x) if fmt == "nvfp4" else formats.quantize_mx(x, fmt)
+        xor = jnp.zeros(formats.scale_blocks(x.shape, fmt), jnp.int32)
+        np.testing.assert_array_equal(formats.quantize_scale_fault(x, fmt, xor), ref)
+        # The scale's bit 3: E8M0's 2^3 exponent step (a factor 2^±8); E4M3's lowest exponent
+        # bit (a factor 2^±1, an exponent field of 0 <-> 1 excepted: none at these amaxes).
+        out = np.asarray(formats.quantize_scale_fault(x, fmt, xor.at[1, 0].set(8)))
+        ratio = out[1, :bs][ref[1, :bs] != 0] / np.asarray(ref)[1, :bs][ref[1, :bs] != 0]
+        expect = (2.0**8, 2.0**-8) if fmt == "mxfp4" else (2.0, 0.5)
+        assert len(set(ratio.tolist())) == 1 and ratio[0] in expect
+        mask = np.ones_like(out, bool)
+        mask[1, :bs] = False
+        np.testing.assert_array_equal(out[mask], np.asarray(ref)[mask])
+
+
+# --- the config ------------------------------------------------------------------------------
+def bit_config(kind="bitflip", **fields):
+    c = ml_collections.ConfigDict({"faults": faults_config()})
+    c.faults[kind].enabled = True
+    for k, v in fields.items():
+        c.faults[kind][k] = v
+    return c.faults
+
+
+@pytest.mark.parametrize(
+    "fields,match",
+    [
+        (dict(bits="mantissa_top", count=1), r"config.faults.bitflip.bits='mantissa_top'; allowed"),
+        (dict(bits="(32,)", count=1), r"config.faults.bitflip.bits=\(32,\).*past the width"),
+        (dict(rate=1.5), r"config.faults.bitflip.rate=1.5; must be in \[0, 1\]"),
+        (dict(rate=0.1, count=1), r"config.faults.bitflip.rate=0.1, count=1: give exactly one"),
+        (dict(), r"config.faults.bitflip.rate=None, count=None: give exactly one"),
+        (dict(count=1, target="gradient"), r"config.faults.bitflip.phases=.*only in phase 'train'"),
+        (dict(count=1, point="dw"), r"config.faults.bitflip.phases=.*only in phase 'train'"),
+        (dict(count=1, target="wires"), r"config.faults.bitflip.target='wires'; allowed"),
+        (dict(count=1, steps="(0,)"), r"config.faults.bitflip.steps='\(0,\)'; RL steps count"),
+        (dict(count=1, steps="(2,)", permanent=True), r"config.faults.bitflip.steps=\(2,\) with"),
+    ],
+)
+def test_bad_bit_fault_config_names_the_field(fields, match):
+    with pytest.raises(ValueError, match=match):
+        fault_plan(bit_config(**fields), 2)
+
+
+def test_bit_positions_checked_against_the_dtype_and_other_kinds():
+    faults = bit_config(bits="(20,)", count=1)
+    check_bit_dtypes(faults, "float32", "float32")  # f32 has bit 20
+    with pytest.raises(ValueError, match=r"config.faults.bitflip.bits=\(20,\).*bfloat16"):
+        check_bit_dtypes(faults, "bfloat16", "float32")
+    with pytest.raises(ValueError, match="config.faults.stuck_at.value=2"):
+        fault_plan(bit_config("stuck_at", count=1, value=2), 2)
+    with pytest.raises(ValueError, match="config.faults.mx_scale_flip.bits='sign'.*no sign"):
+        fault_plan(bit_config("mx_scale_flip", count=1, bits="sign"), 2)
+    plan = fault_plan(bit_config("mx_scale_flip", count=1, format="nvfp4", bits="sign"), 2)
+    assert isinstance(plan.injections[0].transform, ScaleFlip)
+    plan = fault_plan(bit_config(count=1, point="dx", phases=("train",)), 2)
+    assert isinstance(plan.injections[0].transform, BitsLinear)
+
+
+# --- ABFT ------------------------------------------------------------------------------------
+def one_flip_per_row(y, bit_of_row, key):
+    """y [N, O] with one element of each row flipped at bit `bit_of_row[i]` (column random)."""
+    n, o = y.shape
+    cols = jax.random.randint(key, (n,), 0, o)
+    u = bits.uint_of(y.dtype)
+    mask = jnp.zeros((n, o), u).at[jnp.arange(n), cols].set((1 << bit_of_row).astype(u))
+    return bits.apply_bits(y, mask)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_abft_catches_flips_above_its_tolerance_and_claims_none_below(dtype):
+    from aqn_jax.faults.ops import linear
+
+    width = bits.layout(dtype)[0]
+    kx, kw, kb, kc = jax.random.split(jax.random.key(3), 4)
+    N, K, O = 512, 64, 128
+    x = jax.random.normal(kx, (N, K)).astype(dtype)
+    w = (jax.random.normal(kw, (K, O)) / 8).astype(dtype)
+    b = jax.random.normal(kb, (O,)).astype(dtype)
+    y = linear(x, w, b)  # the Linear module's expression
+    flagged, resid, tol = abft_check(x, w, b, y)
+    assert not np.any(flagged)  # clean: no false positive
+    # Every bit position, N / width rows each; the planted change is |y' - y| per row.
+    bit_of_row = jnp.arange(N) % width
+    y2 = one_flip_per_row(y, bit_of_row, kc)
+    flagged2, _, _ = abft_check(x, w, b, y2)
+    with np.errstate(invalid="ignore"):  # inf - inf where a flip made an inf
+        delta = np.abs(np.asarray(y2, np.float64) - np.asarray(y, np.float64)).sum(1)
+    delta = np.where(np.isfinite(delta), delta, np.inf)
+    tol = np.asarray(tol)
+    # Above twice the tolerance a flip cannot hide behind rounding (|residual| <= tol): caught.
+    # (bf16's tolerance is 2^-7 of the row's sum of |y|: its exponent flips of large elements.)
+    above = delta > 2 * tol
+    assert above.sum() > N // (4 if dtype == jnp.float32 else 16)
+    assert np.all(np.asarray(flagged2)[above])
+    # A change under the clean residual's headroom (tol - |residual|) is never claimed.
+    below = delta < tol - np.asarray(resid)
+    assert below.sum() > N // 8 and not np.any(np.asarray(flagged2)[below])
+    # The lowest mantissa bit is always below: ABFT does not claim it.
+    assert np.all(below[np.asarray(bit_of_row) == 0])
+
+
+def test_abft_no_false_positive_over_200_clean_forwards_f32_and_bf16():
+    # 200 clean forward passes of a one-layer tiny model (random token batches; one layer keeps
+    # the compile short), ABFT on its 7 linears: no row is flagged in f32 or bf16 compute.
+    import dataclasses
+
+    from aqn_jax.faults.bitfaults import Abft
+
+    plan = FaultPlan([Injection("abft", SiteSelector(("linear",), "all"), Abft())])
+    params = random_params(dataclasses.replace(CONFIG, num_hidden_layers=1), seed=1)
+    for dtype in ("float32", "bfloat16"):
+        model = Qwen2ForCausalLM(dataclasses.replace(CONFIG, num_hidden_layers=1, dtype=dtype))
+
+        @jax.jit
+        def detected(params, keys, model=model):
+            def one(key):
+                ids = jax.random.randint(key, IDS.shape, 0, CONFIG.vocab_size)
+                with plan.apply("train"):
+                    _, st = model.apply({"params": params}, ids, mutable=["fault_stats"])
+                leaves = jax.tree_util.tree_leaves_with_path(st)
+                det = [v for p, v in leaves if "detected" in jax.tree_util.keystr(p)]
+                rows = [v for p, v in leaves if "rows" in jax.tree_util.keystr(p)]
+                return sum(jnp.sum(v) for v in det), sum(jnp.sum(v) for v in rows)
+
+            return jax.lax.map(one, keys)
+
+        det, rows = detected(params, jax.random.split(jax.random.key(11), 200))
+        assert float(np.sum(rows)) == 200 * 7 * IDS.size  # 7 linears, every row of each
+        assert float(np.sum(det)) == 0.0, dtype
+
+
+# --- gradients and AdamW moments (optax) -----------------------------------------------------
+def test_gradient_fault_flips_one_selected_element_and_recompute_draws_anew():
+    import optax
+
+    from aqn_jax.faults.bitfaults import TreeBits
+    from aqn_jax.rl.optim import tree_fault_flips, with_tree_faults
+
+    # The MLPs of both layers (a small tree keeps the compile short); layer 1's are selected.
+    params = {f"layers_{i}": {"mlp": PARAMS[f"layers_{i}"]["mlp"]} for i in (0, 1)}
+    g = jax.tree_util.tree_map(lambda p: jnp.full(p.shape, 0.5, p.dtype), params)
+    sel = SiteSelector(("mlp",), (1,))
+    paths = TreeBits(BitFault(count=1), "gradient").paths(params, sel)
+    assert paths == [f"layers_1/mlp/{k}/kernel" for k in ("down_proj", "gate_proj", "up_proj")]
+
+    @functools.cache
+    def program(fault):  # step and attempt are traced: one compile per fault
+        opt = with_tree_faults(optax.identity(), [(TreeBits(fault, "gradient"), sel)], (), 0)
+        update = lambda st, step, att: opt.update(g, st, params, sdc_step=step, sdc_attempt=att)
+        return opt.init(params), jax.jit(update)
+
+    def corrupted(fault, step, attempt):
+        st0, update = program(fault)
+        u, st = update(st0, step, attempt)
+        changed = {
+            jax.tree_util.keystr(p): np.argwhere(np.asarray(a) != 0.5)
+            for p, a in jax.tree_util.tree_leaves_with_path(u)
+            if np.any(np.asarray(a) != 0.5)
+        }
+        return u, changed, int(tree_fault_flips(st))
+
+    fault = BitFault(bits=(30,), count=1)
+    u, changed, flips = corrupted(fault, 3, 0)
+    # One element of each selected leaf: 0.5 with bit 30 set is 0.5 * 2^128.
+    assert flips == 3 and len(changed) == 3
+    assert all("layers_1" in k and "mlp" in k and len(v) == 1 for k, v in changed.items())
+    k = np.asarray(u["layers_1"]["mlp"]["up_proj"]["kernel"])
+    assert k.max() == np.float32(0.5) * np.float32(2.0**64) * np.float32(2.0**64)
+    _, again, _ = corrupted(fault, 3, 1)  # the next attempt: a fresh draw
+    assert any(not np.array_equal(again[k], changed[k]) for k in changed)
+    once = BitFault(bits=(30,), count=1, steps=(3,))
+    assert corrupted(once, 3, 0)[2] == 3 and corrupted(once, 3, 1)[2] == 0
+    assert corrupted(once, 4, 0)[2] == 0
+
+
+def test_moment_fault_and_the_range_check():
+    from aqn_jax.faults.bitfaults import TreeBits
+    from aqn_jax.rl import optim
+
+    params = {"layers_0": {"self_attn": {"q_proj": PARAMS["layers_0"]["self_attn"]["q_proj"]}}}
+    g = jax.tree_util.tree_map(lambda p: jnp.full(p.shape, 1e-3, p.dtype), params)
+    bound = optim.moment_bound(1.0, 10)
+    in_range_of = jax.jit(lambda st: optim.moments_in_range(st, bound))
+    sel = SiteSelector(("q_proj",), (0,))
+    for fault, in_range in (
+        (BitFault(bits=(30,), rate=0.0), True),  # negative control
+        (BitFault(bits=(30,), count=1), False),  # |mu| * 2^128 > 1: out of range
+        (BitFault(bits="sign", count=1), False),  # a negative nu
+    ):
+        opt = optim.with_tree_faults(
+            optim.adamw(1e-3, grad_clip=1.0), (), [(TreeBits(fault, "optimizer"), sel)], 0
+        )
+        _, st = jax.jit(opt.update)(g, opt.init(params), params)
+        assert bool(in_range_of(st)) == in_range
+        assert int(optim.tree_fault_flips(st)) == (0 if in_range else 4)  # q_proj kernel + bias
+
+
+def test_bad_guard_config_names_the_field():
+    from aqn_jax.rl.guard import guard_spec, sdc_config
+
+    for field, value, match in (
+        ("guard", "retry", r"config.sdc.guard='retry'; allowed"),
+        ("max_recomputes", -1, r"config.sdc.max_recomputes=-1; must be >= 0"),
+        ("window", 2, r"config.sdc.window=2; must be >= 5"),
+    ):
+        c = sdc_config()
+        c[field] = value
+        with pytest.raises(ValueError, match=match):
+            guard_spec(c)
+
+
+def test_guard_verdicts():
+    from aqn_jax.rl.guard import Guard, GuardSpec, robust_z
+
+    rng = np.random.RandomState(0)
+    history = list(1.0 + 0.01 * rng.randn(12))
+    # log-MAD of ~1% noise is below the 5% floor: z = log(x) / 0.05.
+    assert robust_z(np.exp(0.3), [1.0] * 8) == pytest.approx(6.0)
+    guard = Guard(GuardSpec("recompute", z=6.0))
+    for v in history:
+        guard.accept({"actor/grad_norm": v, "sdc/update_rms": v * 1e-4})
+    ok = {"actor/pg_loss": 0.1, "actor/grad_norm": 1.05, "sdc/update_rms": 1.05e-4}
+    assert guard.verdict(ok) is None
+    assert "anomaly" in guard.verdict({**ok, "actor/grad_norm": 3.0})
+    assert "non-finite actor/grad_norm" in guard.verdict({**ok, "actor/grad_norm": np.inf})
+    assert "moment" in guard.verdict({**ok, "sdc/moments_ok": 0.0})
+    assert "ABFT" in guard.verdict({**ok, "sdc/detected_abft_train": 2.0})
+    skip = Guard(GuardSpec("skip"))
+    for v in history:
+        skip.accept({"actor/grad_norm": v})
+    assert skip.verdict({**ok, "actor/grad_norm": 3.0}) is None  # skip acts on non-finite only
+    assert skip.verdict({**ok, "actor/pg_loss": np.nan}).startswith("non-finite")
+
+
+# --- the guard, end to end ---------------------------------------------------------------------
+@pytest.mark.slow  # three smoke runs of the shallow model (the clean one shares test_train's)
+def test_guard_recomputes_a_planted_gradient_flip_and_the_control_diverges(sft_cache, tmp_path):
+    # Step 1's backward pass gets bit 30 (the f32 exponent's top bit) set in every element of
+    # layer 1's down_proj dX, the gradient flowing back into the MLP: each |dX| < 1 becomes
+    # |dX| 2^128, the parameter gradients below it exceed 1.8e19 and their squares overflow:
+    # the gradient norm is inf. Without a guard the run stops on the non-finite step, naming the
+    # step and the fault (the negative control); with config.sdc.guard=recompute the step is
+    # recomputed with the next attempt's draw (the planted flip fires on the first attempt
+    # only) and the run ends with the clean run's metrics: the same computations on the same
+    # inputs, the programs differing by the fault's masked-off XOR, the guard's extra
+    # reductions and no donation (asserted to float32 rounding, rtol 1e-5; measured bitwise).
+    from aqn_jax.launch import run
+    from aqn_jax.metrics import read_metrics
+
+    from conftest import load_config, shallow
+
+    def config(**over):
+        c = load_config("clean", "smoke")
+        c.sft.cache_dir = sft_cache
+        return shallow(c, **over)
+
+    planted = {
+        "faults.bitflip.enabled": True,
+        "faults.bitflip.sites": ("down_proj",),
+        "faults.bitflip.layers": "1",
+        "faults.bitflip.point": "dx",
+        "faults.bitflip.phases": ("train",),
+        "faults.bitflip.bits": "(30,)",
+        "faults.bitflip.rate": 1.0,
+        "faults.bitflip.steps": "(1,)",
+    }
+    with pytest.raises(FloatingPointError, match=r"RL step 1: non-finite .*bitflip"):
+        run(config(**planted), str(tmp_path / "control"))
+    run(config(**planted, **{"sdc.guard": "recompute"}), str(tmp_path / "guarded"))
+    run(config(), str(tmp_path / "clean"))
+    guarded, clean = read_metrics(str(tmp_path / "guarded")), read_metrics(str(tmp_path / "clean"))
+    assert guarded[1]["sdc/recomputed"] == 1.0 and guarded[2]["sdc/recomputed"] == 0.0
+    # Every flip that fired counts: all of the rejected attempt's, none of the accepted one's.
+    assert guarded[1]["sdc/injected"] == guarded[1]["sdc/injected_rejected"] > 0
+    for g, c in zip(guarded, clean, strict=True):
+        for k, v in c.items():
+            if k.startswith("timing_s"):
+                continue
+            np.testing.assert_allclose(g[k], v, rtol=1e-5, atol=1e-7, err_msg=k)
+
+
+# --- the vulnerability study's pieces ----------------------------------------------------------
+def test_study_bit_labels_outcomes_and_wilson(tmp_path):
+    from aqn_jax.jobs.vulnerability import bit_position
+    from aqn_jax.study import sdc as study
+
+    assert [bit_position(b, "float32") for b in ("sign", "e7", "e0", "m1", "m2")] == [
+        31,
+        30,
+        23,
+        22,
+        21,
+    ]
+    assert [bit_position(b, "bfloat16") for b in ("sign", "e7", "e0", "m1")] == [15, 14, 7, 6]
+    with pytest.raises(ValueError, match="'e8'; allowed"):
+        bit_position("e8", "float32")
+    # Wilson 95% for 8/10: centre (0.8 + 1.92/10) / 1.384, half-width 1.96 sqrt(0.016 +
+    # 0.0096) / 1.384: [0.4902, 0.9433].
+    lo, hi = study.wilson(8, 10)
+    assert lo == pytest.approx(0.4902, abs=1e-4) and hi == pytest.approx(0.9433, abs=1e-4)
+    clean = [{"step": 1, "actor/grad_norm": 1.0, "actor/pg_loss": 0.1, "val-core/acc": 0.5}]
+    row = dict(clean[0])
+    assert study.classify([row], clean, 128, False) == "masked"
+    assert study.classify([{**row, "actor/grad_norm": 3.0}], clean, 128, False) == "spike_recover"
+    spike = {**row, "sdc/grad_norm": float("inf")}  # the norm the optimizer received
+    assert study.classify([spike], clean, 128, False) == "spike_recover"
+    assert study.classify([{**row, "actor/pg_loss": 9.0}], clean, 128, False) == "masked"
+    # 0.5 of 128: the Wilson interval's lower end is 0.415; 0.40 is below it, 0.42 above.
+    assert study.classify([{**row, "val-core/acc": 0.40}], clean, 128, False) == "degraded"
+    assert study.classify([{**row, "val-core/acc": 0.42}], clean, 128, False) == "masked"
+    assert study.classify([row], clean, 128, True) == "diverged"
+    summary = study.cell_summary(["masked", "degraded", "diverged", "spike_recover"])
+    assert summary["bad_share"] == 0.5 and summary["ci"] == list(study.wilson(2, 4))
+    result = {
+        "model": "tiny", "dtype": "float32", "steps": 3, "fire_step": 2, "count": 1,
+        "trials": 4, "seeds": [0, 1, 2, 3], "val_size": 128, "bits": ["e7"],
+        "sites": ["mlp_fwd"], "cells": {"mlp_fwd/e7": summary}, "wall_s": 1.0,
+    }  # fmt: skip
+    md = study.write_report(str(tmp_path), result)
+    assert "| e7 | 0.50 [" in (tmp_path / md).read_text()
+    saved = json.loads((tmp_path / "vulnerability.json").read_text())
+    assert saved["cells"]["mlp_fwd/e7"]["n"] == 4
+    assert (tmp_path / "vulnerability.png").stat().st_size > 0
+
+
+def test_weight_fault_on_the_forward_seam():
+    # A weight fault acts on the weights as the forward reads them: count=2 elements of layer
+    # 0's down_proj kernel get the sign bit flipped, the logits move, the flips are reported
+    # under fault_stats/weights, and the stored params are untouched.
+    from aqn_jax.faults.bitfaults import TreeBits
+    from aqn_jax.forward import forward as seam
+
+    sel = SiteSelector(("down_proj",), (0,))
+    plan = FaultPlan([Injection("bitflip", sel, TreeBits(BitFault(bits="sign", count=2)))])
+    assert plan.trace_manifest(MODEL, PARAMS, "eval") == {
+        "bitflip": ["layers_0/mlp/down_proj/kernel"]
+    }
+    before = jax.tree_util.tree_map(np.array, PARAMS)
+
+    @jax.jit
+    def run(params, key):
+        return seam(MODEL, params, IDS, plan=plan, key=key, mutable=["fault_stats"])
+
+    out, st = run(PARAMS, step_key(0, 1, "eval"))
+    clean = MODEL.apply({"params": PARAMS}, IDS)
+    assert float(st["fault_stats"]["weights"]["bitflip.flips"][0]) == 2.0
+    assert not np.array_equal(np.asarray(out), np.asarray(clean))
+    for a, b in zip(
+        jax.tree_util.tree_leaves(before), jax.tree_util.tree_leaves(PARAMS), strict=True
+    ):
+        np.testing.assert_array_equal(a, np.asarray(b))
+    # The fault's own draw applied to the params outside the seam: the same logits, up to the
+    # float32 rounding of two programs (the flip fused into the forward or not): sums of at
+    # most 256 terms, ~256 * 2^-24 = 1.5e-5 relative, on logits of ~10.
+    flipped, n = TreeBits(BitFault(bits="sign", count=2)).apply(
+        PARAMS, sel, jax.random.fold_in(step_key(0, 1, "eval"), 0), {}, tag="w/"
+    )
+    assert int(n) == 2
+    by_hand = np.asarray(MODEL.apply({"params": flipped}, IDS))
+    np.testing.assert_allclose(np.asarray(out), by_hand, rtol=2e-5, atol=2e-4)
+    assert np.abs(np.asarray(out) - np.asarray(clean)).max() > 1e-2  # far above that
+
+
+@pytest.mark.slow  # two more smoke runs, on the guard's programs compiled by the test above
+def test_guard_skip_and_rollback_paths(sft_cache, tmp_path):
+    # The same planted dX flip at step 1. guard=skip: the update is dropped (the state before
+    # the step is kept, the step counts) and the run goes on. guard=recompute with
+    # max_recomputes=0: the step fails at once and the job rolls back to the loop's first
+    # state (no checkpoint yet); the redone step starts past the failed attempt, so the planted
+    # flip does not fire again and the run ends with sdc/rolled_back on that step.
+    from aqn_jax.launch import run
+    from aqn_jax.metrics import read_metrics
+
+    from conftest import load_config, shallow
+
+    planted = {
+        "faults.bitflip.enabled": True,
+        "faults.bitflip.sites": ("down_proj",),
+        "faults.bitflip.layers": "1",
+        "faults.bitflip.point": "dx",
+        "faults.bitflip.phases": ("train",),
+        "faults.bitflip.bits": "(30,)",
+        "faults.bitflip.rate": 1.0,
+        "faults.bitflip.steps": "(1,)",
+    }
+
+    def go(name, **over):
+        c = load_config("clean", "smoke")
+        c.sft.cache_dir = sft_cache
+        run(shallow(c, **planted, **over), str(tmp_path / name))
+        return read_metrics(str(tmp_path / name))
+
+    skipped = go("skip", **{"sdc.guard": "skip"})
+    assert [r.get("sdc/guard_skipped") for r in skipped[1:]] == [1.0, 0.0]
+    assert "actor/grad_norm" not in skipped[1]  # the rejected attempt's inf, dropped
+    rolled = go("rollback", **{"sdc.guard": "recompute", "sdc.max_recomputes": 0})
+    rows = {int(r["step"]): r for r in rolled}  # the redone step's row is the later one
+    assert rows[1]["sdc/rolled_back"] == 1.0 and rows[1]["sdc/recomputed"] == 0.0
+    assert rows[2]["sdc/rolled_back"] == 0.0
+    assert all(np.isfinite(v) for k, v in rows[2].items() if not k.startswith("timing"))
