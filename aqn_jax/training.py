@@ -220,13 +220,13 @@ def run(config, workdir: str) -> None:
         one), and the step to run next."""
         loop.note_rollback(e.step)
         print(f"{e}")
-        got = ckpt.restore_latest(state)
+        got = ckpt.restore_latest(rl_step.saveable(state))
         if got is None:
             batcher.load_state(data0)
             return state0, start + 1
         back, restored, meta = got
         batcher.load_state(meta["data"])
-        return restored, int(back) + 1
+        return restored.replace(base=state.base), int(back) + 1
 
     try:
         step = start + 1
@@ -379,7 +379,7 @@ def compile_step_programs(loop: Trainer, state, prompt_shape: tuple[int, int], s
     dev = parallel.put_batch({k: v for k, v in tb.items() if k != "scores"}, mesh)
     scores = parallel.put_batch(tb["scores"], mesh)
     train_key = step_key(seed, step, "train")
-    values = {AQN_SIGMA: sigma, **loop.sdc_values(step, 0)}  # (the step's bit-fault values)
+    values = {AQN_SIGMA: sigma, **loop.sdc_values(step, 0)}
     prepared = loop.prepare.lower(state, loop.ref_params, dev, scores, train_key, values).compile()
 
     # update: the prepared rows and the rollout correction's, as `Trainer.step` assembles them
