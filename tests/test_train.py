@@ -189,9 +189,9 @@ def test_bad_input_is_refused_before_anything_is_written(tmp_path, sft_cache):
     for over, match in cases:
         with pytest.raises(ValueError, match=match):
             run(smoke("deadzone", sft_cache, **over), str(tmp_path))
-    # Only the workdir lock appears (empty once released: launch.run holds it while it runs).
-    assert sorted(p.name for p in tmp_path.rglob("*") if p.name != ".lock") == before
-    assert (tmp_path / ".lock").read_text() == ""
+    # The workdir as it was found: a refused command removes the lock it took (issue 42).
+    assert sorted(p.name for p in tmp_path.rglob("*")) == before
+    assert not (tmp_path / ".lock").exists()
     assert (ckpt / "state").read_text() == "precious"
     # From the command line: a clear message and a non-zero exit code.
     proc = _launch(["--config=configs/deadzone.py:smoke", "--config.job=nope"], tmp_path)
