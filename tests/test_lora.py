@@ -219,6 +219,7 @@ def test_lora_run_trains_adapters_only_and_resumes_exactly(tmp_path, monkeypatch
             c,
             **{
                 "trainer.total_steps": 2,
+                "trainer.val_every": 0,  # validations at the start and the end only
                 "checkpoint.every": 1,
                 "lora.rank": 4,
                 "lora.alpha": 16.0,
