@@ -45,7 +45,9 @@ def _cpu_flags() -> str:
 def per_arm(workdir: str) -> dict[str, dict]:
     out = {}
     for arm in ARMS:
-        runs = sorted(glob.glob(os.path.join(workdir, "runs", arm, "seed*", "metrics.jsonl")))
+        # Finished runs only (evaluation.json is written last).
+        done = glob.glob(os.path.join(workdir, "runs", arm, "seed*", "evaluation.json"))
+        runs = sorted(os.path.join(os.path.dirname(p), "metrics.jsonl") for p in done)
         if not runs:
             continue
         ent, step_t, gen_t, prep_t, upd_t = [], [], [], [], []
@@ -72,6 +74,70 @@ def per_arm(workdir: str) -> dict[str, dict]:
     return out
 
 
+COMPARISONS = (("nvfp4_lora", "lora"), ("nvfp4_lora_aqn", "nvfp4_lora"), ("lora", "full"))
+
+
+def _final(workdir: str, arm: str) -> dict[str, list[float]]:
+    """Per finished seed: the evaluation's accuracy on the faulty and the clean device, and the
+    validation's at the start and the end of training."""
+    out: dict[str, list[float]] = {"fault": [], "clean": [], "val0": [], "val_end": []}
+    for path in sorted(glob.glob(os.path.join(workdir, "runs", arm, "seed*", "evaluation.json"))):
+        with open(path) as f:
+            ev = json.load(f)["conditions"]
+        with open(os.path.join(os.path.dirname(path), "summary.json")) as f:
+            sm = json.load(f)
+        out["fault"].append(ev["fault"]["acc"])
+        out["clean"].append(ev["clean"]["acc"])
+        out["val0"].append(sm["val_acc_start"])
+        out["val_end"].append(sm["val_acc_end"])
+    return out
+
+
+def accuracy_tables(workdir: str, arms: list[str]) -> list[str]:
+    from aqn_jax.study.stats import describe, holm, welch
+
+    finals = {arm: _final(workdir, arm) for arm in arms}
+    lines = [
+        "| arm | seeds | faulty device (eval) mean, 95% CI | clean device (eval) |"
+        " validation faulty start -> end |",
+        "|---|---|---|---|---|",
+    ]
+    for arm, f in finals.items():
+        a, c = describe(f["fault"]), describe(f["clean"])
+        ci = lambda d: (  # noqa: E731
+            f"{d['mean']:.3f} [{d['ci_low']:.3f}, {d['ci_high']:.3f}]"
+            if d["ci_low"] is not None
+            else f"{d['mean']:.3f}"
+        )
+        lines.append(
+            f"| {arm} | {a['n']} | {ci(a)} | {ci(c)} | {np.mean(f['val0']):.3f} ->"
+            f" {np.mean(f['val_end']):.3f} |"
+        )
+    for device in ("fault", "clean"):
+        tests = [
+            (a, b, welch(finals[a][device], finals[b][device]))
+            for a, b in COMPARISONS
+            if a in finals and b in finals
+        ]
+        adjusted = holm([t["p"] for _, _, t in tests])
+        lines += [
+            "",
+            f"Welch tests on the {device} device (Holm over the {len(tests)} comparisons):",
+            "",
+            "| comparison | diff | 95% CI | p | p (Holm) | MDD |",
+            "|---|---|---|---|---|---|",
+        ]
+        for (a, b, t), ph in zip(tests, adjusted, strict=True):
+            if t["p"] is None:
+                lines.append(f"| {a} - {b} | n/a ({t['reason']}) | | | | |")
+                continue
+            lines.append(
+                f"| {a} - {b} | {t['diff']:+.3f} | [{t['diff_ci_low']:+.3f},"
+                f" {t['diff_ci_high']:+.3f}] | {t['p']:.3f} | {ph:.3f} | {t['mdd']:.3f} |"
+            )
+    return lines
+
+
 def tables(workdir: str) -> str:
     arms = per_arm(workdir)
     lines = [f"CPU: {_cpu_flags()}; workdir {workdir}", ""]
@@ -88,11 +154,7 @@ def tables(workdir: str) -> str:
             f" {e[-1]:.4f} ± {sd[-1]:.4f} | {a['step_s']:.2f} | {a['gen_s']:.2f} |"
             f" {a['prep_s']:.2f} | {a['update_s']:.2f} |"
         )
-    results = os.path.join(workdir, "results.json")
-    if os.path.isfile(results):
-        with open(results) as f:
-            res = json.load(f)
-        lines += ["", f"results.json: {sorted(res)[:12]}"]
+    lines += ["", *accuracy_tables(workdir, list(arms))]
     if "full" in arms:
         for arm, a in arms.items():
             if arm != "full":
