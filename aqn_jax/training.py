@@ -183,20 +183,16 @@ def run(config, workdir: str) -> None:
         state = saved.replace(base=state.base)
         batcher.load_state(meta["data"])
         print(f"resumed from {ckpt.directory}/{start} (RL step {start} of {total})")
-    # The step programs (generate, prepare and update) compiled ahead for the next batch's shapes,
-    # in a thread. On an accelerator that runs while step 0 validates on the device. On a CPU
-    # backend it starts after the validation: the two would share the same cores (and the
-    # GIL), and on 2 loaded cores the overlap saved nothing (WORKSPACE.md, issue 41).
-    ahead = None
-    overlap = jax.default_backend() != "cpu"
-    if overlap and start < total:
-        ahead = Ahead(loop, state, batcher, start + 1)
+    # The step programs (generate, prepare, update) compiled ahead for the next batch's shapes,
+    # in a thread while step 0 validates: on an accelerator the validation runs on the device
+    # meanwhile; on a CPU with a warm compile cache what is left (tracing, lowering, loading)
+    # hides behind it, while a cold compile competes with it for the cores (WORKSPACE.md,
+    # issue 41: measured on 2 cores both ways).
+    ahead = Ahead(loop, state, batcher, start + 1) if start < total else None
     if restored is None:
         val0 = eval_now(state, 0)
         writer.write(0, val0)
         history = [{"step": 0, **val0}]
-    if not overlap and start < total:
-        ahead = Ahead(loop, state, batcher, start + 1)
     val0 = {k: v for k, v in history[0].items() if k != "step"}
     last_val = next(
         {k: v for k, v in r.items() if k.startswith(("val-", "timing_s/testing"))}

@@ -270,3 +270,37 @@ def launch_cli(*args, workdir, cwd=None, env=None):
         text=True,
         timeout=300,
     )
+
+
+def lowered_during_step_1(monkeypatch) -> list:
+    """Patches `Trainer.step` to record what JAX lowers or compiles during RL step 1 (a list
+    filled as the run goes): nothing, when the train job compiled the step programs ahead
+    (training.Ahead). Lowering is recorded, not only XLA compiles: a program the persistent
+    cache holds is lowered, then loaded, never compiled."""
+    from jax import monitoring
+
+    from aqn_jax.rl.trainer import Trainer
+
+    made, step = [], Trainer.step
+
+    def durations(event, duration, **kw):
+        if event.endswith(("jaxpr_to_mlir_module_duration", "backend_compile_duration")):
+            made.append(event)
+
+    def requests(event, **kw):
+        if event.endswith("compile_requests_use_cache"):
+            made.append(event)
+
+    def recorded(self, state, t):
+        if t != 1:
+            return step(self, state, t)
+        monitoring.register_event_duration_secs_listener(durations)
+        monitoring.register_event_listener(requests)
+        try:
+            return step(self, state, t)
+        finally:
+            monitoring.unregister_event_duration_listener(durations)
+            monitoring.unregister_event_listener(requests)
+
+    monkeypatch.setattr(Trainer, "step", recorded)
+    return made

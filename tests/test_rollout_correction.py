@@ -29,7 +29,7 @@ from aqn_jax.rl.rollout_correction import (
     mismatch_metrics,
 )
 
-from conftest import load_config
+from conftest import load_config, lowered_during_step_1
 
 TRAIN = np.array([[-1.0, -2.0, 0.0], [-0.5, 0.0, 0.0]], np.float32)
 ROLLOUT = np.array([[-1.5, -1.0, 0.0], [-0.5, 0.0, 0.0]], np.float32)
@@ -306,6 +306,7 @@ def test_causal_scenario_corrects_nothing_and_the_update_reads_the_correction(
         return out
 
     monkeypatch.setattr(trainer, "correct", zeroing)
+    made = lowered_during_step_1(monkeypatch)  # IS weights and the loss mask compiled ahead too
     config = load_config("mismatch", "both_causal,geo_rs")
     config.algo.rollout_is = "token"
     config.data_batch.prompts = 4
@@ -316,6 +317,7 @@ def test_causal_scenario_corrects_nothing_and_the_update_reads_the_correction(
     config.trainer.val_size = 8
     config.trainer.val_batch_size = 8
     run(config, str(tmp_path))
+    assert made == []
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert len(calls) == 3
     for r in rows[1:]:

@@ -14,7 +14,7 @@ from aqn_jax.experiment import STUDY_ARMS
 
 from conftest import SHALLOW_FAULT as F
 from conftest import SHALLOW_LAYERS as L
-from conftest import launch_cli, load_config, shallow
+from conftest import launch_cli, load_config, lowered_during_step_1, shallow
 from tolerance import bound, forward_path
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -28,45 +28,11 @@ def smoke(name, sft_cache, **over):
     return shallow(config, **over)
 
 
-def _lowered_during_step_1(monkeypatch) -> list:
-    """Patches `Trainer.step` to record what JAX lowers or compiles during RL step 1 (a list
-    filled as the run goes): nothing, when the train job compiled the step programs ahead
-    (training.Ahead). Lowering is recorded, not only XLA compiles: a program the persistent
-    cache holds is lowered, then loaded, never compiled."""
-    from jax import monitoring
-
-    from aqn_jax.rl.trainer import Trainer
-
-    made, step = [], Trainer.step
-
-    def durations(event, duration, **kw):
-        if event.endswith(("jaxpr_to_mlir_module_duration", "backend_compile_duration")):
-            made.append(event)
-
-    def requests(event, **kw):
-        if event.endswith("compile_requests_use_cache"):
-            made.append(event)
-
-    def recorded(self, state, t):
-        if t != 1:
-            return step(self, state, t)
-        monitoring.register_event_duration_secs_listener(durations)
-        monitoring.register_event_listener(requests)
-        try:
-            return step(self, state, t)
-        finally:
-            monitoring.unregister_event_duration_listener(durations)
-            monitoring.unregister_event_listener(requests)
-
-    monkeypatch.setattr(Trainer, "step", recorded)
-    return made
-
-
 @pytest.mark.parametrize("arm", STUDY_ARMS)  # global_qerl: test_compare
 def test_every_arm_runs_on_smoke(arm, sft_cache, tmp_path, monkeypatch):
     from aqn_jax.launch import run
 
-    made = _lowered_during_step_1(monkeypatch)
+    made = lowered_during_step_1(monkeypatch)
 
     # srdd_guided on the preset's 8 layers: its sigma map compares each layer with the median
     # layer, and on 3 layers of the smoke warm start every layer trips one rule (measured: the
@@ -149,12 +115,14 @@ def test_every_arm_runs_on_smoke(arm, sft_cache, tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-def test_ppo_with_critic_runs(sft_cache, tmp_path):
+def test_ppo_with_critic_runs(sft_cache, tmp_path, monkeypatch):
     from aqn_jax.launch import run
 
+    made = lowered_during_step_1(monkeypatch)
     run(
         smoke("clean", sft_cache, **{"algo.estimator": "gae", "critic.faults": True}), str(tmp_path)
     )
+    assert made == []  # the critic's values and returns compiled ahead too
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert "critic/vf_loss" in rows[1] and np.isfinite(rows[1]["critic/vf_loss"])
     assert rows[1]["critic/values/mean"] == 0.0  # zero-initialised value head at step 1
