@@ -9,7 +9,7 @@ Table 1 as arms (aqn_jax/experiment.py QERL_ARMS):
   nvfp4_lora_aqn  nvfp4_lora + QeRL's AQN (N(0, sigma^2) on every RMSNorm weight of the rollout
                   model, 10 stages 5e-2 -> 5e-4)
 
-  python -m aqn_jax.launch --config=configs/qerl.py:nvfp4_lora_aqn
+  python -m aqn_jax.launch --config=configs/qerl.py:nvfp4_lora_aqn   # the default arm
   python -m aqn_jax.launch --config=configs/qerl.py:nvfp4_lora,smoke       # a wiring check
   python -m aqn_jax.launch --config=configs/qerl.py:nvfp4_lora --config.model.hf_path=<snapshot>
 
@@ -26,7 +26,7 @@ from aqn_jax.experiment import QERL_ARMS, arm_config
 def get_config(arg=None):
     parts = [p for p in (arg or "").split(",") if p]
     smoke = "smoke" in parts
-    arms = [p for p in parts if p != "smoke"]
+    arms = [p for p in parts if p != "smoke"] or ["nvfp4_lora_aqn"]  # QeRL's own recipe
     if len(arms) != 1 or arms[0] not in QERL_ARMS:
         raise ValueError(
             f"--config=configs/qerl.py:{arg}; allowed: one arm of {list(QERL_ARMS)},"

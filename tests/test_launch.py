@@ -153,8 +153,8 @@ def test_bad_fault_config_fails_before_work(tmp_path):
     # One line, exit 2, no traceback (a user error); --verbose shows the traceback.
     assert proc.returncode == 2
     assert (
-        "\nerror: config.faults.deadzone.layers='9' but the model has 8 layers (ids 0..7)\n"
-        in proc.stderr
+        "error: config.faults.deadzone.layers='9' but the model has 8 layers (ids 0..7)"
+        in proc.stderr.splitlines()
     )
     assert "Traceback" not in proc.stderr
     assert not (tmp_path / "model_summary.json").exists()

@@ -119,5 +119,6 @@ def test_bad_argument_and_checkpoint_final():
         "every": 0,
         "keep": 2,
         "final": "params",
+        "export": "none",
     }
     assert os.path.isdir(GSM8K)

@@ -24,6 +24,7 @@ from aqn_jax.aqn.config import AQN_SIGMA, aqn_sigma
 from aqn_jax.aqn.plan import build_plan
 from aqn_jax.diagnosis.profile import format_profile, residual_profile
 from aqn_jax.faults.intercept import step_key, summarize_stats
+from aqn_jax.forward import forward
 from aqn_jax.models.factory import load_model, logical_axes, model_config
 from aqn_jax.models.registry import causal_lm, layer_name
 from aqn_jax.warm_start import tokenizer_for
@@ -91,7 +92,7 @@ def run(config, workdir: str) -> None:
     # This step's AQN sigma (as at step config.step of a config.total_steps-step run), traced.
     sigma = np.float32(aqn_sigma(config.aqn, config.step, config.total_steps))
 
-    def forward(params, ids, sigma, faulty: bool):
+    def summary_forward(params, ids, sigma, faulty: bool):
         return forward(
             model,
             params,
@@ -103,8 +104,8 @@ def run(config, workdir: str) -> None:
             mutable=["fault_stats"],
         )
 
-    clean_fn = jax.jit(lambda p, ids, s: forward(p, ids, s, False))
-    faulty_fn = jax.jit(lambda p, ids, s: forward(p, ids, s, True))
+    clean_fn = jax.jit(lambda p, ids, s: summary_forward(p, ids, s, False))
+    faulty_fn = jax.jit(lambda p, ids, s: summary_forward(p, ids, s, True))
     t0 = time.perf_counter()
     faulty_fn.lower(params, ids, sigma).compile()
     compile_s = time.perf_counter() - t0
