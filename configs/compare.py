@@ -24,6 +24,11 @@ global; report.md with plots and results.json.
       7 x 5 runs on 2 cores shared with other runs (not timed on a quiet machine).
       mismatch_study_causal (c): every arm
       identical per seed (kl < 5e-8): the corrections do nothing, as they must.
+      qerl_study (issue 40: QeRL mode's arms full / lora / nvfp4_lora / mxfp4_lora /
+      nvfp4_lora_aqn, 12 RL steps, 5 seeds; measured, WORKSPACE.md issue 40: faulty-device
+      accuracy 0.516 / 0.508 / 0.511 / 0.481 / 0.497, no comparison significant (Holm p = 1.00,
+      MDD 0.038-0.046); the NVFP4 base raises the policy's entropy by 0.014 (p = 0.01);
+      80 min on 2 loaded cores, 84-98 s a run on quiet ones)
   python -m aqn_jax.launch --config=configs/compare.py:smoke           # 2 arms x 2 seeds, tiny
   python -m aqn_jax.launch --config=configs/compare.py:layer_late,smoke
 
