@@ -68,10 +68,14 @@ class LoraSpec:
         return self.alpha / self.rank
 
 
+# No adapters (full fine-tuning): what an absent config.lora section means.
+OFF = LoraSpec(0, 16.0, TARGETS, False)
+
+
 def lora_spec(section) -> LoraSpec:
     """The typed `config.lora`, validated (one line naming the field)."""
     if section is None:
-        return LoraSpec(0, 16.0, TARGETS, False)
+        return OFF
     rank = section.rank
     if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
         raise ValueError(f"config.lora.rank={rank!r}; allowed: an int >= 0 (0 = off)")
@@ -100,17 +104,12 @@ def lora_spec(section) -> LoraSpec:
 
 
 def _target_kernels(params, site_of: Callable, targets) -> list[tuple[tuple[str, ...], Any]]:
-    out = []
-    for path, leaf in jax.tree_util.tree_leaves_with_path(params, is_leaf=_packed):
-        names = tuple(k.key for k in path)
-        site = site_of(names[:-1]) if names[-1] == "kernel" else None
-        if site is not None and site[0] in targets:
-            out.append((names[:-1], leaf))
-    return out
-
-
-def _packed(x) -> bool:
-    return isinstance(x, quant_base.Packed)
+    """(module path, kernel) of every targeted decoder linear, in tree order."""
+    return [
+        (path[:-1], quant_base.leaf_at(params, path))
+        for path in quant_base.linear_kernel_paths(params, site_of)
+        if site_of(path[:-1])[0] in targets
+    ]
 
 
 def check_ranks(spec: LoraSpec, params, site_of: Callable) -> None:
@@ -151,7 +150,9 @@ def init_adapters(spec: LoraSpec, params, site_of: Callable, key: jax.Array, dty
 def norm_weights(params, site_of: Callable) -> dict:
     """The RMSNorm weights of `params` (train_norms' trainable copy), nested like `params`."""
     flat = {}
-    for path, leaf in jax.tree_util.tree_leaves_with_path(params, is_leaf=_packed):
+    for path, leaf in jax.tree_util.tree_leaves_with_path(
+        params, is_leaf=lambda x: isinstance(x, quant_base.Packed)
+    ):
         names = tuple(k.key for k in path)
         site = site_of(names[:-1]) if names[-1] == "weight" else None
         if site is not None and site[0] in NORM_KINDS:

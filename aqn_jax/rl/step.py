@@ -200,7 +200,7 @@ class Static:
     total_steps: int  # RL steps of the run (the LR and AQN schedules run over them)
     updates: int  # optimizer updates per RL step: ppo_epochs x mini-batches
     sdc: SdcSpec | None = None  # bit faults on trees, the guard's metrics (None: neither)
-    lora: LoraSpec = LoraSpec(0, 16.0, lora_lib.TARGETS, False)  # config.lora (rank 0: off)
+    lora: LoraSpec = lora_lib.OFF  # config.lora (rank 0: off)
     weight_format: str = "none"  # config.model.weight_format: the frozen base's storage
 
     @property
@@ -284,7 +284,7 @@ class StepSpec:
     critic_faults: bool  # config.critic.faults: the critic runs the hardware faults
     seed: int = 0  # config.seed (the tree faults' keys)
     guard: GuardSpec = GuardSpec()  # config.sdc
-    lora: LoraSpec = LoraSpec(0, 16.0, lora_lib.TARGETS, False)  # config.lora
+    lora: LoraSpec = lora_lib.OFF  # config.lora
     weight_format: str = "none"  # config.model.weight_format
 
 
