@@ -126,6 +126,11 @@ def base_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.actor.ppo_epochs = 1  # passes over each RL batch
     config.actor.mini_batch_prompts = 8  # PPO mini-batch, in prompts (x n rows)
     config.actor.micro_batch_rows = 40  # gradient-accumulation chunk, in rows
+    # The old log-probs of the PPO ratio. 'auto': when the update is on-policy (one epoch, one
+    # mini-batch, no rollout correction, no KL in the reward, no SDC), they are the update's
+    # own log-probs, detached (TRL's and verl's shortcut: ratio 1 exactly), with no separate
+    # forward pass; 'always': a separate pass before the update, as with several mini-batches.
+    config.actor.old_logp_pass = "auto"
 
     config.critic = ml_collections.ConfigDict()  # used by estimator='gae'
     config.critic.lr = 1e-4  # AdamW learning rate

@@ -117,6 +117,22 @@ class Hyper:
     vf_clip: float
     critic_warmup: int
     correction: RolloutCorrection = RolloutCorrection()  # config.algo.rollout_* / bypass_mode
+    old_logp_pass: str = "auto"  # config.actor.old_logp_pass (OLD_LOGP_PASS)
+
+    @property
+    def on_policy(self) -> bool:
+        """The update sees the policy that sampled before any optimizer step: one epoch, one
+        mini-batch, no rollout correction (it compares the trainer's old log-probs with the
+        sampler's before the update) and no KL in the reward (it needs them too)."""
+        return (
+            self.ppo_epochs == 1
+            and self.mini_batches == 1
+            and not self.correction.needs_rollout_logprobs
+            and not self.use_kl_in_reward
+        )
+
+
+OLD_LOGP_PASS = ("auto", "always")
 
 
 def hyper_from(config) -> Hyper:
@@ -158,6 +174,9 @@ def hyper_from(config) -> Hyper:
         )
     if algo.kl_type not in losses.KL_TYPES:
         raise ValueError(f"config.algo.kl_type={algo.kl_type!r}; allowed: {losses.KL_TYPES}")
+    old_pass = actor.get("old_logp_pass", "auto")
+    if old_pass not in OLD_LOGP_PASS:
+        raise ValueError(f"config.actor.old_logp_pass={old_pass!r}; allowed: {OLD_LOGP_PASS}")
     return Hyper(
         estimator=algo.estimator,
         n=int(config.rollout.n),
@@ -180,6 +199,7 @@ def hyper_from(config) -> Hyper:
         vf_clip=float(config.critic.cliprange_value),
         critic_warmup=int(config.critic.warmup_steps),
         correction=correction_from(algo, config.rollout),
+        old_logp_pass=old_pass,
     )
 
 
@@ -210,6 +230,13 @@ class Static:
     @property
     def use_ref(self) -> bool:
         return self.h.use_kl_loss or self.h.use_kl_in_reward
+
+    @property
+    def fused_old_logp(self) -> bool:
+        """No separate old-log-prob pass: the update's own log-probs, detached, are the PPO
+        ratio's old policy (`Hyper.on_policy`, config.actor.old_logp_pass='auto'). The
+        bit-fault seams count the prepare pass's flips separately, so SDC keeps the pass."""
+        return self.h.on_policy and self.h.old_logp_pass == "auto" and self.sdc is None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -523,14 +550,16 @@ def _values(static: Static, critic_params, batch, key, values):
 def _prepare_chunk(static: Static, state: RLState, ref_params, key, values, xs):
     h = static.h
     j, mic = xs
-    logits, fstate = _policy_logits(
-        static, policy_weights(static, state), mic, jax.random.fold_in(key, 3 * j), values
-    )
-    o = {
-        "old_logp": token_logprobs(logits, mic["tokens"], h.temperature),
-        "entropy": losses.entropy_from_logits(logits / h.temperature),
-        "fault_stats": fstate.get("fault_stats", {}),
-    }
+    o = {"fault_stats": {}}
+    if not static.fused_old_logp:  # else the update's own log-probs are the old ones
+        logits, fstate = _policy_logits(
+            static, policy_weights(static, state), mic, jax.random.fold_in(key, 3 * j), values
+        )
+        o = {
+            "old_logp": token_logprobs(logits, mic["tokens"], h.temperature),
+            "entropy": losses.entropy_from_logits(logits / h.temperature),
+            "fault_stats": fstate.get("fault_stats", {}),
+        }
     if ref_params is not None:
         ref_logits, _ = _policy_logits(
             static, ref_params, mic, jax.random.fold_in(key, 3 * j + 1), values
@@ -550,7 +579,11 @@ def prepare_step(static: Static, state: RLState, ref_params, batch, scores, key,
     The forward passes run over the update's micro-batches (`lax.map`, micro_batch_rows
     rows each, the same rows the update will group): the memory of one micro-batch, not
     of the whole batch, and a tensor-wide fault statistic (a deadzone's amax) sees the
-    same rows here as in the update, so the first PPO ratio compares like with like."""
+    same rows here as in the update, so the first PPO ratio compares like with like.
+
+    With `static.fused_old_logp` the policy's pass is left out (no `old_logp`, `entropy` or
+    fault statistics here: the update returns them); what remains is the reference's and the
+    critic's passes, if any, and the advantages."""
     h = static.h
     rows = batch["ids"].shape[0]
     C = h.mini_batches * h.micro_batches
@@ -559,17 +592,18 @@ def prepare_step(static: Static, state: RLState, ref_params, batch, scores, key,
         for k in ("ids", "mask", "tokens", "rmask")
     }
     ref_params = reference_weights(static, state, ref_params)
-    outs = jax.lax.map(
-        lambda xs: _prepare_chunk(static, state, ref_params, key, values, xs),
-        (jnp.arange(C), mics),
-    )
+    outs = {"fault_stats": {}}
+    if not static.fused_old_logp or ref_params is not None or static.use_critic:
+        outs = jax.lax.map(
+            lambda xs: _prepare_chunk(static, state, ref_params, key, values, xs),
+            (jnp.arange(C), mics),
+        )
     stats = jax.tree_util.tree_map(lambda v: jnp.mean(v, axis=0), outs.pop("fault_stats"))
     out = {k: v.reshape(rows, *v.shape[2:]) for k, v in outs.items()}
-    old_logp = out["old_logp"]
     mask = batch["rmask"]
     kl = None
-    if ref_params is not None:
-        kl = losses.kl_penalty(old_logp, out["ref_logp"], h.kl_type)
+    if h.use_kl_in_reward:  # never fused (Hyper.on_policy): the old log-probs are here
+        kl = losses.kl_penalty(out["old_logp"], out["ref_logp"], h.kl_type)
     rewards = adv_lib.token_level_rewards(
         scores, mask, kl if h.use_kl_in_reward else None, h.kl_coef
     )
@@ -589,9 +623,11 @@ def actor_loss(static: Static, params, mic, denom, key, values):
     logits = logits / h.temperature
     logp = token_logprobs(logits, mic["tokens"], 1.0)
     mask = mic["rmask"]
+    # On-policy (static.fused_old_logp): the old policy is this pass's, detached: ratio 1.
+    old_logp = jax.lax.stop_gradient(logp) if static.fused_old_logp else mic["old_logp"]
     pg, aux = losses.policy_loss(
         logp,
-        mic["old_logp"],
+        old_logp,
         mic["advantages"],
         mask,
         clip_low=h.clip_low,
@@ -612,7 +648,13 @@ def actor_loss(static: Static, params, mic, denom, key, values):
     if static.sdc is not None and static.sdc.sites:  # this pass's flips and ABFT detections
         counts = sdc_site_counts(fstate.get("fault_stats", {}), backward=True)
         aux = {**aux, "sdc_flips": counts["flips"], "sdc_abft": counts["abft"]}
-    return loss, {"pg_loss": pg, "kl_loss": kl_loss, "entropy": ent, **aux}
+    aux = {"pg_loss": pg, "kl_loss": kl_loss, "entropy": ent, **aux}
+    if static.fused_old_logp:  # what the left-out pass gave: per row, and the fault stats
+        aux[ROWS] = {"old_logp": old_logp}
+        aux[FAULT_STATS] = jax.tree_util.tree_map(
+            lambda v: jnp.asarray(v, jnp.float32), fstate.get("fault_stats", {})
+        )
+    return loss, aux
 
 
 def critic_loss(static: Static, cparams, mic, denom, key, values):
@@ -631,9 +673,14 @@ def critic_loss(static: Static, cparams, mic, denom, key, values):
     return loss, {"vf_loss": loss, **aux, "vpred_mean": adv_lib.masked_mean(v, mic["rmask"])}
 
 
+ROWS = "_rows"  # a loss's per-row outputs (kept per micro-batch, not averaged)
+FAULT_STATS = "_fault_stats"  # the fused pass's fault statistics (averaged as prepare's are)
+
+
 def accumulate(loss_fn, params, mb, denom, base):
     """(summed gradient, mean metrics) of `loss_fn(params, micro-batch, denom, key)` over the
-    micro-batches of `mb` (leading axis), the j-th keyed by fold_in(base, j)."""
+    micro-batches of `mb` (leading axis), the j-th keyed by fold_in(base, j). A metric under
+    `ROWS` is per row: it comes back stacked, [micro-batches, rows, ...]."""
     G = jax.tree_util.tree_leaves(mb)[0].shape[0]
 
     def micro(carry, xs):
@@ -642,15 +689,19 @@ def accumulate(loss_fn, params, mb, denom, base):
         (_, m), g = jax.value_and_grad(loss_fn, has_aux=True)(
             params, mic, denom, jax.random.fold_in(base, j)
         )
+        rows = m.pop(ROWS, {})
         grads = jax.tree_util.tree_map(jnp.add, grads, g)
         mets = jax.tree_util.tree_map(lambda a, b: a + b / G, mets, m)
-        return (grads, mets), None
+        return (grads, mets), rows
 
     zeros = jax.tree_util.tree_map(jnp.zeros_like, params)
     mic0 = jax.tree_util.tree_map(lambda x: x[0], mb)
     shapes = jax.eval_shape(lambda: loss_fn(params, mic0, denom, base)[1])
+    shapes.pop(ROWS, None)
     mets0 = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-    (grads, mets), _ = jax.lax.scan(micro, (zeros, mets0), (jnp.arange(G), mb))
+    (grads, mets), rows = jax.lax.scan(micro, (zeros, mets0), (jnp.arange(G), mb))
+    if rows:
+        mets[ROWS] = rows
     return grads, mets
 
 
@@ -709,6 +760,9 @@ def _minibatch_update(static: Static, key, values, mbatch, st: RLState, idx):
         lambda p, q: jnp.where(live, q, p), st.params, optax.apply_updates(st.params, u)
     )
     opt = jax.tree_util.tree_map(lambda a, b: jnp.where(live, b, a), st.opt_state, opt)
+    for k in (ROWS, FAULT_STATS):  # the fused old-log-prob pass's outputs, not metrics
+        if k in am:
+            mets[k] = am.pop(k)
     mets.update({f"actor/{k}": v for k, v in am.items()})
     mets["actor/grad_norm"] = grad_norm
     if extra and static.sdc.gradient:  # the norm after the gradient faults (the guard's)
@@ -717,9 +771,14 @@ def _minibatch_update(static: Static, key, values, mbatch, st: RLState, idx):
     return st, mets
 
 
+OLD_LOGP = "_old_logp"  # update_step's output with static.fused_old_logp: [rows, T]
+
+
 def update_step(static: Static, state: RLState, batch, key, values) -> tuple[RLState, dict]:
     """PPO epochs over mini-batches (lax.scan), gradient accumulation over micro-batches;
-    returns the next state and the step's metrics (means over the updates)."""
+    returns the next state and the step's metrics (means over the updates). With
+    `static.fused_old_logp` the metrics also hold what prepare left out: the old log-probs
+    under `OLD_LOGP` ([rows, T]) and the train pass's fault statistics under `FAULT_STATS`."""
     h = static.h
     mbatch = mini_batches(static, batch)
     before = state
@@ -728,7 +787,12 @@ def update_step(static: Static, state: RLState, batch, key, values) -> tuple[RLS
         state,
         jnp.arange(h.ppo_epochs * h.mini_batches),
     )
+    fused = {k: mets.pop(k) for k in (ROWS, FAULT_STATS) if k in mets}
     mets = jax.tree_util.tree_map(jnp.mean, mets)
+    if fused:  # one update (Hyper.on_policy): its rows in batch order, its stats as prepare's
+        rows = batch["ids"].shape[0]
+        mets[OLD_LOGP] = fused[ROWS]["old_logp"].reshape(rows, -1)
+        mets[FAULT_STATS] = jax.tree_util.tree_map(lambda v: v[0], fused[FAULT_STATS])
     if static.sdc is not None:
         mets.update(sdc_update_metrics(static, before, state, mets))
     mets["actor/lr"] = jnp.asarray(static.actor_schedule(state.step * static.updates), jnp.float32)

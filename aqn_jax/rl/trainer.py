@@ -39,7 +39,16 @@ from aqn_jax.rl.scoring import eval_scores
 from .guard import Guard, RollbackNeeded
 from .rollout_correction import correct
 from .sampler import Sampler, SamplingParams
-from .step import SDC_KINDS, RLState, Shardings, Static, policy_weights, sdc_site_counts
+from .step import (
+    FAULT_STATS,
+    OLD_LOGP,
+    SDC_KINDS,
+    RLState,
+    Shardings,
+    Static,
+    policy_weights,
+    sdc_site_counts,
+)
 
 # Folded into a recomputed attempt's train key (attempt >= 1): a stream apart from the passes'.
 ATTEMPT_TAG = 1 << 30
@@ -290,7 +299,8 @@ class Trainer:
         prep = jax.block_until_ready(prep)
         t_prep = time.perf_counter() - t0
         upd = {k: dev[k] for k in ("ids", "mask", "tokens", "rmask")}
-        upd.update({k: prep[k] for k in ("old_logp", "advantages")})
+        fused = self.static.fused_old_logp  # the update's own log-probs are the old ones
+        upd.update({k: prep[k] for k in ("old_logp", "advantages") if k in prep})
         if "ref_logp" in prep:
             upd["ref_logp"] = prep["ref_logp"]
         if self.static.use_critic:
@@ -298,18 +308,25 @@ class Trainer:
         # Rollout correction (rl/rollout_correction.py): the sampler's log-probs against the
         # trainer's; IS weights, the loss mask without rejected tokens, bypass's old policy.
         t0 = time.perf_counter()
-        old_logp = parallel.to_host(prep["old_logp"])
-        corr = correct(old_logp, tb["sampler_logp"], tb["rmask"], self.static.h.correction)
-        for key, value in (
-            ("is_weights", corr.is_weights),
-            ("rmask", corr.loss_mask),
-            ("old_logp", corr.old_logp),
-        ):
-            if value is not None:
-                upd[key] = parallel.put_batch(value, self.mesh)
+        if not fused:
+            old_logp = parallel.to_host(prep["old_logp"])
+            corr = correct(old_logp, tb["sampler_logp"], tb["rmask"], self.static.h.correction)
+            for key, value in (
+                ("is_weights", corr.is_weights),
+                ("rmask", corr.loss_mask),
+                ("old_logp", corr.old_logp),
+            ):
+                if value is not None:
+                    upd[key] = parallel.put_batch(value, self.mesh)
         t_corr = time.perf_counter() - t0
         t0 = time.perf_counter()
         state, mets = self.update(state, upd, train_key, values)
+        if fused:  # no correction acts (Hyper.on_policy): its metrics from the update's pass
+            old_logp = parallel.to_host(mets.pop(OLD_LOGP))
+            train_stats = mets.pop(FAULT_STATS)
+            t1 = time.perf_counter()
+            corr = correct(old_logp, tb["sampler_logp"], tb["rmask"], self.static.h.correction)
+            t_corr += time.perf_counter() - t1
         mets = {k: float(parallel.to_host(v)) for k, v in mets.items()}
         t_upd = time.perf_counter() - t0
         if self.static.sdc is not None and self.static.sdc.sites:  # prepare's passes, in all
