@@ -22,7 +22,7 @@ import ml_collections
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from aqn_jax import compile_cache, jobs
+from aqn_jax import compile_cache, compute_dtype, jobs
 from aqn_jax.lock import LOCK_FILE, WorkdirLock
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -62,6 +62,7 @@ def run(config, workdir: str) -> None:
             )
     logging.info("JAX %s, %d devices: %s", jax.__version__, jax.device_count(), jax.devices())
     jobs.check_required(config)  # every job: a config's empty local paths, before any work
+    compute_dtype.resolve(config)  # config.model.dtype='auto': bf16 where it is faster here
     module = importlib.import_module(f"aqn_jax.jobs.{job}")
     created = open_workdir(workdir)
     if jax.process_index() != 0:  # several hosts: process 0 holds the workdir for all

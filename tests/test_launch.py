@@ -213,3 +213,25 @@ def test_compile_cache_keeps_every_program(tmp_path):
     )
     entries = [p for p in tmp_path.iterdir() if not p.name.endswith("-atime")]
     assert len(entries) == 2, sorted(p.name for p in tmp_path.iterdir())
+
+
+def test_auto_compute_dtype_resolves_once_and_says_why():
+    import ml_collections
+
+    from aqn_jax import compute_dtype
+
+    config = ml_collections.ConfigDict({"model": {"dtype": "auto", "param_dtype": "float32"}})
+    config.lock()
+    lines: list[str] = []
+    compute_dtype.resolve(config, log=lines.append)
+    # Resolved in place to a dtype the model accepts, with the measurement that chose it.
+    assert config.model.dtype in ("float32", "bfloat16")
+    (line,) = lines
+    assert line.startswith(f"config.model.dtype=auto -> {config.model.dtype}: a 256x896x4864")
+    ratio = float(line.split("(")[1].split("x;")[0])
+    assert (config.model.dtype == "bfloat16") == (ratio >= compute_dtype.MIN_SPEEDUP)
+    # An explicit dtype is the user's: left alone, nothing timed or printed.
+    compute_dtype.resolve(config, log=lines.append)
+    assert len(lines) == 1
+    # An accelerator takes bf16 without timing.
+    assert compute_dtype.choose("gpu")[0] == "bfloat16"

@@ -1,0 +1,85 @@
+"""`config.model.dtype='auto'`: bf16 compute where it is faster on the machine at hand.
+
+On an accelerator bf16 products are the fast path (an H100's bf16 tensor cores run ~15x its f32
+rate): 'auto' is bfloat16. On a CPU it depends on the chip: on an Intel Xeon with AMX-BF16 a bf16
+product of the 0.5B model's shapes ran ~5x f32 (issue 43's table), on an AMD EPYC with
+AVX512-BF16 1.1-1.5x, and on one with AVX2 alone bf16 was 1.39x *slower* (issue 30). So on a CPU
+'auto' times the decoder's widest product (M=256 rows x 896 x 4864, f32 accumulation) in both
+dtypes, best of a few calls after a warm-up (~1 s), and takes bfloat16 only when it is at least
+`MIN_SPEEDUP` faster. The choice and its measurement are printed with the run's log and written
+into config.json as the resolved dtype (a run resumes with what it chose).
+
+The master weights and the optimizer state stay `config.model.param_dtype` (float32); bf16 changes
+the forward's numerics (WORKSPACE.md, issue 30: the loss within 0.3% at 0.5B), which is why the
+embedded default keeps float32 and 'auto' is opt-in per config.
+"""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+AUTO = "auto"
+MIN_SPEEDUP = 1.15  # below this, bf16's different numerics are not worth it
+SHAPE = (256, 896, 4864)  # M x K x N: the 0.5B MLP's up projection over 256 rows
+
+
+def cpu_flags() -> tuple[str, ...]:
+    """The bf16-relevant CPU flags from /proc/cpuinfo (empty where it cannot be read)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    have = set(line.split(":", 1)[1].split())
+                    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
+                    return tuple(x for x in wanted if x in have)
+    except OSError:
+        pass
+    return ()
+
+
+def _best_time(dtype, reps: int = 5) -> float:
+    m, k, n = SHAPE
+    rng = np.random.default_rng(0)
+    a = jnp.asarray(rng.standard_normal((m, k)), dtype)
+    b = jnp.asarray(rng.standard_normal((k, n)), dtype)
+    dot = jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32))
+    dot(a, b).block_until_ready()
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        dot(a, b).block_until_ready()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def choose(backend: str | None = None) -> tuple[str, str]:
+    """(the compute dtype for 'auto', the reason as one line)."""
+    backend = backend or jax.default_backend()
+    if backend != "cpu":
+        return "bfloat16", f"on {backend}: bf16 products are the accelerator's fast path"
+    t32, t16 = _best_time(jnp.float32), _best_time(jnp.bfloat16)
+    speedup = t32 / t16
+    flags = ",".join(cpu_flags()) or "unknown"
+    m, k, n = SHAPE
+    measured = (
+        f"a {m}x{k}x{n} product takes {t16 * 1e3:.1f} ms in bf16 and {t32 * 1e3:.1f} ms in f32"
+        f" ({speedup:.2f}x; CPU flags {flags})"
+    )
+    if speedup >= MIN_SPEEDUP:
+        return "bfloat16", f"{measured} >= {MIN_SPEEDUP}x"
+    return "float32", f"{measured} < {MIN_SPEEDUP}x"
+
+
+def resolve(config, log=print) -> None:
+    """Replace `config.model.dtype='auto'` by the chosen dtype, in place, and log why. A
+    config without the field, or with an explicit dtype, is left as it is."""
+    model = config.get("model")
+    if model is None or model.get("dtype") != AUTO:
+        return
+    dtype, why = choose()
+    model.dtype = dtype  # an existing field: allowed on a locked ConfigDict
+    log(f"config.model.dtype=auto -> {dtype}: {why}")
