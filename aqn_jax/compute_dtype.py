@@ -16,6 +16,7 @@ embedded default keeps float32 and 'auto' is opt-in per config.
 
 from __future__ import annotations
 
+import functools
 import time
 
 import jax
@@ -57,8 +58,12 @@ def _best_time(dtype, reps: int = 5) -> float:
 
 
 def choose(backend: str | None = None) -> tuple[str, str]:
-    """(the compute dtype for 'auto', the reason as one line)."""
-    backend = backend or jax.default_backend()
+    """(the compute dtype for 'auto', the reason as one line); measured once per process."""
+    return _choose(backend or jax.default_backend())
+
+
+@functools.cache
+def _choose(backend: str) -> tuple[str, str]:
     if backend != "cpu":
         return "bfloat16", f"on {backend}: bf16 products are the accelerator's fast path"
     t32, t16 = _best_time(jnp.float32), _best_time(jnp.bfloat16)

@@ -76,7 +76,7 @@ a GRPO step at 2 x 2 x 64 with the reference model passed 19.7 GiB of RSS (OOM-k
 the planner's 'CPU process RSS' (22.8 GiB there) bounds.
 """
 
-from aqn_jax.experiment import ARMS, apply_arm, base_config
+from aqn_jax.experiment import ARMS, QERL_ARMS, apply_arm, base_config
 from aqn_jax.study.config import severity_config
 
 FAULT_LAYER = 15  # of 24 (the seed's layer index)
@@ -100,11 +100,12 @@ def get_config(arg: str | None = None):
     config.model.preset = "qwen2p5_0p5b"  # the architecture; hf_path's config.json is used
     config.model.hf_path = ""  # required: the snapshot `python -m aqn_jax.models.gguf` wrote
     config.model.param_dtype = "float32"  # master weights and optimizer state
-    # Activations and matmuls. bf16 depends on the CPU: 1.39x slower than f32 on AVX2 without
-    # AVX-512 BF16 (issue 30), 1.45x faster for 0.5B greedy decode on AVX-512 BF16 (issue 32,
-    # bench/generate.py); f32 stays, so this config's numbers do not depend on the machine.
-    config.model.dtype = "float32"
-    config.model.remat = True  # the update's activations: one layer at a time
+    # Activations and matmuls: bf16 where a timed product says it is >= 1.15x faster on the
+    # machine at hand (aqn_jax/compute_dtype.py; always on an accelerator), else f32; the run's
+    # log says which and why. AVX2 without AVX-512 BF16: bf16 1.39x slower (issue 30); Intel
+    # AMX: ~5x faster products (issue 43). --config.model.dtype=float32 pins it.
+    config.model.dtype = "auto"
+    config.model.remat = True  # the update's activations: one layer at a time (accelerators)
     config.tokenizer_path = ""  # the snapshot's tokenizer and ChatML template
 
     config.data.train_path = ""  # required: GSM8K train.jsonl (or verl's train.parquet)
@@ -112,23 +113,41 @@ def get_config(arg: str | None = None):
     config.data.reward_method = "boxed"  # the last \boxed{N}, else '#### N' (aqn_jax/rewards.py)
     config.sft.enabled = False  # the instruct model answers on its own
 
-    config.rollout.max_prompt_len = 256  # tokens; the longest GSM8K chat prompt is 256
-    config.rollout.prompt_buckets = (256,)
+    # QeRL mode (issue 43): LoRA r32 on every linear over the frozen f32 base (no full-model
+    # gradients or AdamW state: a 0.5B step fits 24 GB with room; --config.lora.rank=0 is full
+    # fine-tuning, --config.model.weight_format=nvfp4 QeRL's NVFP4 base). alpha = rank (scale
+    # 1; verl's advice rank >= 32); lr 2e-5: QeRL's 1e-5 at alpha/rank 0.5 is an update of
+    # 5e-6 per unit of scale, this is 4x that for a run of tens of steps, not hundreds.
+    config.lora.rank = 32
+    config.lora.alpha = 32.0
+    config.actor.lr = 2e-5
+
+    config.rollout.max_prompt_len = 256  # tokens; GSM8K chat prompts are 65-217 tokens here
+    # Prompt buckets: the chat prompts' median is 100 tokens (train and test), 88% are <= 128,
+    # all <= 217, so a step's rows are 128 + 256 wide in most steps, not 256 + 256.
+    config.rollout.prompt_buckets = (128, 192, 256)
     config.rollout.max_new_tokens = 256  # per RL sample
-    config.rollout.n = 4  # samples per prompt (GRPO group)
-    config.data_batch.prompts = 4  # prompts per RL step
-    config.actor.mini_batch_prompts = 4  # one optimizer update per step
-    config.actor.micro_batch_rows = 2  # gradient-accumulation chunk (rows of 512 tokens)
-    config.actor.lr = 1e-6  # a pretrained instruct model: small steps
-    # No reference model (its 2.35 GiB f32 copy): the 5-step run at 4 x 4 x 256 peaked at 22.0
-    # GiB without it; at 2 x 2 x 64 with it a process passed 19.7 GiB (OOM-killed).
+    # GRPO's signal on the faulty device (the step-0 probe, WORKSPACE.md issue 43): at
+    # temperature 1.0 and 4 x 4 samples every score was 0 (no group had an advantage; 56% hit
+    # 256 tokens). 8 samples per prompt: a prompt solved with p = 0.15 has a non-zero advantage
+    # with probability 1 - 0.85^8 - 0.15^8 = 0.73 (0.48 with 4); temperature 0.7 samples nearer
+    # the greedy answer the fault leaves intact.
+    config.rollout.temperature = 0.7
+    config.rollout.n = 8  # samples per prompt (GRPO group)
+    config.data_batch.prompts = 2  # prompts per RL step: 16 rows
+    # One mini-batch and one epoch: on-policy, so the update's own log-probs are the old ones
+    # (config.actor.old_logp_pass='auto': no separate pass, about a seventh of a step).
+    config.actor.mini_batch_prompts = 2
+    config.actor.micro_batch_rows = 2  # gradient-accumulation chunk (rows of 384-512 tokens)
+    # No reference model: in LoRA mode it would be the base with the adapters off (free), but
+    # QeRL and verl's GRPO recipe for GSM8K run without a KL term.
     config.algo.use_kl_loss = False
 
     config.trainer.total_steps = 5
     config.trainer.val_every = 0  # only at the start and the end
     config.trainer.val_size = 32  # test problems per validation
-    config.trainer.val_batch_size = 8
-    config.checkpoint.final = "params"  # the end's checkpoint: params only (2.5 GB of f32)
+    config.trainer.val_batch_size = 32  # one decode batch (issue 43: batch 8 -> 32)
+    config.checkpoint.final = "params"  # the end's checkpoint: the adapters (56 MB of f32)
 
     config.faults.deadzone.layers = str(FAULT_LAYER)
     config.faults.deadzone.severity = "amax"
@@ -138,7 +157,7 @@ def get_config(arg: str | None = None):
     config.diagnosis.num_prompts = 8
 
     config.evaluate.size = 128  # test problems
-    config.evaluate.batch_size = 8
+    config.evaluate.batch_size = 32
 
     if smoke:  # every stage once at the smallest shapes (tests/test_qwen_gsm8k_config.py)
         config.rollout.n = 2
@@ -171,4 +190,9 @@ def get_config(arg: str | None = None):
         config.job = "evaluate"
         config.rollout.max_new_tokens = 4 if smoke else 320  # greedy answers, whole
         return apply_arm(config, "deadzone")
-    return apply_arm(config, name)
+    config = apply_arm(config, name)
+    if name in QERL_ARMS:  # this model's settings, not the embedded model's (rank 16, lr x 10)
+        lora_on = config.lora.rank > 0
+        config.lora.rank, config.lora.alpha = (32, 32.0) if lora_on else (0, 16.0)
+        config.actor.lr = 2e-5 if lora_on else 1e-6  # full fine-tuning: issue 30's 1e-6
+    return config

@@ -11,6 +11,7 @@ import pytest
 
 from aqn_jax.data.gsm8k import load_examples
 from aqn_jax.jobs import check_required
+from aqn_jax.rl import step as rl_step
 
 from conftest import load_config, make_qwen_snapshot
 
@@ -52,7 +53,15 @@ def test_settings_the_issue_asks_for():
     config = load_config(CONFIG, "deadzone")
     assert config.required == ("model.hf_path", "data.train_path", "data.test_path")
     assert config.data.reward_method == "boxed"
-    assert min(config.rollout.prompt_buckets) >= 256 and config.rollout.max_prompt_len == 256
+    # Every chat prompt fits the largest bucket; most fit the smallest (128 of 217 at most).
+    assert max(config.rollout.prompt_buckets) == config.rollout.max_prompt_len == 256
+    # QeRL mode by default (issue 43): LoRA r32, and an on-policy update with no old-log-prob
+    # pass; the compute dtype chosen on the machine at hand.
+    assert (config.lora.rank, config.model.dtype) == (32, "auto")
+    assert rl_step.hyper_from(config).on_policy
+    nvfp4, full = load_config(CONFIG, "nvfp4_lora"), load_config(CONFIG, "full")
+    assert (nvfp4.lora.rank, nvfp4.actor.lr, nvfp4.model.weight_format) == (32, 2e-5, "nvfp4")
+    assert (full.lora.rank, full.actor.lr) == (0, 1e-6)
     assert config.data_batch.prompts * config.rollout.n >= 16
     assert config.rollout.max_new_tokens >= 256
     assert config.checkpoint.final == "params" and not config.sft.enabled

@@ -16,6 +16,8 @@ import jax
 import ml_collections
 import numpy as np
 
+from aqn_jax import compute_dtype
+
 from .hf import config_from_hf, load_hf_checkpoint
 from .qwen2 import _DTYPES, PRESETS, Qwen2Config
 from .registry import causal_lm
@@ -48,11 +50,15 @@ def model_config(model_cfg: Any) -> Qwen2Config:
     """
     for field in ("param_dtype", "dtype"):
         value = model_cfg[field]
-        if value not in _DTYPES:
-            raise ValueError(f"config.model.{field}={value!r}; allowed: {sorted(_DTYPES)}")
-    numerics = dict(
-        param_dtype=model_cfg.param_dtype, dtype=model_cfg.dtype, remat=bool(model_cfg.remat)
-    )
+        auto = (compute_dtype.AUTO,) if field == "dtype" else ()
+        if value not in (*_DTYPES, *auto):
+            raise ValueError(
+                f"config.model.{field}={value!r}; allowed: {sorted(_DTYPES) + list(auto)}"
+            )
+    dtype = model_cfg.dtype
+    if dtype == compute_dtype.AUTO:  # launch resolves and logs it; a direct caller measures
+        dtype = compute_dtype.choose()[0]
+    numerics = dict(param_dtype=model_cfg.param_dtype, dtype=dtype, remat=bool(model_cfg.remat))
     num_layers = model_cfg.get("num_layers", 0)
     if not isinstance(num_layers, int) or isinstance(num_layers, bool) or num_layers < 0:
         raise ValueError(
