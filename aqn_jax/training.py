@@ -233,7 +233,8 @@ def run(config, workdir: str) -> None:
                 state, m = loop.step(state, step)
             except RollbackNeeded as e:  # the guard's last resort (config.sdc.guard)
                 state, step = rollback(e)
-                del history[step:]  # the rows of the steps to redo
+                del history[step:]  # the rows of the steps to redo: one row a step stays
+                writer.rewind(history)
                 continue
             m["timing_s/step"] += wait
             every = config.trainer.val_every

@@ -627,3 +627,26 @@ def test_guard_skip_and_rollback_paths(sft_cache, tmp_path):
     assert rows[1]["sdc/rolled_back"] == 1.0 and rows[1]["sdc/recomputed"] == 0.0
     assert rows[2]["sdc/rolled_back"] == 0.0
     assert all(np.isfinite(v) for k, v in rows[2].items() if not k.startswith("timing"))
+
+
+def test_injected_rollout_is_the_total_over_the_rollouts_forward_calls():
+    # One element flipped per call at each of two tensors (down_proj of layers 0 and 1): the
+    # sampler's prefill and each decode step are one call, and a step's rollout ran
+    # 1 + (its longest response) calls, so sdc/injected_rollout = 2 x (1 + longest response).
+    from aqn_jax.rl.sampler import Sampler, SamplingParams
+    from aqn_jax.rl.trainer import sdc_metrics
+
+    fault = BitFault("flip", bits=(3,), count=1)  # a low mantissa bit: decoding goes on
+    plan = FaultPlan([Injection("bitflip", SiteSelector(("down_proj",), (0, 1)), Bits(fault))])
+    sp = SamplingParams(max_new_tokens=6, eos_id=1, pad_id=0, temperature=0.0)
+    out = Sampler(MODEL, sp, plan, buckets=(IDS.shape[1],))(
+        PARAMS, IDS, np.ones_like(IDS), jax.random.key(0)
+    )
+    longest = int(out.response_mask.sum(1).max())
+    # The sampler's per-call means: one flip per tensor in every call.
+    stats = summarize_stats(out.fault_stats)
+    per_call = [float(v) for k, v in stats.items() if k.startswith("bitflip.flips/layers_")]
+    assert per_call == [1.0, 1.0], stats
+    m = sdc_metrics({"response_length/max": float(longest)}, out.fault_stats, {})
+    assert m["sdc/injected_rollout"] == 2 * (1 + longest)
+    assert m["sdc/detected_abft_rollout"] == 0.0  # no ABFT in this plan
