@@ -211,7 +211,11 @@ def check_train(config, workdir: str | None = None, cache: dict | None = None) -
     check_diagnosis(config.diagnosis)
     hw = fault_plan(config.faults, n)  # fault layers within the model, fields valid
     check_bit_dtypes(config.faults, model_cfg.dtype, model_cfg.param_dtype)
-    guard_spec(config.get("sdc"))  # config.sdc: the guard's fields
+    if guard_spec(config.get("sdc")).abft_backward and lora_spec(config.get("lora")).enabled:
+        raise ValueError(
+            "config.sdc.abft_backward=True with config.lora.rank > 0: the backward checks cover"
+            " a plain linear's dX and dW, not the adapter's terms; turn one of them off"
+        )
     # The AQN arm parses now; 'located' / 'srdd' get their layers from the diagnosis later.
     build_plan(
         config.faults, config.aqn, n, srdd_sigmas=dict.fromkeys(range(n), 0.05), srdd_layers=[0]

@@ -54,27 +54,42 @@ class MetricsWriter:
         self.path = os.path.join(workdir, METRICS_FILE)
         self._tb = None
         if self.enabled and tensorboard:
-            from tensorboardX import SummaryWriter
+            self._open_tensorboard(os.path.join(workdir, TENSORBOARD_DIR), replay)
 
-            tb_dir = os.path.join(workdir, TENSORBOARD_DIR)
-            if replay is not None:
-                # Events are rebuilt from the rows: the old ones are set aside first, removed
-                # once the rows are flushed (a kill in between is repaired by the next start).
-                old = tb_dir + ".old"
-                shutil.rmtree(old, ignore_errors=True)
-                if os.path.exists(tb_dir):
-                    os.rename(tb_dir, old)
-            self._tb = SummaryWriter(tb_dir)
-            if replay is not None:
-                for row in replay:
-                    _add_scalars(self._tb, row)
-                self._tb.flush()
-                shutil.rmtree(old, ignore_errors=True)
+    def _open_tensorboard(self, tb_dir: str, replay) -> None:
+        from tensorboardX import SummaryWriter
+
+        if replay is not None:
+            # Events are rebuilt from the rows: the old ones are set aside first, removed
+            # once the rows are flushed (a kill in between is repaired by the next start).
+            old = tb_dir + ".old"
+            shutil.rmtree(old, ignore_errors=True)
+            if os.path.exists(tb_dir):
+                os.rename(tb_dir, old)
+        self._tb = SummaryWriter(tb_dir)
+        if replay is not None:
+            for row in replay:
+                _add_scalars(self._tb, row)
+            self._tb.flush()
+            shutil.rmtree(old, ignore_errors=True)
+
+    def rewind(self, rows) -> None:
+        """Back to `rows` (steps 0..k): a rollback (config.sdc) redoes the steps after k, so
+        their rows are dropped from metrics.jsonl (atomically) and the TensorBoard events are
+        rebuilt from `rows`; each step then has one row, its accepted attempt's."""
+        if not self.enabled:
+            return
+        rows = [_row(r["step"], r) for r in rows]
+        _write_rows(self.path, rows)
+        if self._tb is not None:
+            tb_dir = self._tb.logdir
+            self._tb.close()
+            self._open_tensorboard(tb_dir, rows)
 
     def write(self, step: int, metrics: Mapping[str, Any]) -> None:
         if not self.enabled:
             return
-        row = {"step": int(step), **{k: _jsonable(v) for k, v in metrics.items() if k != "step"}}
+        row = _row(step, metrics)
         with open(self.path, "a") as f:
             f.write(json.dumps(row) + "\n")
         if self._tb is not None:
@@ -148,6 +163,10 @@ def tb_tag(name: str) -> str:
     (tensorboardX's own rule, which it applies with an INFO line per call). metrics.jsonl keeps
     the name."""
     return re.sub(r"[^-/\w.]", "_", name.replace("@", "_at_")).lstrip("/")
+
+
+def _row(step, metrics: Mapping[str, Any]) -> dict[str, Any]:
+    return {"step": int(step), **{k: _jsonable(v) for k, v in metrics.items() if k != "step"}}
 
 
 def _jsonable(v):

@@ -44,7 +44,7 @@ from aqn_jax.models.registry import causal_lm, family_of, init_cache
 from aqn_jax.report import print_summary, run_summary, summary_spec, write_run_report
 from aqn_jax.rl import sampler as rl_sampler
 from aqn_jax.rl import step as rl_step
-from aqn_jax.rl.guard import RollbackNeeded
+from aqn_jax.rl.guard import RollbackNeeded, guard_spec
 from aqn_jax.rl.rollout_correction import correct
 from aqn_jax.rl.trainer import Trainer, loop_spec, prompt_batcher, train_batch
 from aqn_jax.warm_start import warm_start
@@ -111,9 +111,9 @@ def run(config, workdir: str) -> None:
         srdd_sigmas=srdd_sigmas,
         srdd_layers=None if diagnosis is None else diagnosis["verdict"]["layers"],
     )
-    sdc = config.get("sdc")  # SDC detection: ABFT checks after the faults (rl/guard.py)
-    if sdc is not None and sdc.abft:
-        plan = with_abft(plan)
+    sdc = guard_spec(config.get("sdc"))  # SDC detection: ABFT checks after the faults
+    if sdc.abft or sdc.abft_backward:
+        plan = with_abft(plan, forward=sdc.abft, backward=sdc.abft_backward)
     print(plan.describe())
     manifest = {
         phase: plan.trace_manifest(causal_lm(model_cfg), float_params, phase)
@@ -233,7 +233,8 @@ def run(config, workdir: str) -> None:
                 state, m = loop.step(state, step)
             except RollbackNeeded as e:  # the guard's last resort (config.sdc.guard)
                 state, step = rollback(e)
-                del history[step:]  # the rows of the steps to redo
+                del history[step:]  # the rows of the steps to redo: one row a step stays
+                writer.rewind(history)
                 continue
             m["timing_s/step"] += wait
             every = config.trainer.val_every

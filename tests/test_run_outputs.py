@@ -156,3 +156,23 @@ def test_a_diverged_state_is_never_saved():
         check_sane(6, ok, {"actor/grad_norm": 3e6}, bounds)
     bounds.max_grad_norm = 0  # 0 = no bound
     check_sane(7, ok, {"actor/grad_norm": 3e6}, bounds)
+
+
+def test_rollback_rewinds_to_one_row_a_step(tmp_path):
+    # A guarded run rolls back (config.sdc) to step 1 after steps 2 and 3 were logged: the redone
+    # steps' rows replace the first ones (metrics.jsonl and TensorBoard: one row a step, the
+    # accepted attempt's), and the file still satisfies the resume rule.
+    writer, history = open_run(str(tmp_path), None, log=lambda m: None)
+    for s in range(4):
+        history.append({"step": float(s), "critic/score/mean": 0.1 * s})
+        writer.write(s, history[-1])
+    del history[2:]
+    writer.rewind(history)
+    for s in (2, 3):
+        writer.write(s, {"critic/score/mean": 1.0 + s})
+    writer.close()
+    rows = read_metrics(str(tmp_path))
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]  # without the rewind: 0, 1, 2, 3, 2, 3
+    assert [r["critic/score/mean"] for r in rows] == pytest.approx([0.0, 0.1, 3.0, 4.0])
+    assert sorted(_tensorboard_steps(tmp_path)) == [0, 1, 2, 3]
+    open_run(str(tmp_path), 3)[0].close()  # resumable: exactly one row for each step 0..3

@@ -627,3 +627,129 @@ def test_guard_skip_and_rollback_paths(sft_cache, tmp_path):
     assert rows[1]["sdc/rolled_back"] == 1.0 and rows[1]["sdc/recomputed"] == 0.0
     assert rows[2]["sdc/rolled_back"] == 0.0
     assert all(np.isfinite(v) for k, v in rows[2].items() if not k.startswith("timing"))
+
+
+def test_injected_rollout_is_the_total_over_the_rollouts_forward_calls():
+    # One element flipped per call at each of two tensors (down_proj of layers 0 and 1): the
+    # sampler's prefill and each decode step are one call, and a step's rollout ran
+    # 1 + (its longest response) calls, so sdc/injected_rollout = 2 x (1 + longest response).
+    from aqn_jax.rl.sampler import Sampler, SamplingParams
+    from aqn_jax.rl.trainer import sdc_metrics
+
+    fault = BitFault("flip", bits=(3,), count=1)  # a low mantissa bit: decoding goes on
+    plan = FaultPlan([Injection("bitflip", SiteSelector(("down_proj",), (0, 1)), Bits(fault))])
+    sp = SamplingParams(max_new_tokens=6, eos_id=1, pad_id=0, temperature=0.0)
+    out = Sampler(MODEL, sp, plan, buckets=(IDS.shape[1],))(
+        PARAMS, IDS, np.ones_like(IDS), jax.random.key(0)
+    )
+    longest = int(out.response_mask.sum(1).max())
+    # The sampler's per-call means: one flip per tensor in every call.
+    stats = summarize_stats(out.fault_stats)
+    per_call = [float(v) for k, v in stats.items() if k.startswith("bitflip.flips/layers_")]
+    assert per_call == [1.0, 1.0], stats
+    m = sdc_metrics({"response_length/max": float(longest)}, out.fault_stats, {})
+    assert m["sdc/injected_rollout"] == 2 * (1 + longest)
+    assert m["sdc/detected_abft_rollout"] == 0.0  # no ABFT in this plan
+
+
+# --- ABFT on the backward products (config.sdc.abft_backward) --------------------------------
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_backward_abft_catches_flips_above_its_tolerance_and_claims_none_below(dtype):
+    # dX = g Wᵀ and dW = xᵀ g as autodiff forms them for the Linear's expression, one flip per
+    # row of each at every bit position in turn; the same derived tolerance as the forward's
+    # (inner dimension O for dX, the N tokens for dW).
+    from aqn_jax.faults import bitfaults
+    from aqn_jax.faults.ops import linear
+
+    backward_checks = jax.jit(bitfaults.backward_checks)
+
+    width = bits.layout(dtype)[0]
+    kx, kw, kg, kc = jax.random.split(jax.random.key(5), 4)
+    N, K, O = 512, 64, 128
+    x = jax.random.normal(kx, (N, K)).astype(dtype)
+    w = (jax.random.normal(kw, (K, O)) / 8).astype(dtype)
+    g = jax.random.normal(kg, (N, O)).astype(dtype)
+    _, vjp = jax.vjp(lambda x, w: linear(x, w, None), x, w)
+    dx, dw = vjp(g)
+    assert jax.jit(bitfaults.backward_detections)(x, w, g, dx, dw).tolist() == [0.0, 0.0]
+    for which in (0, 1):  # dX (N rows), dW (K rows)
+        y = (dx, dw)[which]
+        (_, resid, tol) = backward_checks(x, w, g, dx, dw)[which]
+        bit_of_row = jnp.arange(y.shape[0]) % width
+        y2 = one_flip_per_row(y, bit_of_row, kc)
+        planted = (y2, dw) if which == 0 else (dx, y2)
+        flagged = np.asarray(backward_checks(x, w, g, *planted)[which][0])
+        with np.errstate(invalid="ignore"):  # inf - inf where a flip made an inf
+            delta = np.abs(np.asarray(y2, np.float64) - np.asarray(y, np.float64)).sum(1)
+        delta = np.where(np.isfinite(delta), delta, np.inf)
+        above = delta > 2 * np.asarray(tol)  # a change rounding cannot reach: caught
+        assert above.sum() >= y.shape[0] // (4 if dtype == jnp.float32 else 32), which
+        assert np.all(flagged[above]), which
+        below = delta < np.asarray(tol) - np.asarray(resid)  # within the clean headroom
+        assert below.sum() > y.shape[0] // 8 and not np.any(flagged[below]), which
+        assert np.all(below[np.asarray(bit_of_row) == 0])  # the lowest mantissa bit: never
+
+
+ONE_LAYER = Qwen2Config.tiny(num_hidden_layers=1)
+
+
+def _backward_abft_probe(plan, params, model, ids, step):
+    """The probe's gradient ([layers, linear kinds, (dX, dW)]: rows flagged) of one
+    differentiated pass of `model` under `plan` at RL step `step` (what
+    `rl/step.sdc_accumulate` does)."""
+    from aqn_jax.faults.bitfaults import abft_probe, backward_probe
+
+    values = {SDC_STEP: jnp.float32(step), SDC_ATTEMPT: jnp.float32(0)}
+
+    def loss(pp):
+        with backward_probe(pp[1]), plan.apply("train", key=step_key(0, 1, "train"), values=values):
+            logits = model.apply({"params": pp[0]}, ids)
+        return jnp.mean(logits.astype(jnp.float32) ** 2)
+
+    probe = abft_probe(model.config.num_hidden_layers)
+    return jax.grad(loss)((params, probe))[1]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_backward_abft_flags_the_corrupted_product_at_its_site_and_no_clean_row(dtype):
+    # One program (the fault's `steps` are traced): at step 1 the exponent's top bit of one of the
+    # one-layer model's down_proj dW elements flips (count=1), at step 2 of its o_proj dX;
+    # backward ABFT on every linear. Step 1: exactly that product's one row is flagged, nothing
+    # elsewhere (dW does not flow on); step 2: that site's dX. Then 200 clean passes (step 3,
+    # random token batches): no row flagged in any linear's dX or dW.
+    import dataclasses
+
+    from aqn_jax.faults.bitfaults import PRODUCTS
+    from aqn_jax.faults.config import with_abft
+    from aqn_jax.faults.sites import LINEAR_KINDS
+
+    top = bits.layout(dtype)[0] - 2  # the exponent's top bit: 30 (f32), 14 (bf16)
+    flip = lambda s: BitFault(bits=(top,), count=1, steps=(s,))  # noqa: E731
+    faults = [
+        Injection("bitflip_dw", SiteSelector(("down_proj",), (0,)), BitsLinear(flip(1), "dw")),
+        Injection("bitflip_dx", SiteSelector(("o_proj",), (0,)), BitsLinear(flip(2), "dx")),
+    ]
+    plan = with_abft(FaultPlan(faults), forward=False, backward=True)
+    model = Qwen2ForCausalLM(dataclasses.replace(ONE_LAYER, dtype=dtype))
+    params = random_params(ONE_LAYER, seed=1)
+
+    @jax.jit
+    def counts(params, keys, steps):
+        def one(ks):
+            ids = jax.random.randint(ks[0], IDS.shape, 0, CONFIG.vocab_size)
+            return _backward_abft_probe(plan, params, model, ids, ks[1])
+
+        return jax.lax.map(one, (keys, steps))
+
+    steps = jnp.asarray([1, 2] + [3] * 200, jnp.float32)
+    out = np.asarray(counts(params, jax.random.split(jax.random.key(12), len(steps)), steps))
+    down, o = LINEAR_KINDS.index("down_proj"), LINEAR_KINDS.index("o_proj")
+    dx, dw = PRODUCTS.index("dx"), PRODUCTS.index("dw")
+    assert out[0, 0, down, dw] == 1 and out[0].sum() == 1
+    assert out[1, 0, o, dx] >= 1
+    assert out.shape == (202, 1, 7, 2) and out[2:].sum() == 0.0
+    if dtype == "float32":  # outside a differentiated pass: the module's own computation
+        np.testing.assert_array_equal(
+            program(with_abft(FaultPlan(), forward=False, backward=True))()[0],
+            program(FaultPlan())()[0],
+        )

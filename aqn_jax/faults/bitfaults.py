@@ -26,15 +26,18 @@ call.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
 import zlib
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from aqn_jax.models import registry
 
@@ -201,28 +204,37 @@ class ScaleFlip(TransformBase):
         return f"mx_scale_flip[{self.format}]({self.fault.describe().split('(', 1)[1]}"
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _bits_linear(which: str, mode: str, x, w, b, lora, mask):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _sdc_linear(which, mode, cell, x, w, b, lora, mask, probe):
+    """`ops.linear` whose backward product `which` (dx | dw | None) gets `mask`'s bits, and,
+    with a `probe` (backward ABFT), whose backward products are then checked: the rows flagged
+    in dX and dW are added at `probe[cell]` of the probe's cotangent."""
     return ops.linear(x, w, b, lora)
 
 
-def _bits_linear_fwd(which, mode, x, w, b, lora, mask):
+def _sdc_linear_fwd(which, mode, cell, x, w, b, lora, mask, probe):
     y, vjp = jax.vjp(ops.linear, x, w, b, lora)
-    return y, (vjp, mask)
+    return y, (vjp, mask, None if probe is None else (x, w, probe))
 
 
-def _bits_linear_bwd(which, mode, res, g):
-    vjp, mask = res
+def _sdc_linear_bwd(which, mode, cell, res, g):
+    vjp, mask, check = res
     dx, dw, db, dlora = vjp(g)  # the products autodiff forms, in x's and w's dtypes
     # The product as the unit writes it back, then corrupted.
     if which == "dx":
         dx = bits.apply_bits(dx, mask, mode)
-    else:
+    elif which == "dw":
         dw = bits.apply_bits(dw, mask, mode)
-    return dx, dw, db, dlora, None
+    dprobe = None
+    if check is not None:  # the checks see the products as written (after the fault)
+        x, w, probe = check
+        at = np.zeros(probe.shape, np.float32)  # a constant one-hot of the cell (no scatter)
+        at[cell] = 1.0
+        dprobe = jnp.asarray(at) * backward_detections(x, w, g, dx, dw)
+    return dx, dw, db, dlora, None, dprobe
 
 
-_bits_linear.defvjp(_bits_linear_fwd, _bits_linear_bwd)
+_sdc_linear.defvjp(_sdc_linear_fwd, _sdc_linear_bwd)
 
 
 def _module_linear(module, args):
@@ -244,6 +256,7 @@ class BitsLinear(TransformBase):
     fault: BitFault
     which: str = "dx"
     kind: str = "bitflip"
+    abft: bool = False  # backward ABFT on this linear too (`AbftBackward` yields to it here)
     level = "op"
     allowed_kinds = LINEAR_KINDS
 
@@ -259,7 +272,9 @@ class BitsLinear(TransformBase):
         # `bwd_flips`: they happen only if this call is differentiated (the update's passes,
         # not prepare's or the sampler's); the caller counts them where it differentiates.
         ctx.sow("bwd_flips", bits.popcount(mask).astype(jnp.float32))
-        return _bits_linear(self.which, self.fault.mode, x, w, b, lora, mask)
+        probe = _PROBE.get() if self.abft else None
+        cell = _probe_cell(ctx.site)
+        return _sdc_linear(self.which, self.fault.mode, cell, x, w, b, lora, mask, probe)
 
     def value_names(self) -> frozenset[str]:
         return self.fault.value_names()
@@ -346,16 +361,19 @@ def abft_tolerance(absprod_N, absy_N, absb: jax.Array, K: int, O: int, out_dtype
       Σ_j y_ij summed in float32 errs by γ_O (B_i + Σ|b|);
       W 1 errs by γ_O Σ_j |W_kj| per k, then x·(W 1) by γ_K: (γ_O + γ_K) A_i.
     So |residual| ≤ (2 γ_K + γ_O) A_i + (2 u_out + γ_O)(B_i + Σ|b|) to first order; the
-    factor 1 + 2^-10 covers the second-order terms and the float32 evaluation of A and B
-    themselves (each within γ_K or γ_O ≪ 2^-10 of exact for K, O < 2^13); K+O+2 times the
+    factor 1 + max(2^-10, 2 γ_max(K,O)) covers the second-order terms and the float32
+    evaluation of A and B themselves (each within γ_K or γ_O of exact); K+O+2 times the
     smallest normal covers results that flush. A worst case over summation orders and signs:
     in bf16 the output casts dominate (2^-7 of Σ|y|), so only flips that move a row's sum by
     more than that are caught; in float32 the bound is ~K 2^-24 of Σ|x||W|.
     """
     u = 2.0**-24
     u_out = float(jnp.finfo(out_dtype).eps) / 2
-    coef_a = (1 + 2.0**-10) * (2 * _gamma(K, u) + _gamma(O, u))
-    coef_b = (1 + 2.0**-10) * (2 * u_out + _gamma(O, u))
+    # The evaluation of A and B errs by at most γ_max(K,O) relatively: 2^-10 covers it below
+    # K, O of 2^13; a longer sum (dW's inner dimension is the batch's tokens) widens the factor.
+    slack = 1 + max(2.0**-10, 2 * _gamma(max(K, O), u))
+    coef_a = slack * (2 * _gamma(K, u) + _gamma(O, u))
+    coef_b = slack * (2 * u_out + _gamma(O, u))
     tiny = (K + O + 2) * float(jnp.finfo(jnp.float32).tiny)
     return coef_a * absprod_N + coef_b * (absy_N + absb) + tiny
 
@@ -399,6 +417,70 @@ class Abft(TransformBase):
 
     def describe(self) -> str:
         return "abft(row checksums, derived tolerance)"
+
+
+# Backward ABFT: a backward pass cannot sow, so the rows its checks flag leave it as the
+# cotangent of a probe, zeros of [layers, LINEAR_KINDS, (dX, dW)] that the update differentiates
+# beside the params (`rl/step.sdc_accumulate`) and hands to the checks through this variable.
+_PROBE: contextvars.ContextVar = contextvars.ContextVar("abft_backward_probe", default=None)
+PRODUCTS = ("dx", "dw")  # the probe's last axis
+
+
+def abft_probe(num_layers: int) -> jax.Array:
+    return jnp.zeros((num_layers, len(LINEAR_KINDS), len(PRODUCTS)), jnp.float32)
+
+
+@contextlib.contextmanager
+def backward_probe(probe):
+    """Within (while a differentiated pass is traced): the linears' backward checks add the
+    rows they flag to `probe`'s cotangent; outside, a backward ABFT linear is the plain one."""
+    token = _PROBE.set(probe)
+    try:
+        yield
+    finally:
+        _PROBE.reset(token)
+
+
+def _probe_cell(site: Site) -> tuple[int, int]:
+    return site.layer, LINEAR_KINDS.index(site.kind)
+
+
+def backward_checks(x, w, g, dx, dw):
+    """`abft_check` of a linear's backward products, (dX's, dW's), each as the forward is
+    checked (its derived tolerance): dX = g Wᵀ as a linear of g with kernel Wᵀ (inner
+    dimension O, checksum g (Wᵀ 1)), dW = xᵀ g as a linear of xᵀ with kernel g (inner
+    dimension N, the tokens; checksum xᵀ (g 1))."""
+    K, O = w.shape
+    x_NK, g_NO = x.reshape(-1, K), g.reshape(-1, O)
+    return abft_check(g_NO, w.T, None, dx.reshape(-1, K)), abft_check(x_NK.T, g_NO, None, dw)
+
+
+def backward_detections(x, w, g, dx, dw) -> jax.Array:
+    """Rows flagged in a linear's backward products, [dX rows, dW rows] (float32)."""
+    return jnp.stack([jnp.sum(c[0], dtype=jnp.float32) for c in backward_checks(x, w, g, dx, dw)])
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class AbftBackward(TransformBase):
+    """ABFT on a linear's backward products dX and dW (`backward_detections`), in the passes the
+    update differentiates (`backward_probe`); elsewhere the module's own computation. At a site
+    where a fault redoes the linear (an op-level transform) it yields (`fallback`): a
+    `BitsLinear` there carries the check itself (`abft=True`, `faults.config.with_abft`); a
+    noisy linear's products are not checked (its error is the device's, not a corruption)."""
+
+    level = "op"
+    allowed_kinds = LINEAR_KINDS
+    fallback: ClassVar[bool] = True
+
+    def __call__(self, module, args, ctx: Ctx):
+        x, w, b, lora = _module_linear(module, args)
+        probe = _PROBE.get()
+        if probe is None:
+            return ops.linear(x, w, b, lora)
+        return _sdc_linear(None, "flip", _probe_cell(ctx.site), x, w, b, lora, None, probe)
+
+    def describe(self) -> str:
+        return "abft_backward(dX and dW row checksums, derived tolerance)"
 
 
 def traced_bit(plan) -> int | None:

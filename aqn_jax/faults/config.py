@@ -14,6 +14,7 @@ is placed among these injections by `aqn_jax.aqn.plan.build_plan`.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -24,6 +25,7 @@ from .bitfaults import (
     BACKWARD_POINTS,
     TARGETS,
     Abft,
+    AbftBackward,
     BitFault,
     Bits,
     BitsLinear,
@@ -405,8 +407,24 @@ def fault_plan(faults: Any, num_layers: int) -> FaultPlan:
     return plan
 
 
-def with_abft(plan: FaultPlan, phases=("rollout", "train")) -> FaultPlan:
+def with_abft(
+    plan: FaultPlan, phases=("rollout", "train"), forward: bool = True, backward: bool = False
+) -> FaultPlan:
     """`plan` with ABFT row checksums on every linear of every layer (`config.sdc.abft`),
-    after the faults at each site: detection, not a fault (`bitfaults.Abft`)."""
-    check = Injection("abft", SiteSelector(("linear",), "all", "output"), Abft(), phases)
-    return FaultPlan((*plan.injections, check))
+    after the faults at each site: detection, not a fault (`bitfaults.Abft`); with `backward`
+    (`config.sdc.abft_backward`) also on the backward products dX and dW of every linear in the
+    passes the update differentiates (`bitfaults.AbftBackward`; where a bit fault corrupts dX
+    or dW it carries the check, after its flips)."""
+    every = SiteSelector(("linear",), "all", "output")
+    injections = list(plan.injections)
+    if backward:
+        injections = [
+            dataclasses.replace(inj, transform=dataclasses.replace(inj.transform, abft=True))
+            if isinstance(inj.transform, BitsLinear)
+            else inj
+            for inj in injections
+        ]
+        injections.append(Injection("abft_bwd", every, AbftBackward(), ("train",)))
+    if forward:
+        injections.append(Injection("abft", every, Abft(), phases))
+    return FaultPlan(tuple(injections))

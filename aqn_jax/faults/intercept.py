@@ -294,6 +294,8 @@ class _Run:
 
         op = [(i, inj) for i, inj in chosen if inj.transform.level == "op"]
         checks = [(i, inj) for i, inj in chosen if inj.transform.level == "check"]
+        if len(op) > 1:  # a fallback (backward ABFT's linear) yields to a fault's op
+            op = [(i, inj) for i, inj in op if not inj.transform.fallback] or op[:1]
         if len(op) > 1:
             raise ValueError(
                 f"{site}: more than one op-level injection ({[inj.name for _, inj in op]})"

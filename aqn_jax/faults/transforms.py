@@ -104,6 +104,7 @@ class Transform(Protocol):
     level: ClassVar[str]  # value | op | check | tree
     allowed_kinds: ClassVar[tuple[str, ...] | None]  # module kinds it may select; None: any
     scope: str | None  # the tokens a tensor-wide statistic covers (ops.SCOPES), for the manifest
+    fallback: ClassVar[bool]  # an op-level one that yields to another op-level one at a site
 
     def describe(self) -> str: ...
 
@@ -118,6 +119,7 @@ class TransformBase:
     level: ClassVar[str] = "value"
     allowed_kinds: ClassVar[tuple[str, ...] | None] = None
     scope: str | None = None
+    fallback: ClassVar[bool] = False
 
     def value_names(self) -> frozenset[str]:
         return frozenset()

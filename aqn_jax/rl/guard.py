@@ -46,6 +46,7 @@ class GuardSpec:
     window: int = 20  # accepted steps the robust z looks back over
     z: float = 6.0  # |robust z| of log grad-norm or log update-RMS above which a step is flagged
     abft: bool = False
+    abft_backward: bool = False
 
     @property
     def on(self) -> bool:
@@ -56,6 +57,7 @@ def sdc_config():
     """`config.sdc`: detection and recovery, everything off."""
     c = ml_collections.ConfigDict()
     c.abft = False  # row checksums on every linear (rollout and train passes; detections logged)
+    c.abft_backward = False  # also on every linear's dX and dW in the update's backward passes
     c.guard = "none"  # none | skip | recompute
     c.max_recomputes = 2  # failed recomputes of one step before the run rolls back
     c.window = 20  # accepted steps the anomaly's robust z looks back over
@@ -82,6 +84,7 @@ def guard_spec(sdc: Any) -> GuardSpec:
         window=int(sdc.window),
         z=float(sdc.z),
         abft=bool(sdc.abft),
+        abft_backward=bool(sdc.get("abft_backward", False)),
     )
 
 

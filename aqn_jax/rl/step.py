@@ -41,8 +41,16 @@ from jax.sharding import Mesh, NamedSharding
 
 from aqn_jax import lora as lora_lib
 from aqn_jax import parallel, quant_base
-from aqn_jax.faults.bitfaults import SDC_ATTEMPT, SDC_BIT, SDC_STEP
+from aqn_jax.faults.bitfaults import (
+    PRODUCTS,
+    SDC_ATTEMPT,
+    SDC_BIT,
+    SDC_STEP,
+    abft_probe,
+    backward_probe,
+)
 from aqn_jax.faults.intercept import FaultPlan
+from aqn_jax.faults.sites import LINEAR_KINDS
 from aqn_jax.forward import Weights, forward
 from aqn_jax.lora import LoraSpec
 from aqn_jax.models.factory import logical_axes
@@ -250,6 +258,7 @@ class SdcSpec:
     guard: GuardSpec = GuardSpec()  # config.sdc; when on: sdc/update_rms and sdc/moments_ok
     sites: bool = False  # bit faults or ABFT at module calls of the train passes
     moment_bound: float | None = None  # optim.moment_bound of the actor's clip
+    abft_backward: bool = False  # config.sdc.abft_backward: `sdc_accumulate`'s probe
 
     @property
     def trees(self) -> bool:
@@ -269,6 +278,7 @@ def sdc_spec(spec: StepSpec, plan: FaultPlan, total_updates: int) -> SdcSpec | N
         for target in ("gradient", "optimizer")
     }
     sites = any(inj.name in SDC_KINDS for inj in train if inj.transform.level != "tree")
+    sites = sites or spec.guard.abft_backward
     if not (trees["gradient"] or trees["optimizer"] or sites or spec.guard.on):
         return None
     return SdcSpec(
@@ -277,6 +287,7 @@ def sdc_spec(spec: StepSpec, plan: FaultPlan, total_updates: int) -> SdcSpec | N
         guard=spec.guard,
         sites=sites,
         moment_bound=optim_lib.moment_bound(spec.actor.grad_clip, total_updates),
+        abft_backward=spec.guard.abft_backward,
     )
 
 
@@ -705,6 +716,26 @@ def accumulate(loss_fn, params, mb, denom, base):
     return grads, mets
 
 
+def sdc_accumulate(static: Static, loss_fn, params, mb, denom, base):
+    """`accumulate`; with backward ABFT (config.sdc.abft_backward) also the rows its checks
+    flagged in the backward products, as metrics `sdc_abft_bwd/<layer>/<kind>/<dx|dw>`
+    (summed over the micro-batches). A backward pass cannot sow: each checked linear adds its
+    count to the cotangent of a probe of zeros (`bitfaults.backward_probe`) differentiated
+    beside the params, so the counts leave the backward pass as that probe's gradient."""
+    if static.sdc is None or not static.sdc.abft_backward:
+        return accumulate(loss_fn, params, mb, denom, base)
+
+    def probed(pp, mic, d, k):
+        with backward_probe(pp[1]):
+            return loss_fn(pp[0], mic, d, k)
+
+    probe = abft_probe(static.model_cfg.num_hidden_layers)
+    (grads, counts), mets = accumulate(probed, (params, probe), mb, denom, base)
+    for (layer, j, p), _ in np.ndenumerate(np.zeros(probe.shape)):
+        mets[f"sdc_abft_bwd/{layer}/{LINEAR_KINDS[j]}/{PRODUCTS[p]}"] = counts[layer, j, p]
+    return grads, mets
+
+
 def mini_batches(static: Static, batch):
     """The batch as [mini-batches, micro-batches, rows, ...]."""
     M, G = static.h.mini_batches, static.h.micro_batches
@@ -723,7 +754,7 @@ def minibatch_grads(static: Static, params, mb, key, idx, values, frozen=None):
         weights = lora_lib.weights(static.lora, frozen, p) if static.lora.enabled else p
         return actor_loss(static, weights, mic, d, k, values)
 
-    grads, mets = accumulate(loss, params, mb, denom, base)
+    grads, mets = sdc_accumulate(static, loss, params, mb, denom, base)
     return grads, mets, denom
 
 
@@ -808,6 +839,14 @@ def sdc_update_metrics(static: Static, before: RLState, after: RLState, mets) ->
     if sdc.sites:
         out["sdc/injected_update"] = mets.pop("actor/sdc_flips") * passes
         out["sdc/detected_abft_update"] = mets.pop("actor/sdc_abft") * passes
+    if sdc.abft_backward:  # per update (summed over its passes): back to the step's totals
+        for name in [k for k in mets if k.startswith("actor/sdc_abft_bwd/")]:
+            layer, kind, product = name.split("/")[2:]
+            n = mets.pop(name) * static.updates
+            site = f"sdc/detected_abft_bwd/layers_{layer}/{kind}"
+            out[site] = out.get(site, 0.0) + n
+            out[f"sdc/detected_abft_{product}"] = out.get(f"sdc/detected_abft_{product}", 0.0) + n
+            out["sdc/detected_abft_update"] = out["sdc/detected_abft_update"] + n
     if sdc.trees:
         flips = optim_lib.tree_fault_flips(after.opt_state) - optim_lib.tree_fault_flips(
             before.opt_state

@@ -226,7 +226,8 @@ class Trainer:
         truths = [g for g in batch["ground_truth"] for _ in range(self.static.h.n)]
         scores = score_batch(texts, truths, method=self.spec.reward_method)
         tb = train_batch(out, scores)
-        train = self._train(state, step, tb, sigma, 0)
+        # After a rollback a step starts past the attempts that failed (fresh fault draws).
+        train = self._train(state, step, tb, sigma, self.first_attempt.get(step, 0))
         sdc: dict[str, float] = {}
         if self.guard is not None:
             train, sdc = self._guarded(state, step, tb, sigma, train)
@@ -343,9 +344,7 @@ class Trainer:
         fault draw, or ask the job for a rollback; (the accepted attempt, sdc/* metrics)."""
         t0, skipped = time.perf_counter(), False
         rejected = {"sdc/injected_rejected": 0.0, "sdc/detected_abft_rejected": 0.0}
-        first = attempt = self.first_attempt.get(step, 0)
-        if first:  # after a rollback the step starts past the attempts that failed
-            train = self._train(state, step, tb, sigma, first)
+        first = attempt = self.first_attempt.get(step, 0)  # `train` is that attempt
         while (reason := self.guard.verdict(train.mets)) is not None:
             if self.guard.spec.mode == "skip":  # the update is dropped; the step counts
                 skipped = True
@@ -448,20 +447,24 @@ def check_finite(step: int, metrics: Mapping[str, float], faults: str = "") -> N
 def sdc_metrics(m: Mapping[str, float], rollout_stats, guard: Mapping[str, float]) -> dict:
     """The step's sdc/* metrics: `injected` (bits flipped in the train passes and the
     optimizer's trees, exact, the guard's rejected attempts included), `injected_rollout` and
-    `detected_abft_rollout` (per rollout forward call, summed over sites: the sampler reports
-    means over its calls), `detected_abft` (rows ABFT flagged in the train passes, rejected
-    attempts included), the guard's counts (`guard`)."""
+    `detected_abft_rollout` (totals over the step's rollout, summed over sites), `detected_abft`
+    (rows ABFT flagged in the train passes, rejected attempts included), the guard's counts
+    (`guard`). The sampler reports each stat as its mean over its forward calls: the prefill and
+    one call per decode step, as many as the longest response has tokens (every decode step has
+    a live row, and a row's tokens are consecutive), so a total is that mean times
+    1 + `response_length/max`, rounded (the counts are whole)."""
     rollout = sdc_site_counts(rollout_stats)
+    calls = 1.0 + m["response_length/max"]
     out = {
         "sdc/injected": sum(
             m.get(k, 0.0)
             for k in ("sdc/injected_prepare", "sdc/injected_update", "sdc/injected_tree")
         )
         + guard.get("sdc/injected_rejected", 0.0),
-        "sdc/injected_rollout": float(rollout["flips"]),
+        "sdc/injected_rollout": float(round(float(rollout["flips"]) * calls)),
         "sdc/detected_abft": m.get("sdc/detected_abft_train", 0.0)
         + guard.get("sdc/detected_abft_rejected", 0.0),
-        "sdc/detected_abft_rollout": float(rollout["abft"]),
+        "sdc/detected_abft_rollout": float(round(float(rollout["abft"]) * calls)),
     }
     out.update(guard)
     return out
