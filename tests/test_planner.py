@@ -385,6 +385,35 @@ def test_cpu_plan_is_checked_against_host_memory():
     assert fitted.fits_host and fitted.cpu_rss <= 0.9 * host[0] < plan.cpu_rss
     est = float(re.search(r"est\. CPU RSS ([\d.]+) GiB", suggested).group(1))
     assert abs(fitted.cpu_rss / GIB - est) < 0.05
+    # LoRA (QeRL mode) is offered apart, a different optimisation: rank 32 alone and over an
+    # NVFP4 base (smaller here: the bf16 rollout copy of a packed base is of its 0.28 bytes a
+    # weight), each at the configured micro-batch; fed back, each plan fits at its estimate.
+    lora = next(line for line in message.splitlines() if line.startswith("Or, with LoRA"))
+    options = lora.split("): ", 1)[1].split("; ")
+    assert [re.sub(r" \(est.*", "", o) for o in options] == [
+        "--config.lora.rank=32",
+        "--config.lora.rank=32 --config.model.weight_format=nvfp4",
+    ]
+    for option in options:
+        qerl = _apply_flags(load_config("qwen2p5_coder_0p5b_gsm8k", "deadzone"), option)
+        qerl.model.dtype = "bfloat16"
+        qerl_spec = job(qerl, model_cfg)
+        assert qerl_spec.lora.rank == 32
+        qerl_plan = planner.check_host(qerl_spec, planner.estimate(qerl_spec, 1), host)
+        est = float(re.search(r"est\. CPU RSS ([\d.]+) GiB", option).group(1))
+        assert qerl_plan.fits_host and abs(qerl_plan.cpu_rss / GIB - est) < 0.05
+    # A 17 GiB host: no full fine-tuning setting fits, so LoRA is the suggestion (with the
+    # micro-batch it needs); the NVFP4 base is listed as it is smaller still. A 12 GiB host:
+    # nothing fits (the host's f32 params and the runtime alone are 7.35 GiB), and it says so.
+    with pytest.raises(ValueError) as err:
+        planner.check_host(spec, plan, (17 * GIB, "MemTotal"))
+    lines = str(err.value).splitlines()
+    assert not any(line.startswith(("Suggested: ", "Also fits: ")) for line in lines)
+    lora = next(line for line in lines if line.startswith("Suggested, with LoRA"))
+    assert "--config.lora.rank=32 --config.actor.micro_batch_rows=1 (est." in lora
+    assert "--config.model.weight_format=nvfp4 --config.actor.micro_batch_rows=1 (est." in lora
+    with pytest.raises(ValueError, match="No smaller micro-batch, rollout copy or LoRA setting"):
+        planner.check_host(spec, plan, (12 * GIB, "MemTotal"))
     # Disabled: reported (not fitting), not refused.
     config.planner.enabled = False
     quiet = planner.check_host(job(config, model_cfg), plan, host)
