@@ -304,6 +304,22 @@ def test_planner_config_and_unknown_capacity():
     assert not plan.fits and plan.total > 0.9 * CAPACITY
 
 
+def qwen05_as_measured(dtype="float32"):
+    """configs/qwen2p5_coder_0p5b_gsm8k.py:deadzone as its measured runs had it (issues 30 and 42,
+    before issue 43 moved the config to QeRL mode): full fine-tuning, 4 prompts x 4 samples x 256
+    new tokens over one prompt bucket of 256, micro-batches of 2 rows, validation batches of 8,
+    remat, no reference; the compute dtype given (the config's 'auto' would time a product on
+    this machine)."""
+    config = load_config("qwen2p5_coder_0p5b_gsm8k", "deadzone")
+    config.lora.rank = 0
+    config.model.dtype = dtype
+    config.rollout.prompt_buckets = (256,)
+    config.data_batch.prompts, config.rollout.n = 4, 4
+    config.actor.mini_batch_prompts, config.actor.micro_batch_rows = 4, 2
+    config.trainer.val_batch_size = 8
+    return config
+
+
 # Peak RSS (/usr/bin/time -v) of one GRPO step of configs/qwen2p5_coder_0p5b_gsm8k.py:deadzone at
 # 2 prompts x 2 samples x 64 new tokens on the real 0.5B (630M params, untied) on CPU
 # (WORKSPACE.md, issue 30).
@@ -313,7 +329,7 @@ MEASURED_0P5B_RSS = 20_630_852 * 1024  # bytes; OOM-killed there: a lower bound 
 def test_cpu_rss_bounds_the_measured_0p5b_peak():
     """The CPU plan bounds the measured peak RSS at 0.5B (within 25%), while the device plan
     alone falls short of it (the negative control: what the planner stated before issue 30)."""
-    config = load_config("qwen2p5_coder_0p5b_gsm8k", "deadzone")
+    config = qwen05_as_measured()
     config.data_batch.prompts, config.rollout.n, config.rollout.max_new_tokens = 2, 2, 64
     config.actor.mini_batch_prompts = 2
     config.trainer.val_batch_size = 2
@@ -333,7 +349,7 @@ def test_cpu_rss_bounds_the_measured_0p5b_peak():
 
 
 # Peak RSS (/usr/bin/time) of a 5-step GRPO run of configs/qwen2p5_coder_0p5b_gsm8k.py:deadzone as
-# committed (4 prompts x 4 samples x 256 new tokens, remat, no reference; WORKSPACE.md, issue
+# then committed (4 prompts x 4 samples x 256 new tokens, remat, no reference; WORKSPACE.md, issue
 # 30, third session): the whole run, validations and the params-only save included.
 MEASURED_0P5B_4X4X256_RSS = 23_044_668 * 1024
 
@@ -342,7 +358,7 @@ def test_cpu_rss_bounds_the_0p5b_run_at_the_configs_shape():
     """XLA:CPU does not honour remat: the CPU bound counts the activations without it. The
     remat plan's own total (the negative control: what the planner stated before) falls short
     of the measured peak."""
-    config = load_config("qwen2p5_coder_0p5b_gsm8k", "deadzone")
+    config = qwen05_as_measured()
     model_cfg = dataclasses.replace(model_config(config.model), tie_word_embeddings=False)
     assert model_cfg.remat
     plan = planner.estimate(job(config, model_cfg), 1)
@@ -362,8 +378,7 @@ def test_cpu_plan_is_checked_against_host_memory():
     the kernel OOM-killed the run at 24.1 GiB in its first RL step): refused before anything
     loads, naming the estimate, the host's memory and settings that fit; the suggested one
     fits the same host. On this machine, check() reads the host itself."""
-    config = load_config("qwen2p5_coder_0p5b_gsm8k", "deadzone")
-    config.model.dtype = "bfloat16"
+    config = qwen05_as_measured("bfloat16")
     model_cfg = dataclasses.replace(model_config(config.model), tie_word_embeddings=False)
     spec = job(config, model_cfg)
     plan = planner.estimate(spec, 1)
@@ -395,8 +410,7 @@ def test_cpu_plan_is_checked_against_host_memory():
         "--config.lora.rank=32 --config.model.weight_format=nvfp4",
     ]
     for option in options:
-        qerl = _apply_flags(load_config("qwen2p5_coder_0p5b_gsm8k", "deadzone"), option)
-        qerl.model.dtype = "bfloat16"
+        qerl = _apply_flags(qwen05_as_measured("bfloat16"), option)
         qerl_spec = job(qerl, model_cfg)
         assert qerl_spec.lora.rank == 32
         qerl_plan = planner.check_host(qerl_spec, planner.estimate(qerl_spec, 1), host)
