@@ -373,6 +373,37 @@ def test_cpu_rss_bounds_the_0p5b_run_at_the_configs_shape():
     assert "without remat" in plan.table()
 
 
+# Peak RSS (bench/device/peak_rss.py) of one RL step of the config as committed at 40084f5
+# (QeRL mode: LoRA r32 over the f32 base, 2 prompts x 8 samples x 256 new tokens, buckets 128 /
+# 192 / 256) with bf16 compute, val_size 1, on the device machine's host (Intel Xeon with AMX,
+# 125.9 GiB, jax 0.11.2; random weights at the real untied shapes; /work/notes/rss_device.md,
+# WORKSPACE.md issue 42): the adapters alone, and over an NVFP4 base.
+# ru_maxrss; "none" the larger of its two runs (dtype bfloat16, and 'auto', which chose bf16 there).
+MEASURED_0P5B_LORA_RSS = {"none": 13.5578 * GIB, "nvfp4": 13.6301 * GIB}
+
+
+@pytest.mark.parametrize("fmt", ["none", "nvfp4"])
+def test_cpu_rss_bounds_the_0p5b_lora_runs(fmt):
+    """QeRL mode's plan (no AdamW state, gradients or reference of the base; a packed base's
+    bytes and its dequantised kernels) bounds the measured peaks, and by no more than the
+    runtime allowance: the arrays of the plan alone (devices + the host's f32 copy) fall short
+    of the measured peak, the runtime (jax/XLA, programs, tokenizer, data) is what the rest is."""
+    config = load_config("qwen2p5_coder_0p5b_gsm8k", "deadzone")
+    config.lora.rank, config.lora.alpha = 32, 32.0  # as committed at 40084f5 (and now)
+    config.model.dtype, config.model.weight_format = "bfloat16", fmt
+    config.rollout.prompt_buckets = (128, 192, 256)
+    config.data_batch.prompts, config.rollout.n, config.rollout.max_new_tokens = 2, 8, 256
+    config.actor.mini_batch_prompts, config.actor.micro_batch_rows = 2, 2
+    config.trainer.total_steps, config.trainer.val_size, config.trainer.val_batch_size = 1, 1, 1
+    model_cfg = dataclasses.replace(model_config(config.model), tie_word_embeddings=False)
+    plan = planner.estimate(job(config, model_cfg), 1)
+    measured = MEASURED_0P5B_LORA_RSS[fmt]
+    print(f"{fmt}: CPU RSS {plan.cpu_rss / GIB:.2f} GiB, measured {measured / GIB:.2f} GiB")
+    # The plan the runs printed (their logs: 17.30 and 16.15 GiB).
+    assert round(plan.cpu_rss / GIB, 2) == {"none": 17.30, "nvfp4": 16.15}[fmt]
+    assert plan.cpu_rss - planner.RUNTIME_BYTES < measured <= plan.cpu_rss
+
+
 def test_cpu_plan_is_checked_against_host_memory():
     """The 0.5B config in bf16 on a 23.5 GiB host (issue 42: the planner said "not checked", and
     the kernel OOM-killed the run at 24.1 GiB in its first RL step): refused before anything
