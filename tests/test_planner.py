@@ -406,7 +406,9 @@ def test_cpu_rss_bounds_the_0p5b_lora_runs(fmt):
 
 def test_cpu_plan_is_checked_against_host_memory():
     """The 0.5B config in bf16 on a 23.5 GiB host (issue 42: the planner said "not checked", and
-    the kernel OOM-killed the run at 24.1 GiB in its first RL step): refused before anything
+    the kernel OOM-killed the run in its first RL step; the issue's "24.1 GiB" cannot have been
+    resident on that host without swap, so it is 24.1 GB or 24.1M KiB, 22.4-23.0 GiB, which the
+    estimate's 24.0 GiB bounds): refused before anything
     loads, naming the estimate, the host's memory and settings that fit; the suggested one
     fits the same host. On this machine, check() reads the host itself."""
     config = qwen05_as_measured("bfloat16")
