@@ -108,6 +108,9 @@ GIB = 2**30
 # (Qwen2.5-Coder, GSM8K; WORKSPACE.md, issue 30) was >= 3.2 GiB (the process was OOM-killed at
 # 19.7 GiB, so that is a lower bound) and 2.8 GiB in the issue's own run; 5 GiB keeps a margin.
 RUNTIME_BYTES = 5 * GIB
+# The LoRA rank a refused CPU plan suggests (`check_host`): QeRL's 16-32 (verl's advice: >= 32),
+# what the 0.5B QeRL runs used (WORKSPACE.md, issue 40).
+HOST_LORA_RANK = 32
 RESIDENT = (
     "params",
     "optimizer",
@@ -495,6 +498,7 @@ def _qerl(spec: JobSpec, params, specs):
     return groups(base) + tgroups, tgroups, optimizer, rollout_weights, groups(deq)
 
 
+@functools.lru_cache(maxsize=16)  # a refusal's search plans variants of one spec repeatedly
 def _job(spec: JobSpec) -> _Job:
     model_cfg = spec.model
     shapes_cfg = dataclasses.replace(model_cfg, remat=False)  # remat changes no shape
@@ -788,8 +792,9 @@ def check_host(spec: JobSpec, plan: MemoryPlan, host: tuple[int, str] | None = N
     """On a CPU backend the devices are the host: the plan's `cpu_rss` against headroom x the
     host's memory (`host` = (bytes, source), default `host_memory()`; `()`: none), as a GPU plan is
     checked against the device's. Refused (ValueError) before anything loads when it does not fit,
-    with the settings that do; reported, never refused, with `config.planner.enabled=False` or
-    when the host's memory cannot be read."""
+    with the settings that do (`_host_settings`: full fine-tuning ones first, then LoRA, rank
+    `HOST_LORA_RANK`, alone and over an NVFP4 base); reported, never refused, with
+    `config.planner.enabled=False` or when the host's memory cannot be read."""
     host = host_memory() if host is None else host
     if not host:  # unreadable (or `()`: not checked)
         return plan
@@ -802,15 +807,23 @@ def check_host(spec: JobSpec, plan: MemoryPlan, host: tuple[int, str] | None = N
         f" ({plan.host_source}) = {plan.host_budget / GIB:.1f} GiB.",
         plan.table(),
     ]
-    found = _host_settings(spec, plan)
-    if found:
-        lines.append(f"Suggested: {found[0][0]} (est. CPU RSS {found[0][1] / GIB:.1f} GiB)")
-        if len(found) > 1:
-            also = "; ".join(f"{f} (est. {r / GIB:.1f} GiB)" for f, r in found[1:3])
+    full, lora = _host_settings(spec, plan)
+    if full:
+        lines.append(f"Suggested: {full[0][0]} (est. CPU RSS {full[0][1] / GIB:.1f} GiB)")
+        if len(full) > 1:
+            also = "; ".join(f"{f} (est. {r / GIB:.1f} GiB)" for f, r in full[1:3])
             lines.append(f"Also fits: {also}")
-    else:
+    if lora:
+        what = (
+            "with the frozen base packed in NVFP4"
+            if spec.lora is not None and spec.lora.enabled
+            else "with LoRA (QeRL mode: only the adapters train, a different optimisation)"
+        )
+        options = "; ".join(f"{f} (est. CPU RSS {r / GIB:.1f} GiB)" for f, r in lora)
+        lines.append(f"{'Or' if full else 'Suggested'}, {what}: {options}")
+    if not full and not lora:
         lines.append(
-            "No smaller micro-batch or rollout copy fits: use fewer rows"
+            "No smaller micro-batch, rollout copy or LoRA setting fits: use fewer rows"
             " (config.data_batch.prompts, config.rollout.n), bf16 master weights"
             " (config.model.param_dtype=bfloat16: a different optimisation) or a larger host."
         )
@@ -821,12 +834,46 @@ def check_host(spec: JobSpec, plan: MemoryPlan, host: tuple[int, str] | None = N
     raise ValueError("\n".join(lines))
 
 
-def _host_settings(spec: JobSpec, plan: MemoryPlan) -> list[tuple[str, int]]:
-    """(flags, estimated CPU RSS) of the settings that fit `plan.host_budget`, the least
-    intrusive first: a smaller micro-batch (the update's activations; the same step up to
-    rounding), then the compute dtype equal to param_dtype (no rollout copy of the params;
-    float32 activations); within each, the smallest estimate first. (bf16 master weights,
-    param_dtype=bfloat16, would shrink it too, but they change the optimisation: not offered.)"""
+def _lora_variants(spec: JobSpec) -> list[tuple[tuple[str, ...], _Job]]:
+    """(flags, job) of QeRL mode's settings: for a full fine-tuning spec, LoRA of rank
+    `HOST_LORA_RANK` on every linear, then the same over a packed NVFP4 base; for a LoRA spec over
+    an unpacked base, the NVFP4 base. A setting the model's shapes refuse (a rank above a linear's
+    width, an input not a multiple of NVFP4's block) is left out."""
+    site_of = family_of(spec.model).site_of
+    params, _ = _abstract_model(dataclasses.replace(spec.model, remat=False), "lm")
+    out = []
+    lora, flags = spec.lora, ()
+    if lora is None or not lora.enabled:
+        lora = dataclasses.replace(lora_lib.OFF, rank=HOST_LORA_RANK)
+        try:
+            lora_lib.check_ranks(lora, params, site_of)
+        except ValueError:
+            return []
+        flags = (f"--config.lora.rank={HOST_LORA_RANK}",)
+        out.append((flags, _job(dataclasses.replace(spec, lora=lora, weight_format="none"))))
+    if spec.weight_format == "none":
+        try:
+            quant_base.check_model(params, "nvfp4", site_of)
+        except ValueError:
+            return out
+        nvfp4 = dataclasses.replace(spec, lora=lora, weight_format="nvfp4")
+        out.append((flags + ("--config.model.weight_format=nvfp4",), _job(nvfp4)))
+    return out
+
+
+def _host_settings(
+    spec: JobSpec, plan: MemoryPlan
+) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
+    """(flags, estimated CPU RSS) of the settings that fit `plan.host_budget`, as (the full
+    fine-tuning ones, the LoRA ones). Full fine-tuning, the least intrusive first: a smaller
+    micro-batch (the update's activations; the same step up to rounding), then the compute
+    dtype equal to param_dtype (no rollout copy of the params; float32 activations); within
+    each, the smallest estimate first. (bf16 master weights, param_dtype=bfloat16, would shrink
+    it too, but they change the optimisation: not offered.) LoRA (`_lora_variants`: no AdamW
+    moments, gradients or reference of the base; a different optimisation, so listed apart):
+    the adapters alone, then over an NVFP4 base, each with the configured micro-batch where it
+    fits, else the largest smaller one that does; the NVFP4 base is listed where it is smaller
+    or keeps a larger micro-batch."""
     m, job = spec.model, _job(spec)
     variants = [((), job)]
     if m.dtype != m.param_dtype:  # the same params and optimizer state: only these change
@@ -844,6 +891,8 @@ def _host_settings(spec: JobSpec, plan: MemoryPlan) -> list[tuple[str, int]]:
                 ),
             )
         )
+    full_tiers = len(variants)
+    variants += _lora_variants(spec)
     dp = plan.mesh[0] * plan.mesh[1]
     micros = [
         d for d in _divisors(spec.mini_batch_rows) if d % dp == 0 and d <= plan.micro_batch_rows
@@ -861,9 +910,19 @@ def _host_settings(spec: JobSpec, plan: MemoryPlan) -> list[tuple[str, int]]:
                     if mb == plan.micro_batch_rows
                     else (f"--config.actor.micro_batch_rows={mb}",)
                 )
-                found.append((tier, bool(more), p.cpu_rss, " ".join(flags + more)))
+                # LoRA: the configured micro-batch first, then the largest smaller one.
+                order = -mb if tier >= full_tiers else p.cpu_rss
+                found.append((tier, bool(more), order, p.cpu_rss, " ".join(flags + more)))
     found.sort()
-    return [(f, rss) for _, _, rss, f in found]
+    full = [(f, rss) for tier, _, _, rss, f in found if tier < full_tiers]
+    lora, last = [], None
+    for tier in range(full_tiers, len(variants)):
+        best = next((x for x in found if x[0] == tier), None)
+        # The NVFP4 base where it is smaller, or keeps a micro-batch the adapters alone do not.
+        if best is not None and (last is None or best[3] < last[3] or best[1] < last[1]):
+            lora.append((best[4], best[3]))
+            last = best
+    return full, lora
 
 
 def _refusal(job: _Job, plan: MemoryPlan, num_devices: int, remat: bool, micro: int) -> str:

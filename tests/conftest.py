@@ -231,6 +231,24 @@ SHALLOW_FLAGS = tuple(f"--config.{key}={value}" for key, value in SHALLOW.items(
 SHALLOW_LAYERS, SHALLOW_FAULT = 3, 1
 
 
+@pytest.fixture(scope="session")
+def clean_smoke(sft_cache, tmp_path_factory):
+    """The clean arm's smoke on the shallow model (`configs/clean.py:smoke`, SHALLOW), run once
+    for the tests that read it: test_train.py's every-arm check and test_sdc.py's guard, which
+    compares its recomputed run with this one. Both are in `xdist_group("clean_smoke")`, so one
+    worker runs them and this run once. (workdir, what RL step 1 lowered or compiled:
+    `lowered_during_step_1`.)"""
+    from aqn_jax.launch import run
+
+    workdir = tmp_path_factory.mktemp("clean_smoke")
+    config = load_config("clean", "smoke")
+    config.sft.cache_dir = sft_cache
+    with pytest.MonkeyPatch.context() as patch:
+        made = lowered_during_step_1(patch)
+        run(shallow(config), str(workdir))
+    return workdir, list(made)
+
+
 def shallow(config, **over):
     """`config` with SHALLOW's fields and then `over`'s (dotted keys) set in place; returned."""
     for key, value in {**SHALLOW, **over}.items():

@@ -2,10 +2,11 @@
 
 Every check here is against numbers: a fresh adapter (B = 0) is bitwise the base; the packed
 base dequantises to `formats`' fake quantisation bit for bit; the export's logits in
-transformers equal ours with the adapters on; RL steps train the adapters only."""
+transformers equal ours with the adapters on. A LoRA run over an NVFP4 base (the base stays
+bitwise, only the adapters and their moments train and are saved, a killed run resumes exactly)
+is tests/test_resume.py's: its runs are QeRL mode's."""
 
 import dataclasses
-import json
 
 import jax
 import jax.numpy as jnp
@@ -22,7 +23,7 @@ from aqn_jax.forward import Weights, forward
 from aqn_jax.models.qwen2 import Qwen2Config
 from aqn_jax.models.registry import causal_lm, family_of
 
-from conftest import load_config, random_params, shallow
+from conftest import load_config, random_params
 
 # The tiny preset's widths at 2 layers: every linear input (128, 384) is a multiple of both
 # formats' blocks (16, 32).
@@ -196,103 +197,6 @@ def test_qerl_config_errors():
     config = load_config("targeted", "smoke")
     config.lora.rank, config.model.weight_format = 64, "mxfp4"
     check_qerl(config, CFG, training=True)
-
-
-class _Killed(BaseException):
-    pass
-
-
-@pytest.mark.slow
-def test_lora_run_trains_adapters_only_and_resumes_exactly(tmp_path, monkeypatch, sft_cache):
-    """RL steps with LoRA over an nvfp4 base: the base and the norms stay bitwise, only the
-    adapters (and their moments) move and are saved; a run killed after its step-1 checkpoint
-    and rerun equals the uninterrupted one (metrics and adapters bitwise)."""
-    import orbax.checkpoint as ocp
-
-    from aqn_jax.launch import run
-    from aqn_jax.rl.trainer import Trainer
-
-    def config(**over):
-        c = load_config("deadzone", "smoke")
-        c.sft.cache_dir = sft_cache
-        return shallow(
-            c,
-            **{
-                "trainer.total_steps": 2,
-                "trainer.val_every": 0,  # validations at the start and the end only
-                "checkpoint.every": 1,
-                "lora.rank": 4,
-                "lora.alpha": 16.0,
-                "model.weight_format": "nvfp4",
-                "actor.lr": 1e-3,
-                **over,
-            },
-        )
-
-    straight = tmp_path / "straight"
-    real = Trainer.step
-    bases = []
-
-    def watched(self, state, step):  # the frozen base before and after each step (host copies)
-        before = jax.device_get(state.base)
-        state, m = real(self, state, step)
-        bases.append((before, jax.device_get(state.base)))
-        return state, m
-
-    with monkeypatch.context() as m:
-        m.setattr(Trainer, "step", watched)
-        run(config(), str(straight))
-    assert len(bases) == 2
-    for before, after in bases:
-        for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after), strict=True):
-            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    killed = tmp_path / "killed"
-
-    def kill_at_2(self, state, step):
-        if step == 2:
-            raise _Killed
-        return real(self, state, step)
-
-    with monkeypatch.context() as m:
-        m.setattr(Trainer, "step", kill_at_2)
-        with pytest.raises(_Killed):
-            run(config(), str(killed))
-    run(config(), str(killed))
-
-    def rows(w):
-        out = [json.loads(x) for x in (w / "metrics.jsonl").read_text().splitlines()]
-        return [{k: v for k, v in r.items() if not k.startswith("timing_s/")} for r in out]
-
-    assert rows(killed) == rows(straight)
-    state = ocp.PyTreeCheckpointer().restore(str(straight / "checkpoints" / "2" / "state"))
-    resumed = ocp.PyTreeCheckpointer().restore(str(killed / "checkpoints" / "2" / "state"))
-    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(resumed), strict=True):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    # The checkpoint holds the adapters and their moments only: no base, no norms.
-    assert set(state["params"]) == {"lora"}
-    adapters = list(_walk_adapters(state["params"]["lora"]))
-    assert len(adapters) == 7 * 3  # every linear of the 3 layers
-    sizes = sorted(int(np.prod(np.shape(x))) for x in jax.tree.leaves(state["params"]))
-    moments = [
-        int(np.prod(np.shape(x))) for x in jax.tree.leaves(state["opt_state"]) if np.ndim(x) > 0
-    ]
-    assert sorted(moments) == sorted(sizes * 2)  # AdamW's mu and nu, one per adapter leaf
-    # B moved from zero (the adapters trained).
-    assert max(float(np.max(np.abs(np.asarray(a["b"])))) for a in adapters) > 0
-    from aqn_jax.checkpoint import Checkpointer
-
-    ck = Checkpointer(str(straight), 0, 1)
-    base = ck.meta(2)["base"]
-    ck.close()
-    assert base.startswith("nvfp4:") and len(base) == len("nvfp4:") + 64
-
-
-def _walk_adapters(node):
-    if "a" in node and "b" in node:
-        yield node
-        return
-    for v in node.values():
-        yield from _walk_adapters(v)
 
 
 def test_export_job_refuses_a_run_without_checkpoint(tmp_path):

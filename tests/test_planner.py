@@ -304,6 +304,22 @@ def test_planner_config_and_unknown_capacity():
     assert not plan.fits and plan.total > 0.9 * CAPACITY
 
 
+def qwen05_as_measured(dtype="float32"):
+    """configs/qwen2p5_coder_0p5b_gsm8k.py:deadzone as its measured runs had it (issues 30 and 42,
+    before issue 43 moved the config to QeRL mode): full fine-tuning, 4 prompts x 4 samples x 256
+    new tokens over one prompt bucket of 256, micro-batches of 2 rows, validation batches of 8,
+    remat, no reference; the compute dtype given (the config's 'auto' would time a product on
+    this machine)."""
+    config = load_config("qwen2p5_coder_0p5b_gsm8k", "deadzone")
+    config.lora.rank = 0
+    config.model.dtype = dtype
+    config.rollout.prompt_buckets = (256,)
+    config.data_batch.prompts, config.rollout.n = 4, 4
+    config.actor.mini_batch_prompts, config.actor.micro_batch_rows = 4, 2
+    config.trainer.val_batch_size = 8
+    return config
+
+
 # Peak RSS (/usr/bin/time -v) of one GRPO step of configs/qwen2p5_coder_0p5b_gsm8k.py:deadzone at
 # 2 prompts x 2 samples x 64 new tokens on the real 0.5B (630M params, untied) on CPU
 # (WORKSPACE.md, issue 30).
@@ -313,7 +329,7 @@ MEASURED_0P5B_RSS = 20_630_852 * 1024  # bytes; OOM-killed there: a lower bound 
 def test_cpu_rss_bounds_the_measured_0p5b_peak():
     """The CPU plan bounds the measured peak RSS at 0.5B (within 25%), while the device plan
     alone falls short of it (the negative control: what the planner stated before issue 30)."""
-    config = load_config("qwen2p5_coder_0p5b_gsm8k", "deadzone")
+    config = qwen05_as_measured()
     config.data_batch.prompts, config.rollout.n, config.rollout.max_new_tokens = 2, 2, 64
     config.actor.mini_batch_prompts = 2
     config.trainer.val_batch_size = 2
@@ -333,7 +349,7 @@ def test_cpu_rss_bounds_the_measured_0p5b_peak():
 
 
 # Peak RSS (/usr/bin/time) of a 5-step GRPO run of configs/qwen2p5_coder_0p5b_gsm8k.py:deadzone as
-# committed (4 prompts x 4 samples x 256 new tokens, remat, no reference; WORKSPACE.md, issue
+# then committed (4 prompts x 4 samples x 256 new tokens, remat, no reference; WORKSPACE.md, issue
 # 30, third session): the whole run, validations and the params-only save included.
 MEASURED_0P5B_4X4X256_RSS = 23_044_668 * 1024
 
@@ -342,7 +358,7 @@ def test_cpu_rss_bounds_the_0p5b_run_at_the_configs_shape():
     """XLA:CPU does not honour remat: the CPU bound counts the activations without it. The
     remat plan's own total (the negative control: what the planner stated before) falls short
     of the measured peak."""
-    config = load_config("qwen2p5_coder_0p5b_gsm8k", "deadzone")
+    config = qwen05_as_measured()
     model_cfg = dataclasses.replace(model_config(config.model), tie_word_embeddings=False)
     assert model_cfg.remat
     plan = planner.estimate(job(config, model_cfg), 1)
@@ -357,13 +373,45 @@ def test_cpu_rss_bounds_the_0p5b_run_at_the_configs_shape():
     assert "without remat" in plan.table()
 
 
+# Peak RSS (bench/device/peak_rss.py) of one RL step of the config as committed at 40084f5
+# (QeRL mode: LoRA r32 over the f32 base, 2 prompts x 8 samples x 256 new tokens, buckets 128 /
+# 192 / 256) with bf16 compute, val_size 1, on the device machine's host (Intel Xeon with AMX,
+# 125.9 GiB, jax 0.11.2; random weights at the real untied shapes; /work/notes/rss_device.md,
+# WORKSPACE.md issue 42): the adapters alone, and over an NVFP4 base.
+# ru_maxrss; "none" the larger of its two runs (dtype bfloat16, and 'auto', which chose bf16 there).
+MEASURED_0P5B_LORA_RSS = {"none": 13.5578 * GIB, "nvfp4": 13.6301 * GIB}
+
+
+@pytest.mark.parametrize("fmt", ["none", "nvfp4"])
+def test_cpu_rss_bounds_the_0p5b_lora_runs(fmt):
+    """QeRL mode's plan (no AdamW state, gradients or reference of the base; a packed base's
+    bytes and its dequantised kernels) bounds the measured peaks, and by no more than the
+    runtime allowance: the arrays of the plan alone (devices + the host's f32 copy) fall short
+    of the measured peak, the runtime (jax/XLA, programs, tokenizer, data) is what the rest is."""
+    config = load_config("qwen2p5_coder_0p5b_gsm8k", "deadzone")
+    config.lora.rank, config.lora.alpha = 32, 32.0  # as committed at 40084f5 (and now)
+    config.model.dtype, config.model.weight_format = "bfloat16", fmt
+    config.rollout.prompt_buckets = (128, 192, 256)
+    config.data_batch.prompts, config.rollout.n, config.rollout.max_new_tokens = 2, 8, 256
+    config.actor.mini_batch_prompts, config.actor.micro_batch_rows = 2, 2
+    config.trainer.total_steps, config.trainer.val_size, config.trainer.val_batch_size = 1, 1, 1
+    model_cfg = dataclasses.replace(model_config(config.model), tie_word_embeddings=False)
+    plan = planner.estimate(job(config, model_cfg), 1)
+    measured = MEASURED_0P5B_LORA_RSS[fmt]
+    print(f"{fmt}: CPU RSS {plan.cpu_rss / GIB:.2f} GiB, measured {measured / GIB:.2f} GiB")
+    # The plan the runs printed (their logs: 17.30 and 16.15 GiB).
+    assert round(plan.cpu_rss / GIB, 2) == {"none": 17.30, "nvfp4": 16.15}[fmt]
+    assert plan.cpu_rss - planner.RUNTIME_BYTES < measured <= plan.cpu_rss
+
+
 def test_cpu_plan_is_checked_against_host_memory():
     """The 0.5B config in bf16 on a 23.5 GiB host (issue 42: the planner said "not checked", and
-    the kernel OOM-killed the run at 24.1 GiB in its first RL step): refused before anything
+    the kernel OOM-killed the run in its first RL step; the issue's "24.1 GiB" cannot have been
+    resident on that host without swap, so it is 24.1 GB or 24.1M KiB, 22.4-23.0 GiB, which the
+    estimate's 24.0 GiB bounds): refused before anything
     loads, naming the estimate, the host's memory and settings that fit; the suggested one
     fits the same host. On this machine, check() reads the host itself."""
-    config = load_config("qwen2p5_coder_0p5b_gsm8k", "deadzone")
-    config.model.dtype = "bfloat16"
+    config = qwen05_as_measured("bfloat16")
     model_cfg = dataclasses.replace(model_config(config.model), tie_word_embeddings=False)
     spec = job(config, model_cfg)
     plan = planner.estimate(spec, 1)
@@ -385,6 +433,34 @@ def test_cpu_plan_is_checked_against_host_memory():
     assert fitted.fits_host and fitted.cpu_rss <= 0.9 * host[0] < plan.cpu_rss
     est = float(re.search(r"est\. CPU RSS ([\d.]+) GiB", suggested).group(1))
     assert abs(fitted.cpu_rss / GIB - est) < 0.05
+    # LoRA (QeRL mode) is offered apart, a different optimisation: rank 32 alone and over an
+    # NVFP4 base (smaller here: the bf16 rollout copy of a packed base is of its 0.28 bytes a
+    # weight), each at the configured micro-batch; fed back, each plan fits at its estimate.
+    lora = next(line for line in message.splitlines() if line.startswith("Or, with LoRA"))
+    options = lora.split("): ", 1)[1].split("; ")
+    assert [re.sub(r" \(est.*", "", o) for o in options] == [
+        "--config.lora.rank=32",
+        "--config.lora.rank=32 --config.model.weight_format=nvfp4",
+    ]
+    for option in options:
+        qerl = _apply_flags(qwen05_as_measured("bfloat16"), option)
+        qerl_spec = job(qerl, model_cfg)
+        assert qerl_spec.lora.rank == 32
+        qerl_plan = planner.check_host(qerl_spec, planner.estimate(qerl_spec, 1), host)
+        est = float(re.search(r"est\. CPU RSS ([\d.]+) GiB", option).group(1))
+        assert qerl_plan.fits_host and abs(qerl_plan.cpu_rss / GIB - est) < 0.05
+    # A 17 GiB host: no full fine-tuning setting fits, so LoRA is the suggestion (with the
+    # micro-batch it needs); the NVFP4 base is listed as it is smaller still. A 12 GiB host:
+    # nothing fits (the host's f32 params and the runtime alone are 7.35 GiB), and it says so.
+    with pytest.raises(ValueError) as err:
+        planner.check_host(spec, plan, (17 * GIB, "MemTotal"))
+    lines = str(err.value).splitlines()
+    assert not any(line.startswith(("Suggested: ", "Also fits: ")) for line in lines)
+    lora = next(line for line in lines if line.startswith("Suggested, with LoRA"))
+    assert "--config.lora.rank=32 --config.actor.micro_batch_rows=1 (est." in lora
+    assert "--config.model.weight_format=nvfp4 --config.actor.micro_batch_rows=1 (est." in lora
+    with pytest.raises(ValueError, match="No smaller micro-batch, rollout copy or LoRA setting"):
+        planner.check_host(spec, plan, (12 * GIB, "MemTotal"))
     # Disabled: reported (not fitting), not refused.
     config.planner.enabled = False
     quiet = planner.check_host(job(config, model_cfg), plan, host)

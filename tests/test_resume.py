@@ -1,7 +1,12 @@
 """Resume after a kill: a run SIGKILLed after its step-2 checkpoint and restarted in the same
-workdir ends with exactly the params and metrics of an uninterrupted run. So does a run killed
+workdir ends with exactly the state and metrics of an uninterrupted run. So does a run killed
 before its first checkpoint, and one whose checkpoints are all unreadable: both start afresh
-with the earlier outputs moved aside, never appended to."""
+with the earlier outputs moved aside, never appended to.
+
+The runs are QeRL mode's (LoRA over an NVFP4 base, tests/test_lora.py's claims for a run are
+checked on them too: the base stays bitwise, only the adapters and their moments are trained
+and saved). A full fine-tuning run's resume is checked on test_train.py's deadzone smoke, which
+the same checkpoint code restores."""
 
 import json
 import os
@@ -10,6 +15,7 @@ import subprocess
 import sys
 import time
 
+import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
@@ -18,7 +24,16 @@ from conftest import SHALLOW_FLAGS, load_config, shallow
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 4
-OVERRIDES = {"trainer.total_steps": STEPS, "checkpoint.every": 1, "trainer.val_every": 2}
+OVERRIDES = {
+    "trainer.total_steps": STEPS,
+    "checkpoint.every": 1,
+    "trainer.val_every": 2,
+    # QeRL mode: rank-4 adapters on every linear over an NVFP4-packed base, a LoRA learning rate
+    "lora.rank": 4,
+    "lora.alpha": 16.0,
+    "model.weight_format": "nvfp4",
+    "actor.lr": 1e-3,
+}
 
 
 def _config(cache):
@@ -33,9 +48,22 @@ def _rows(workdir):
     return [{k: v for k, v in r.items() if not k.startswith("timing_s/")} for r in rows]
 
 
-def _params(workdir, step):
-    tree = ocp.PyTreeCheckpointer().restore(str(workdir / "checkpoints" / str(step) / "state"))
-    return tree["params"]
+def _state(workdir, step):
+    """The whole saved state (params, optimizer state, step counters) at `step`."""
+    return ocp.PyTreeCheckpointer().restore(str(workdir / "checkpoints" / str(step) / "state"))
+
+
+def _assert_same(a, b):
+    for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def _walk_adapters(node):
+    if "a" in node and "b" in node:
+        yield node
+        return
+    for v in node.values():
+        yield from _walk_adapters(v)
 
 
 class _Killed(BaseException):
@@ -48,12 +76,43 @@ def _kill_at_first_step(self, state, step):
 
 @pytest.mark.slow
 def test_kill_and_resume_equals_uninterrupted(tmp_path, monkeypatch, sft_cache):
+    from aqn_jax.checkpoint import Checkpointer
     from aqn_jax.launch import run
     from aqn_jax.rl.trainer import Trainer
 
     cache = sft_cache
     straight = tmp_path / "straight"
-    run(_config(cache), str(straight))
+    real, bases = Trainer.step, []
+
+    def watched(self, state, step):  # the frozen base before and after each step (host copies)
+        before = jax.device_get(state.base)
+        state, m = real(self, state, step)
+        bases.append((before, jax.device_get(state.base)))
+        return state, m
+
+    with monkeypatch.context() as m:
+        m.setattr(Trainer, "step", watched)
+        run(_config(cache), str(straight))
+    # The frozen base is bitwise the same before and after every step.
+    assert len(bases) == STEPS
+    for before, after in bases:
+        _assert_same(before, after)
+    final = _state(straight, STEPS)
+    # The checkpoint holds the adapters and their moments only: no base, no norms.
+    assert set(final["params"]) == {"lora"}
+    adapters = list(_walk_adapters(final["params"]["lora"]))
+    assert len(adapters) == 7 * 3  # every linear of the 3 layers
+    sizes = sorted(int(np.prod(np.shape(x))) for x in jax.tree.leaves(final["params"]))
+    moments = [
+        int(np.prod(np.shape(x))) for x in jax.tree.leaves(final["opt_state"]) if np.ndim(x) > 0
+    ]
+    assert sorted(moments) == sorted(sizes * 2)  # AdamW's mu and nu, one per adapter leaf
+    # B moved from zero (the adapters trained).
+    assert max(float(np.max(np.abs(np.asarray(a["b"])))) for a in adapters) > 0
+    ck = Checkpointer(str(straight), 0, 1)
+    base = ck.meta(STEPS)["base"]  # the base's fingerprint stands for its bytes
+    ck.close()
+    assert base.startswith("nvfp4:") and len(base) == len("nvfp4:") + 64
 
     # Killed after its step-0 validation row and before its first checkpoint (the compare
     # worker that CI once caught): the restart must not append a second step 0.
@@ -100,11 +159,7 @@ def test_kill_and_resume_equals_uninterrupted(tmp_path, monkeypatch, sft_cache):
 
     run(_config(cache), str(killed))  # restarted: resumes from the latest checkpoint
     assert _rows(killed) == _rows(straight)
-    a, b = _params(straight, STEPS), _params(killed, STEPS)
-    import jax
-
-    for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b), strict=True):
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    _assert_same(final, _state(killed, STEPS))  # adapters, moments and counters bitwise
     summary = json.loads((killed / "summary.json").read_text())
     assert summary["steps"] == STEPS
 
@@ -115,10 +170,7 @@ def test_kill_and_resume_equals_uninterrupted(tmp_path, monkeypatch, sft_cache):
             f.write_bytes(b"\x00garbage" * 7)
     run(_config(cache), str(killed))
     assert _rows(killed) == _rows(straight)
-    for x, y in zip(
-        jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(_params(killed, STEPS)), strict=True
-    ):
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    _assert_same(final, _state(killed, STEPS))
 
     # Every checkpoint unreadable: each is set aside, and the run starts afresh with the old
     # outputs moved aside (before, a second rerun appended steps 0..4 again).
@@ -132,10 +184,7 @@ def test_kill_and_resume_equals_uninterrupted(tmp_path, monkeypatch, sft_cache):
     newest = sorted((killed / "previous").iterdir())[-1]
     assert _rows(newest) == before and (newest / "summary.json").is_file()
     assert [p.name for p in (killed / "checkpoints").iterdir() if ".unreadable-" in p.name]
-    for x, y in zip(
-        jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(_params(killed, STEPS)), strict=True
-    ):
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    _assert_same(final, _state(killed, STEPS))
 
 
 def test_sigterm_requests_a_final_checkpoint():

@@ -462,8 +462,11 @@ def test_guard_verdicts():
 
 
 # --- the guard, end to end ---------------------------------------------------------------------
-@pytest.mark.slow  # three smoke runs of the shallow model (the clean one shares test_train's)
-def test_guard_recomputes_a_planted_gradient_flip_and_the_control_diverges(sft_cache, tmp_path):
+@pytest.mark.slow  # two smoke runs of the shallow model, and the session's clean one
+@pytest.mark.xdist_group("clean_smoke")  # conftest.clean_smoke, with test_train's clean arm
+def test_guard_recomputes_a_planted_gradient_flip_and_the_control_diverges(
+    sft_cache, tmp_path, clean_smoke
+):
     # Step 1's backward pass gets bit 30 (the f32 exponent's top bit) set in every element of
     # layer 1's down_proj dX, the gradient flowing back into the MLP: each |dX| < 1 becomes
     # |dX| 2^128, the parameter gradients below it exceed 1.8e19 and their squares overflow:
@@ -496,8 +499,8 @@ def test_guard_recomputes_a_planted_gradient_flip_and_the_control_diverges(sft_c
     with pytest.raises(FloatingPointError, match=r"RL step 1: non-finite .*bitflip"):
         run(config(**planted), str(tmp_path / "control"))
     run(config(**planted, **{"sdc.guard": "recompute"}), str(tmp_path / "guarded"))
-    run(config(), str(tmp_path / "clean"))
-    guarded, clean = read_metrics(str(tmp_path / "guarded")), read_metrics(str(tmp_path / "clean"))
+    # The clean run: config() with nothing planted, run once for the session (conftest).
+    guarded, clean = read_metrics(str(tmp_path / "guarded")), read_metrics(str(clean_smoke[0]))
     assert guarded[1]["sdc/recomputed"] == 1.0 and guarded[2]["sdc/recomputed"] == 0.0
     # Every flip that fired counts: all of the rejected attempt's, none of the accepted one's.
     assert guarded[1]["sdc/injected"] == guarded[1]["sdc/injected_rejected"] > 0

@@ -28,11 +28,17 @@ def smoke(name, sft_cache, **over):
     return shallow(config, **over)
 
 
-@pytest.mark.parametrize("arm", STUDY_ARMS)  # global_qerl: test_compare
-def test_every_arm_runs_on_smoke(arm, sft_cache, tmp_path, monkeypatch):
+@pytest.mark.parametrize(
+    "arm",
+    [
+        # clean: the session's one clean smoke (conftest.clean_smoke), which test_sdc.py's guard
+        # compares with; its group keeps both on one worker
+        pytest.param(a, marks=pytest.mark.xdist_group("clean_smoke")) if a == "clean" else a
+        for a in STUDY_ARMS
+    ],
+)  # global_qerl: test_compare
+def test_every_arm_runs_on_smoke(arm, sft_cache, tmp_path, monkeypatch, request):
     from aqn_jax.launch import run
-
-    made = lowered_during_step_1(monkeypatch)
 
     # srdd_guided on the preset's 8 layers: its sigma map compares each layer with the median
     # layer, and on 3 layers of the smoke warm start every layer trips one rule (measured: the
@@ -41,7 +47,13 @@ def test_every_arm_runs_on_smoke(arm, sft_cache, tmp_path, monkeypatch):
     # the assertion below held on it as on the 8-step smoke SFT (both checked, this session).
     deep = {"model.num_layers": 0, "faults.deadzone.layers": "4", "sft.enabled": False}
     deep = deep if arm == "srdd_guided" else {}
-    run(smoke(arm, sft_cache, **deep), str(tmp_path))
+    # deadzone: a checkpoint every step, for the full fine-tuning resume check at the end
+    every = {"checkpoint.every": 1} if arm == "deadzone" else {}
+    if arm == "clean":
+        tmp_path, made = request.getfixturevalue("clean_smoke")
+    else:
+        made = lowered_during_step_1(monkeypatch)
+        run(smoke(arm, sft_cache, **deep, **every), str(tmp_path))
     assert made == []  # step 1 ran the programs compiled ahead (generate, prepare, update)
     layers, fault = (8, 4) if deep else (L, F)
     for name in (
@@ -112,6 +124,44 @@ def test_every_arm_runs_on_smoke(arm, sft_cache, tmp_path, monkeypatch):
         # base 0.05; the default fault (75% of layer 4 flushed) trips both rules of the original
         # design notes there: signal loss x1.5 and kurtosis x1.5.
         assert summary["aqn_layer_sigmas"]["4"] == pytest.approx(0.05 * 1.5 * 1.5)
+    if arm == "deadzone":
+        _resumes_exactly(tmp_path, smoke(arm, sft_cache, **every))
+
+
+def _resumes_exactly(straight, config):
+    """Full fine-tuning's resume (tests/test_resume.py kills and resumes QeRL mode's runs; the
+    same checkpoint code): the finished run `straight` as a kill would have left it after its
+    step-2 row and before its step-2 checkpoint (a copy without checkpoints/2 and the outputs of
+    the run's end), restarted. It resumes from step 1, keeps exactly the rows 0..1, and ends
+    with this run's rows and its whole saved state (params, AdamW moments, counters) bitwise."""
+    import shutil
+
+    import jax
+    import orbax.checkpoint as ocp
+
+    from aqn_jax.launch import run
+
+    killed = straight.with_name(straight.name + "_killed")
+    shutil.copytree(straight, killed)
+    shutil.rmtree(killed / "checkpoints" / "2")
+    for name in ("summary.json", "report.md", "training_curves.png"):
+        (killed / name).unlink()
+    assert (killed / "checkpoints" / "1").is_dir()
+    run(config, str(killed))
+
+    def rows(workdir):
+        out = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
+        return [{k: v for k, v in r.items() if not k.startswith("timing_s/")} for r in out]
+
+    assert rows(killed) == rows(straight)
+    assert not (killed / "previous").exists()  # resumed, not started afresh
+    a, b = (
+        ocp.PyTreeCheckpointer().restore(str(w / "checkpoints" / "2" / "state"))
+        for w in (straight, killed)
+    )
+    assert set(a["params"]) != {"lora"}  # the whole model trained, not adapters
+    for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
 @pytest.mark.slow
