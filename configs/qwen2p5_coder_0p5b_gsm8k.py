@@ -40,12 +40,11 @@ Settings and why:
   test 67-232, median 101), so one prompt bucket of 256; answers run to several hundred
   tokens, so 320 new tokens in evaluation and 256 in RL (the issue's GRPO shape).
 - reward_method 'boxed': the model writes `\\boxed{N}` (24 of 32), never `####` (strict 0.000).
-- memory on a 24 GB machine: 4 prompts x 4 samples per step, micro-batches of 2 rows, remat,
-  float32 master weights and compute, no reference model (use_kl_loss=False), the final
-  checkpoint params-only (`checkpoint.final`). The train job prints the planner's CPU estimate
-  ('CPU process RSS': 24.2 GiB at these shapes, counting the activations without remat, which
-  XLA:CPU ignores); the 5-step run peaked at 22.0 GiB on a 23.5 GiB machine. f32 params +
-  AdamW + gradients alone are 9.4 GiB, so RL at 0.5B does not fit in less than ~16 GiB.
+- QeRL mode (issue 43): LoRA r32 over the frozen f32 base, 2 prompts x 8 samples x 256 in one
+  on-policy update (no old-log-prob pass), dtype auto (f32 on AVX2, bf16 on AMX or a GPU),
+  prompt buckets 128/192/256. Peak RSS 14.9 GB at these shapes (planner 19.55 GiB); full
+  fine-tuning (`:full` or --config.lora.rank=0, 4 x 4 x 256) peaked at 22.0 GiB on a 23.5 GiB
+  machine, and its bf16 variant was OOM-killed (the planner now refuses it and offers LoRA).
 - the fault, calibrated with `:severity` (answer loss of the first 8 test problems; clean
   1.160): the seed's deadzone stated as the seed states it (a fraction of the tensor max) is
   total here at every layer, since one massive activation (channel 62 of token 0, ~2,180
@@ -59,6 +58,13 @@ Settings and why:
   150-300 decoded tokens). Calibrated by accuracy on the first 32 problems (clean 0.219):
   0.05 -> 0.188, 0.07 -> 0.094, 0.1 -> 0.000. The operating point is per-token 0.07 at layer
   15: the fault costs more than half the accuracy and the device still earns reward.
+
+Measured in QeRL mode (WORKSPACE.md, issue 43; 2 AMD cores, AVX2, f32): a step is 326-345 s
+(gen 135-144, update 193-201, old log-probs 0.08); on 4 cores of an AMX Xeon in bf16 89 s. The
+result, read honestly: 7 GRPO steps with the calibrated fault on the faulty device won nothing
+back; 5 of 7 steps had no correct sample among 16 (reward 0, gradient 0) and validation on 32
+problems stayed at 0.062 faulty / 0.156 clean. At ~5% per sample GRPO needs n >= 32 samples per
+prompt, a milder fault or longer answers to see a signal: a GPU job, not a 2-core one.
 
 Measured (WORKSPACE.md, issue 30; 2 CPU cores): SRDD names the faulty layer at 12 of 12
 per-token placements (0.05 and 0.1 at layers 3-20), the 5% noise and the clean device (127 s);
