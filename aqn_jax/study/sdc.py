@@ -165,7 +165,9 @@ def _heat_map(path: str, bits, sites, cells) -> None:
     for i in range(len(bits)):
         for j in range(len(sites)):
             if np.isfinite(grid[i, j]):
-                ax.text(j, i, f"{grid[i, j]:.2f}", ha="center", va="center", fontsize=8)
+                color = "white" if grid[i, j] > 0.5 else "black"  # legible on the dark end
+                text = f"{grid[i, j]:.2f}"
+                ax.text(j, i, text, ha="center", va="center", fontsize=8, color=color)
     fig.colorbar(im, ax=ax, label="share degraded or diverged")
     ax.set_title("bit field x site")
     fig.tight_layout()
