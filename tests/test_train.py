@@ -244,6 +244,9 @@ SHARDED = textwrap.dedent(
     config.data_batch.prompts = 4
     config.actor.mini_batch_prompts = 4
     config.actor.micro_batch_rows = 20
+    # The two-pass path (one mini-batch would take the on-policy shortcut, whose update reads
+    # its own old log-probs): the gradient compared is the one fed the prepare pass's.
+    config.actor.old_logp_pass = "always"
     model_cfg, params, info = warm_start(warm_start_spec(config), {out!r})
     assert info["cache"] == "shipped", info
     params = jax.device_get(params)
