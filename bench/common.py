@@ -13,6 +13,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from aqn_jax import compute_dtype
 from aqn_jax.models.hf import abstract_params
 from aqn_jax.models.qwen2 import Qwen2Config
 
@@ -33,19 +34,12 @@ def cpu_description() -> str:
 
 
 def cpu_flags() -> str:
-    """The CPU flags that decide bf16 and f32 matmul speed (`avx512_bf16`: native bf16 dot
-    products; `amx_bf16`: tiles; without either XLA converts bf16 operands to f32). Machines
-    differ between sessions, so every measurement records them."""
-    wanted = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_tile")
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    have = set(line.split(":", 1)[1].split())
-                    return " ".join(w for w in wanted if w in have) or "none of " + str(wanted)
-    except OSError:
-        pass
-    return "unknown"
+    """The CPU flags that decide bf16 and f32 matmul speed (`compute_dtype.BF16_FLAGS`).
+    Machines differ between sessions, so every measurement records them."""
+    have = compute_dtype.cpu_flags()
+    if have is None:
+        return "unknown"
+    return " ".join(have) or "none of " + str(compute_dtype.BF16_FLAGS)
 
 
 def check_load() -> str:
