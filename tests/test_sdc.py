@@ -459,6 +459,17 @@ def test_guard_verdicts():
         skip.accept({"actor/grad_norm": v})
     assert skip.verdict({**ok, "actor/grad_norm": 3.0}) is None  # skip acts on non-finite only
     assert skip.verdict({**ok, "actor/pg_loss": np.nan}).startswith("non-finite")
+    # The rollout: a non-finite log-prob of a live response token rejects it in both modes; one
+    # on a masked (padding) position does not; ABFT rows in the rollout only with recompute.
+    logp, rmask = np.full((2, 3), -0.5, np.float32), np.array([[1, 1, 0], [1, 0, 0]])
+    assert guard.rollout_verdict(logp, rmask, 0.0) is None
+    logp[1, 2] = np.nan  # padding
+    assert guard.rollout_verdict(logp, rmask, 0.0) is None
+    logp[0, 1] = np.nan
+    assert "1 response token" in guard.rollout_verdict(logp, rmask, 0.0)
+    assert "1 response token" in skip.rollout_verdict(logp, rmask, 0.0)
+    assert "ABFT flagged 3 rows" in guard.rollout_verdict(np.zeros((2, 3)), rmask, 3.0)
+    assert skip.rollout_verdict(np.zeros((2, 3)), rmask, 3.0) is None
 
 
 # --- the guard, end to end ---------------------------------------------------------------------
@@ -504,6 +515,53 @@ def test_guard_recomputes_a_planted_gradient_flip_and_the_control_diverges(
     assert guarded[1]["sdc/recomputed"] == 1.0 and guarded[2]["sdc/recomputed"] == 0.0
     # Every flip that fired counts: all of the rejected attempt's, none of the accepted one's.
     assert guarded[1]["sdc/injected"] == guarded[1]["sdc/injected_rejected"] > 0
+    for g, c in zip(guarded, clean, strict=True):
+        for k, v in c.items():
+            if k.startswith("timing_s"):
+                continue
+            np.testing.assert_allclose(g[k], v, rtol=1e-5, atol=1e-7, err_msg=k)
+
+
+@pytest.mark.slow  # one smoke run of the shallow model, and the session's clean one
+@pytest.mark.xdist_group("clean_smoke")
+def test_guard_regenerates_a_rollout_with_a_planted_exponent_flip(sft_cache, tmp_path, clean_smoke):
+    # Step 1's rollout gets bit 30 (the f32 exponent's top bit) flipped in one element of layer
+    # 1's down_proj output in every forward call: |x| < 1 becomes 2^128 |x| (|x| >= 1: inf or
+    # NaN). The next RMSNorm's mean of squares overflows, so the stream is zeroed (finite,
+    # uniform logits: garbage tokens) or NaN (NaN log-probs). Either way the step's update
+    # would learn from a corrupted rollout; the guard used to see only the update, and the
+    # vulnerability grid's weight/e7 and rollout/e7 cells diverged 2/2 with it on. Now the
+    # rollout verdict rejects it (ABFT flags the corrupted row of down_proj's output, or the
+    # log-probs are non-finite; tests/test_sdc.py::test_guard_verdicts has both) and the
+    # rollout is generated again with the next attempt's draw from the same prompts and
+    # sampling key: the clean run's tokens, and then its metrics (the same bound as the
+    # gradient test above: ABFT only reads the products).
+    from aqn_jax.launch import run
+    from aqn_jax.metrics import read_metrics
+
+    from conftest import load_config, shallow
+
+    c = load_config("clean", "smoke")
+    c.sft.cache_dir = sft_cache
+    planted = {
+        "faults.bitflip.enabled": True,
+        "faults.bitflip.sites": ("down_proj",),
+        "faults.bitflip.layers": "1",
+        "faults.bitflip.phases": ("rollout",),
+        "faults.bitflip.bits": "(30,)",
+        "faults.bitflip.count": 1,
+        "faults.bitflip.steps": "(1,)",
+        "sdc.guard": "recompute",
+        "sdc.abft": True,
+    }
+    run(shallow(c, **planted), str(tmp_path / "guarded"))
+    guarded, clean = read_metrics(str(tmp_path / "guarded")), read_metrics(str(clean_smoke[0]))
+    assert [r.get("sdc/recomputed") for r in guarded[1:]] == [1.0, 0.0]
+    # The rejected rollout's flips count (sdc/injected_rollout: one per forward call, at least
+    # the prefill's), and its flagged rows; the accepted rollouts had none.
+    assert guarded[1]["sdc/injected_rollout"] >= 1.0 and guarded[2]["sdc/injected_rollout"] == 0
+    assert guarded[1]["sdc/detected_abft_rollout"] >= 1.0
+    assert guarded[2]["sdc/detected_abft_rollout"] == 0 and guarded[2]["sdc/detected_abft"] == 0
     for g, c in zip(guarded, clean, strict=True):
         for k, v in c.items():
             if k.startswith("timing_s"):

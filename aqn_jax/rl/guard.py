@@ -10,6 +10,13 @@ metrics and decide what the trainer does with it.
              recomputed on the same batch with a fresh fault draw (the next attempt's key);
              after `max_recomputes` failed attempts the run rolls back to its last checkpoint
 
+A corrupted rollout (`rollout_verdict`: a non-finite sampler log-prob on a response token, or,
+with recompute, an ABFT detection in the rollout's forwards) is an attempt that failed before
+its update: with recompute the step's rollout is generated again from the same prompts and
+sampling key with the next attempt's fault draw (so a cured transient fault gives the clean
+run's rollout), counted against the same `max_recomputes`; with skip the step's update is
+skipped.
+
 The verdict reads the step's metrics only (host floats), so the device programs stay those of
 an unguarded run plus a few reductions (`sdc/update_rms`, `sdc/moments_ok`).
 """
@@ -122,6 +129,18 @@ class Guard:
                 z = robust_z(m[k], h)
                 if abs(z) > self.spec.z:
                     return f"{k}={m[k]:.4g} is an anomaly (robust z {z:+.1f})"
+        return None
+
+    def rollout_verdict(self, sampler_logp, response_mask, abft_rows: float) -> str | None:
+        """Why the step's rollout is rejected (a line), or None: a non-finite log-prob of a
+        sampled response token (the logits it was drawn from were not finite), or, with
+        recompute, rows ABFT flagged in the rollout's forward passes."""
+        live = np.asarray(response_mask) > 0
+        bad = int((~np.isfinite(np.asarray(sampler_logp)[live])).sum())
+        if bad:
+            return f"non-finite sampler log-probs on {bad} response token(s) of the rollout"
+        if self.spec.mode == "recompute" and abft_rows > 0:
+            return f"ABFT flagged {abft_rows:g} rows in the rollout"
         return None
 
     def accept(self, m: Mapping[str, float]) -> None:

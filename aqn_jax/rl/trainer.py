@@ -188,15 +188,20 @@ class Trainer:
         """The policy's weights for generation: the params in the compute dtype."""
         return params if self._cast is None else self._cast(params)
 
-    def rollout(self, params, batch, step: int, sigma: float):
+    def rollout(self, params, batch, step: int, sigma: float, attempt: int = 0):
+        """The step's rollout; a regenerated one (`attempt` >= 1, the guard's) samples with
+        the same key and draws its faults anew, as a recomputed update does."""
         key = jax.random.fold_in(jax.random.key(self.seed), step)
+        fault_key = step_key(self.seed, step, "rollout")
+        if attempt:
+            fault_key = jax.random.fold_in(fault_key, ATTEMPT_TAG + attempt)
         return self.rollout_sampler(
             self.generation_weights(params),
             batch["input_ids"],
             batch["attention_mask"],
             jax.random.fold_in(key, 0),
-            fault_key=step_key(self.seed, step, "rollout"),
-            values={AQN_SIGMA: np.float32(sigma), **self.sdc_values(step, 0)},
+            fault_key=fault_key,
+            values={AQN_SIGMA: np.float32(sigma), **self.sdc_values(step, attempt)},
         )
 
     def sdc_values(self, step: int, attempt: int) -> dict[str, np.ndarray]:
@@ -216,21 +221,38 @@ class Trainer:
         t_step = time.perf_counter()
         batch = self.batcher.next_batch()
         sigma = self.spec.aqn.sigma(step, self.static.total_steps)
-        t0 = time.perf_counter()
-        out = self.rollout(policy_weights(self.static, state), batch, step, sigma)
-        t_gen = time.perf_counter() - t0
-        texts = [
-            self.tokenizer.decode(t[m > 0])
-            for t, m in zip(out.tokens, out.response_mask, strict=True)
-        ]
-        truths = [g for g in batch["ground_truth"] for _ in range(self.static.h.n)]
-        scores = score_batch(texts, truths, method=self.spec.reward_method)
-        tb = train_batch(out, scores)
         # After a rollback a step starts past the attempts that failed (fresh fault draws).
-        train = self._train(state, step, tb, sigma, self.first_attempt.get(step, 0))
+        first = attempt = self.first_attempt.get(step, 0)
+        truths = [g for g in batch["ground_truth"] for _ in range(self.static.h.n)]
+        rejected_rollout, t_regen = np.zeros(2), 0.0  # (flips, ABFT rows) of rejected rollouts
+        t0 = time.perf_counter()
+        while True:
+            out = self.rollout(policy_weights(self.static, state), batch, step, sigma, attempt)
+            texts = [
+                self.tokenizer.decode(t[m > 0])
+                for t, m in zip(out.tokens, out.response_mask, strict=True)
+            ]
+            scores = score_batch(texts, truths, method=self.spec.reward_method)
+            tb = train_batch(out, scores)
+            bad_rollout = None
+            if self.guard is not None:
+                totals = rollout_totals(out.fault_stats, int(tb["rmask"].sum(1).max()))
+                bad_rollout = self.guard.rollout_verdict(tb["sampler_logp"], tb["rmask"], totals[1])
+            if bad_rollout is None or self.guard.spec.mode == "skip":
+                break
+            # guard=recompute: the same prompts and sampling key, the next attempt's faults.
+            rejected_rollout += totals
+            attempt += 1
+            if attempt - first > self.guard.spec.max_recomputes:
+                raise RollbackNeeded(step, bad_rollout)
+            print(f"RL step {step}: {bad_rollout}; generating it again (attempt {attempt})")
+            t_regen = time.perf_counter() - t0
+        t_gen = time.perf_counter() - t0
+        train = self._train(state, step, tb, sigma, attempt)
         sdc: dict[str, float] = {}
         if self.guard is not None:
-            train, sdc = self._guarded(state, step, tb, sigma, train)
+            train, sdc = self._guarded(state, step, tb, sigma, train, first, attempt, bad_rollout)
+            sdc["timing_s/sdc_recompute"] += t_regen
         state, prep, train_stats, corr, mets, old_logp, t_prep, t_corr, t_upd = train
 
         rmask = tb["rmask"]
@@ -269,7 +291,7 @@ class Trainer:
         m.update(corr.metrics)
         m.update(mets)
         if self.static.sdc is not None:
-            m.update(sdc_metrics(m, out.fault_stats, sdc))
+            m.update(sdc_metrics(m, out.fault_stats, sdc, rejected_rollout))
         for name, v in summarize_stats(out.fault_stats).items():
             if name.endswith("/mean"):
                 m[f"faults/rollout/{name.removesuffix('/mean')}"] = v
@@ -339,13 +361,24 @@ class Trainer:
             )
         return _Train(state, prep, train_stats, corr, mets, old_logp, t_prep, t_corr, t_upd)
 
-    def _guarded(self, state: RLState, step: int, tb, sigma: float, train: _Train):
+    def _guarded(
+        self,
+        state: RLState,
+        step: int,
+        tb,
+        sigma: float,
+        train: _Train,
+        first: int,
+        attempt: int,
+        bad_rollout: str | None = None,
+    ):
         """The guard's verdict on each attempt (rl/guard.py): skip, recompute with a fresh
-        fault draw, or ask the job for a rollback; (the accepted attempt, sdc/* metrics)."""
+        fault draw, or ask the job for a rollback; (the accepted attempt, sdc/* metrics).
+        `train` is attempt `attempt` of the step's attempts from `first`; `bad_rollout` (skip
+        mode only): why its rollout was rejected, which skips its update."""
         t0, skipped = time.perf_counter(), False
         rejected = {"sdc/injected_rejected": 0.0, "sdc/detected_abft_rejected": 0.0}
-        first = attempt = self.first_attempt.get(step, 0)  # `train` is that attempt
-        while (reason := self.guard.verdict(train.mets)) is not None:
+        while (reason := bad_rollout or self.guard.verdict(train.mets)) is not None:
             if self.guard.spec.mode == "skip":  # the update is dropped; the step counts
                 skipped = True
                 train = train._replace(state=state.replace(step=train.state.step))
@@ -369,7 +402,7 @@ class Trainer:
             "sdc/rolled_back": float(rolled),
             "sdc/recomputed": float(attempt - first),
             "sdc/guard_skipped": float(skipped),
-            "timing_s/sdc_recompute": time.perf_counter() - t0 if attempt else 0.0,
+            "timing_s/sdc_recompute": time.perf_counter() - t0 if attempt > first else 0.0,
         }
 
     def note_rollback(self, step: int) -> None:
@@ -444,27 +477,36 @@ def check_finite(step: int, metrics: Mapping[str, float], faults: str = "") -> N
         )
 
 
-def sdc_metrics(m: Mapping[str, float], rollout_stats, guard: Mapping[str, float]) -> dict:
+def rollout_totals(rollout_stats, longest: int) -> np.ndarray:
+    """(bits flipped, rows ABFT flagged) over a rollout, summed over sites. The sampler reports
+    each stat as its mean over its forward calls: the prefill and one call per decode step, as
+    many as the longest response has tokens (every decode step has a live row, and a row's
+    tokens are consecutive), so a total is that mean times 1 + `longest`, rounded (the counts
+    are whole)."""
+    counts = sdc_site_counts(rollout_stats)
+    calls = 1.0 + longest
+    return np.array([round(float(counts["flips"]) * calls), round(float(counts["abft"]) * calls)])
+
+
+def sdc_metrics(
+    m: Mapping[str, float], rollout_stats, guard: Mapping[str, float], rejected_rollout=(0, 0)
+) -> dict:
     """The step's sdc/* metrics: `injected` (bits flipped in the train passes and the
     optimizer's trees, exact, the guard's rejected attempts included), `injected_rollout` and
-    `detected_abft_rollout` (totals over the step's rollout, summed over sites), `detected_abft`
-    (rows ABFT flagged in the train passes, rejected attempts included), the guard's counts
-    (`guard`). The sampler reports each stat as its mean over its forward calls: the prefill and
-    one call per decode step, as many as the longest response has tokens (every decode step has
-    a live row, and a row's tokens are consecutive), so a total is that mean times
-    1 + `response_length/max`, rounded (the counts are whole)."""
-    rollout = sdc_site_counts(rollout_stats)
-    calls = 1.0 + m["response_length/max"]
+    `detected_abft_rollout` (totals over the step's rollout (`rollout_totals`), plus those of
+    the rollouts the guard rejected, `rejected_rollout`), `detected_abft` (rows ABFT flagged in
+    the train passes, rejected attempts included), the guard's counts (`guard`)."""
+    flips, abft = rollout_totals(rollout_stats, int(m["response_length/max"]))
     out = {
         "sdc/injected": sum(
             m.get(k, 0.0)
             for k in ("sdc/injected_prepare", "sdc/injected_update", "sdc/injected_tree")
         )
         + guard.get("sdc/injected_rejected", 0.0),
-        "sdc/injected_rollout": float(round(float(rollout["flips"]) * calls)),
+        "sdc/injected_rollout": float(flips + rejected_rollout[0]),
         "sdc/detected_abft": m.get("sdc/detected_abft_train", 0.0)
         + guard.get("sdc/detected_abft_rejected", 0.0),
-        "sdc/detected_abft_rollout": float(round(float(rollout["abft"]) * calls)),
+        "sdc/detected_abft_rollout": float(abft + rejected_rollout[1]),
     }
     out.update(guard)
     return out

@@ -15,7 +15,9 @@
 #   (ours_full,ours_lora,trl_gpu,ours_nvfp4); B_RUNS ('f32 bf16 nvfp4_lora'); SECTIONS (ABC:
 #   which sections run); CPU_EARLY=1: start B at once on cores 4-15 with A pinned to cores 0-3
 #   (B then gets the whole window; A's compile times share the host's memory bandwidth), and
-#   C after A on cores 0-3.
+#   C after A on cores 0-3. LAYOUT=parallel: A on cores 0-1, B from core 2 (4 cores a run), C on
+#   the cores after B's, all three started at once. A_EXTRA: our launch flags for every ours
+#   setting of A (e.g. --config.actor.micro_batch_rows=16). C_EXTRA: flags for C's launch.
 set -u
 T0=$(date +%s)
 SMOKE=${SMOKE:-0}
@@ -26,6 +28,9 @@ SECTIONS=${SECTIONS:-ABC}
 A_PER=${A_PER:-160}
 A_ORDER=${A_ORDER:-ours_full,ours_lora,trl_gpu,ours_nvfp4}
 B_RUNS=${B_RUNS:-f32 bf16 nvfp4_lora}
+LAYOUT=${LAYOUT:-}
+A_EXTRA=${A_EXTRA:-}
+C_EXTRA=${C_EXTRA:-}
 OUT=${OUT:?OUT must be set}
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$ROOT"
@@ -102,6 +107,8 @@ start_b() {  # $1: the first core of B's 3 x 4 cores; runs in the background (B_
         f32) flags="" ;;
         bf16) flags="--config.model.dtype=bfloat16" ;;
         nvfp4_lora) flags="--config.lora.rank=32 --config.model.weight_format=nvfp4" ;;
+        f32_ft) flags="--config.lora.rank=0 --config.model.dtype=float32" ;;
+        bf16_ft) flags="--config.lora.rank=0 --config.model.dtype=bfloat16" ;;
         *) say "B: unknown run $name"; continue ;;
       esac
       lo=$((c0 + 4 * i)); hi=$((lo + 3))
@@ -128,18 +135,26 @@ start_c() {  # $1: cores (taskset list)
   [ "$t" -lt 30 ] && { say "C: skipped ($(left) s left)"; return; }
   mkdir -p "$W/C"
   # shellcheck disable=SC2046
+  # shellcheck disable=SC2086
   JAX_PLATFORMS=cpu timeout -k 20 "$t" $(pin "$1") $PY -m aqn_jax.launch \
-    --config="$C_CFG" --workdir="$W/C/vuln" >"$W/C/vuln.log" 2>&1 &
+    --config="$C_CFG" --workdir="$W/C/vuln" $C_EXTRA >"$W/C/vuln.log" 2>&1 &
   C_PID=$!
   say "C: started on cores $1, timeout $t s"
 }
 
 # -- A ----------------------------------------------------------------------------------------
 has() { [[ $SECTIONS == *$1* ]]; }
-say "mode: SECTIONS=$SECTIONS CPU_EARLY=$CPU_EARLY DEADLINE_S=$DEADLINE_S A_BUDGET=$A_BUDGET A_PER=$A_PER SMOKE=$SMOKE"
+say "mode: SECTIONS=$SECTIONS LAYOUT=$LAYOUT CPU_EARLY=$CPU_EARLY DEADLINE_S=$DEADLINE_S A_BUDGET=$A_BUDGET A_PER=$A_PER SMOKE=$SMOKE"
 A_PIN=""
 EARLY=0
-if [ "$CPU_EARLY" = 1 ] && [ "$NCPU" -ge 16 ] && has A; then
+if [ "$LAYOUT" = parallel ] && [ "$NCPU" -ge 8 ]; then
+  EARLY=2
+  A_PIN=$(pin 0-1)
+  nb=$(echo $B_RUNS | wc -w)
+  c_lo=$((2 + 4 * nb))
+  has B && start_b 2
+  has C && start_c "$c_lo-$((NCPU - 1))"
+elif [ "$CPU_EARLY" = 1 ] && [ "$NCPU" -ge 16 ] && has A; then
   EARLY=1
   A_PIN=$(pin 0-3)
   has B && start_b 4
@@ -150,13 +165,15 @@ if has A; then
   # shellcheck disable=SC2086
   timeout -k 10 $((a_t + 15)) $A_PIN $PY bench/device/section_a.py --arch "$ARCH" \
     --shape "$SHAPE" --steps "$STEPS" --device "$DEV" --budget "$a_t" --per-setting "$A_PER" \
-    --order "$A_ORDER" --out "$OUT/A.json" >"$OUT/A.log" 2>&1
+    --order "$A_ORDER" --extra="$A_EXTRA" --out "$OUT/A.json" >"$OUT/A.log" 2>&1
   say "A: rc $? ($(elapsed) s)"
   grep -E '^(A |BENCH)' "$OUT/A.log" | tee -a "$SUM"
 fi
 
 # -- B and C after A --------------------------------------------------------------------------
-if [ "$EARLY" = 1 ]; then
+if [ "$EARLY" = 2 ]; then
+  :  # B and C started with A
+elif [ "$EARLY" = 1 ]; then
   has C && start_c 0-3
 elif [ "$NCPU" -ge 16 ]; then
   has B && start_b 0
