@@ -30,6 +30,9 @@ Components (bytes per device):
                      micro-batch at a time (`lax.map`)
     update           gradients (one param-sized accumulator, in param_dtype as
                      `zeros_like(params)`) + activations of one micro-batch's forward+backward
+                     + compute_weights: the weights cast to `dtype` inside the program (as
+                     rollout_weights; 0 when dtype == param_dtype), which the backward keeps
+                     (dX = g W^T reads the cast W)
     optimizer step   gradients + the param-sized update tree of the AdamW step
 
 Activation model. Per device: r rows (the micro-batch's rows / (data * fsdp) in the update and
@@ -58,6 +61,13 @@ of (N / t) * S * 4 bytes per token over S key positions. Per token, a decoder la
                         (one layer at a time; the policy's and the reference's logits)
   generation            r * bucket * forward (the prefill; the decode steps and the
                         last-position logits are small)
+
+compute_weights was read off XLA:CPU's buffer assignment of a micro-batch's gradient at the
+0.5B widths, T = 384, 2 rows (`python bench/plan_vs_xla.py`): per decoder layer and token,
+float32 compute keeps 119 kB (the model above: 176), bfloat16 compute over float32 params 149
+kB (the model: 120) — the difference is the layer's weights in bfloat16 (29.8 MB, 38.8 kB a
+token), held until the backward has read them. With them the 0.5B QeRL run's plan in bf16
+bounds its measured peak (17.42 GiB on an AVX2 CPU; the plan without them was 17.30).
 
 The copy counts were read off XLA's buffer assignment (`compiled.memory_analysis()`) on
 XLA:CPU for the trainer's own loss functions, and tests/test_planner.py compares the estimates
@@ -124,7 +134,7 @@ RESIDENT = (
 PHASES: dict[str, tuple[str, ...]] = {
     "rollout": ("generation", "dequantized_base"),
     "prepare": ("prepare", "dequantized_base"),
-    "update": ("gradients", "activations", "dequantized_base"),
+    "update": ("gradients", "activations", "compute_weights", "dequantized_base"),
     "optimizer step": ("gradients", "optimizer_step"),
 }
 COMPONENTS = RESIDENT + (
@@ -133,6 +143,7 @@ COMPONENTS = RESIDENT + (
     "gradients",
     "activations",
     "optimizer_step",
+    "compute_weights",
     "dequantized_base",
 )
 _BATCH = P(parallel.BATCH_AXES)  # axis 0 over (data, fsdp), the rest whole
@@ -624,6 +635,7 @@ def _plan(
         "gradients": trained,
         "activations": act["layers"] + act["logits"],
         "optimizer_step": trained,
+        "compute_weights": _shard_bytes(job.rollout_weights, sizes),
         "dequantized_base": _shard_bytes(job.dequantized, sizes),
     }
     phase = {name: sum(components[c] for c in parts) for name, parts in PHASES.items()}
