@@ -276,6 +276,33 @@ def test_train_gives_sigterm_back():
     assert signal.getsignal(signal.SIGTERM) is before
 
 
+def test_preemption_inside_a_checkpoint_read_stays_a_preemption(tmp_path, monkeypatch):
+    """The worker's SIGTERM handler raises `Preempted` wherever the worker is, here inside
+    Orbax's restore of the run's checkpoint (the evaluation stage): it reaches `_worker_task` as
+    a preemption. Negative control: an ordinary exception there is what an unreadable checkpoint
+    is, the one-line ValueError (the suite once caught the preemption turned into that, and the
+    job's exit 1 instead of 143)."""
+    import jax.numpy as jnp
+
+    from aqn_jax.checkpoint import Checkpointer
+    from aqn_jax.jobs.compare import Preempted
+
+    ckpt = Checkpointer(str(tmp_path), 1, 5)
+    ckpt.save(1, {"w": jnp.arange(4.0)}, {"step": 1})
+    ckpt.wait()
+
+    def interrupted(*args, **kwargs):
+        raise Preempted
+
+    monkeypatch.setattr(ckpt.manager, "restore", interrupted)
+    with pytest.raises(Preempted):
+        ckpt.restore_host(1)
+    monkeypatch.setattr(ckpt.manager, "restore", lambda *a, **k: 1 / 0)
+    with pytest.raises(ValueError, match="checkpoints/1 is unreadable"):
+        ckpt.restore_host(1)
+    ckpt.close()
+
+
 def test_worker_count():
     from aqn_jax.jobs.compare import worker_count
 

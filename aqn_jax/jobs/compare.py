@@ -246,8 +246,11 @@ _BUSY = False  # a worker inside a run (SIGTERM: stop the run) or idle (SIGTERM:
 GRACE_S = 40.0
 
 
-class Preempted(Exception):
-    """SIGTERM reached a worker outside the train loop (warm start, diagnosis, evaluation)."""
+class Preempted(BaseException):  # noqa: N818 (a request to stop, as KeyboardInterrupt is)
+    """SIGTERM reached a worker outside the train loop (warm start, diagnosis, evaluation).
+    A BaseException, so that no `except Exception` on the way turns it into a failure: the
+    checkpoint reader's (`Checkpointer.restore_host`) once reported a worker preempted inside
+    its restore as an unreadable checkpoint, and the job exited 1, not 143."""
 
 
 def _run_parallel(todo, jobs, workers: int, cache_dir: str | None) -> list[float]:
