@@ -320,7 +320,13 @@ def decode_spec(config: Any) -> DecodeSpec:
 
 
 def prompt_dependence(
-    spec: DecodeSpec, task, model_cfg: ModelConfig, params, tokenizer: Tokenizer, size: int
+    spec: DecodeSpec,
+    task,
+    model_cfg: ModelConfig,
+    params,
+    tokenizer: Tokenizer,
+    size: int,
+    prompt_format=lambda examples: examples,
 ) -> dict[str, Any]:
     """Does the policy read its prompt? On the embedded task's test split (`task`, an
     `ArithmeticTask`: its numbers can be redrawn), no fault, greedy:
@@ -332,6 +338,7 @@ def prompt_dependence(
       answered with the original answer (a policy that reads its numbers: ~0);
     - `shared_completion`: the share of prompts whose completion is also the completion of a
       prompt with a different answer (a policy that guesses repeats itself across prompts).
+    Both problem sets are asked through `prompt_format` (`data.config.with_prompt_format`).
     """
     gen = causal_lm(dataclasses.replace(model_cfg, remat=False))
     sp = greedy_sampling(spec.max_new_tokens, tokenizer)
@@ -339,13 +346,13 @@ def prompt_dependence(
     bs, limit, method = spec.batch_size, spec.max_prompt_len, spec.reward_method
     out: dict[str, Any] = {"n": size}
     texts: list[str] = []
-    examples = task.examples("test", size)
+    examples = prompt_format(task.examples("test", size))
     out["acc"] = float(
         np.mean(
             eval_scores(sampler, params, examples, tokenizer, bs, limit, texts=texts, method=method)
         )
     )
-    redrawn = task.redrawn("test", size)
+    redrawn = prompt_format(task.redrawn("test", size))
     texts_redrawn: list[str] = []
     out["acc_redrawn"] = float(
         np.mean(

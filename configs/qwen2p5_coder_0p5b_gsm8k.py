@@ -92,12 +92,13 @@ JOBS = ("severity", "evaluate")
 def get_config(arg: str | None = None):
     parts = [p for p in (arg or "deadzone").split(",") if p]
     smoke = "smoke" in parts
-    names = [p for p in parts if p != "smoke"] or ["deadzone"]
+    arith = "arith" in parts
+    names = [p for p in parts if p not in ("smoke", "arith")] or ["deadzone"]
     allowed = (*ARMS, *JOBS)
     if len(names) != 1 or names[0] not in allowed:
         raise ValueError(
             f"--config=configs/qwen2p5_coder_0p5b_gsm8k.py:{arg}; allowed: one of {allowed},"
-            " optionally followed by ',smoke'"
+            " optionally followed by ',arith' and/or ',smoke'"
         )
     name = names[0]
     config = base_config("smoke" if smoke else None)
@@ -165,6 +166,9 @@ def get_config(arg: str | None = None):
     config.evaluate.size = 128  # test problems
     config.evaluate.batch_size = 32
 
+    if arith:
+        _short_answers(config)
+
     if smoke:  # every stage once at the smallest shapes (tests/test_qwen_gsm8k_config.py)
         config.rollout.n = 2
         config.rollout.max_new_tokens = 4
@@ -202,3 +206,26 @@ def get_config(arg: str | None = None):
         config.lora.rank, config.lora.alpha = (32, 32.0) if lora_on else (0, 16.0)
         config.actor.lr = 2e-5 if lora_on else 1e-6  # full fine-tuning: issue 30's 1e-6
     return config
+
+
+def _short_answers(config) -> None:
+    """The CPU learning track (issue 49): the embedded arithmetic task in chat form, answers
+    within 64 new tokens, at the operating point measured at step 0 (the module docstring)."""
+    config.required = ("model.hf_path",)
+    config.data.train_path = ""  # the embedded task (aqn_jax/data/arithmetic.py), no files
+    config.data.test_path = ""
+    config.data.task.digits = 2  # two-digit amounts
+    config.data.task.steps = 2  # two operations: reference solutions 26-30 tokens
+    config.data.task.split_by = "chain"  # no arithmetic chain in both splits
+    config.data.test_size = 256  # held-out problems (validation reads the first val_size)
+    # One solved problem shown first (data.config.with_prompt_format): asked with verl's "think
+    # step by step" the model writes 64 tokens of prose and answers 0 of 8; shown one solution
+    # it writes the equations and \\boxed{N} in ~25 tokens (4 of 8 right, 7 of 8 ended).
+    config.data.instruction = (
+        " Write the equations, one per line, then the final answer as \\boxed{N}."
+    )
+    config.data.shots = 1
+    config.rollout.max_prompt_len = 192
+    config.rollout.prompt_buckets = (192,)
+    config.rollout.max_new_tokens = 64
+    config.evaluate.size = 128

@@ -9,7 +9,9 @@ the default runs with no download. A path is verl parquet or raw GSM8K jsonl
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import re
 from typing import Any
 
 import ml_collections
@@ -18,8 +20,10 @@ from aqn_jax.rewards import METHODS
 
 from .arithmetic import ArithmeticTask
 from .gsm8k import Example, load_examples
+from .tokenizers import INSTRUCTION_SUFFIX
 
 SPLIT_FIELDS = {"train": "train_path", "test": "test_path"}
+MAX_SHOTS = 8  # few-shot turns (config.data.shots): each adds a problem's tokens to every prompt
 
 
 def data_config() -> ml_collections.ConfigDict:
@@ -36,6 +40,13 @@ def data_config() -> ml_collections.ConfigDict:
     # (a pretrained instruct model that answers in prose, e.g. SmolLM2 without SFT) | boxed =
     # the last \boxed{...}, else '#### N', normalised, numbers compared as numbers (Qwen2.5).
     c.reward_method = "strict"
+    # The prompt (with_prompt_format): '' = verl's instruction after every question (' Let's
+    # think step by step and output the final answer after "####".'); else this text instead.
+    c.instruction = ""
+    # Worked train problems shown before every question as earlier chat turns (user: question
+    # + instruction; assistant: the solution's lines, then the answer in the reward's format);
+    # 0 = none. The first `shots` train problems are taken for it and left out of training.
+    c.shots = 0
     c.task = ml_collections.ConfigDict()
     c.task.digits = 2  # embedded task difficulty (aqn_jax/data/arithmetic.py)
     c.task.steps = 2
@@ -63,6 +74,11 @@ def check_data(data: Any) -> None:
             f"config.data.train_path={data.train_path!r}, test_path={data.test_path!r}: give both"
             " (a real dataset) or neither (the embedded arithmetic task)"
         )
+    if not isinstance(data.get("instruction", ""), str):
+        raise ValueError(f"config.data.instruction={data.instruction!r}; must be a string")
+    shots = data.get("shots", 0)
+    if not isinstance(shots, int) or isinstance(shots, bool) or not 0 <= shots <= MAX_SHOTS:
+        raise ValueError(f"config.data.shots={shots!r}; allowed: an int in 0..{MAX_SHOTS}")
     if not data.train_path:
         for field in ("train_size", "test_size"):
             if data[field] < 1:
@@ -78,10 +94,59 @@ def load_split(data: Any, split: str) -> list[Example]:
     if split not in SPLIT_FIELDS:
         raise ValueError(f"split={split!r}; allowed: {list(SPLIT_FIELDS)}")
     check_data(data)
+    return with_prompt_format(_raw_split(data, split), data, split)
+
+
+def _raw_split(data: Any, split: str) -> list[Example]:
     path = data[SPLIT_FIELDS[split]]
     if path:
         return load_examples(os.path.expanduser(path))
     return task_of(data).examples(split, int(data[f"{split}_size"]))
+
+
+def with_prompt_format(examples: list[Example], data: Any, split: str) -> list[Example]:
+    """`examples` as the policy is asked them: `config.data.instruction` after each question
+    and `config.data.shots` worked train problems before it, as earlier chat turns (a few-shot
+    chat prompt fixes an instruct model's answer format: Qwen2.5-Coder-0.5B, asked the embedded
+    task with verl's "think step by step" instruction, spends 64 tokens on prose and answers
+    none of 8 problems; shown one solved problem it writes the equations and \\boxed{N} in
+    ~25 tokens; WORKSPACE.md, issue 49). The defaults return `examples` unchanged; the train
+    split loses the problems the shots show."""
+    instruction, shots = str(data.get("instruction", "")), int(data.get("shots", 0))
+    if not instruction and not shots:
+        return examples
+    suffix = instruction or INSTRUCTION_SUFFIX
+    shown = _raw_split(data, "train")[:shots]
+    if len(shown) < shots:
+        raise ValueError(f"config.data.shots={shots} but the train split has {len(shown)} problems")
+    history: list[dict[str, str]] = []
+    for ex in shown:
+        if not ex.answer:
+            raise ValueError(
+                f"config.data.shots={shots}: train problem {ex.index} has no worked solution"
+                " to show (a GSM8K 'answer' / verl extra_info.answer); use shots=0"
+            )
+        history += [
+            {"role": "user", "content": ex.question + suffix},
+            {"role": "assistant", "content": shot_answer(ex, str(data.reward_method))},
+        ]
+    keep = examples[shots:] if split == "train" else examples
+    return [
+        dataclasses.replace(
+            ex, prompt_messages=[*history, {"role": "user", "content": ex.question + suffix}]
+        )
+        for ex in keep
+    ]
+
+
+def shot_answer(ex: Example, reward_method: str) -> str:
+    """A shown problem's reply: its worked solution's lines without GSM8K's calculator
+    annotations (<<12*3=36>>), then its answer in the form the reward reads."""
+    lines = re.sub(r"<<[^>]*>>", "", ex.answer or "").split("####")[0].strip()
+    final = (
+        f"\\boxed{{{ex.ground_truth}}}" if reward_method == "boxed" else f"#### {ex.ground_truth}"
+    )
+    return f"{lines}\n{final}" if lines else final
 
 
 def task_of(data: Any) -> ArithmeticTask:

@@ -26,7 +26,7 @@ import time
 import jax
 import numpy as np
 
-from aqn_jax.data.config import check_data, load_split, task_of
+from aqn_jax.data.config import check_data, load_split, task_of, with_prompt_format
 from aqn_jax.evaluation import decode_spec, greedy_sampling, heldout_loss, prompt_dependence
 from aqn_jax.faults.config import POINTS
 from aqn_jax.faults.intercept import FaultPlan, Injection, step_key, summarize_stats
@@ -113,7 +113,15 @@ def run(config, workdir: str) -> None:
     out = {"model": config.model.to_dict(), "n": len(test), "clean": clean, "points": []}
     if config.severity.accuracy and not config.data.train_path:  # greedy decoding, as accuracy
         spec, task = decode_spec(config), task_of(config.data)
-        out["prompt_dependence"] = prompt_dependence(spec, task, model_cfg, params, tokenizer, size)
+        out["prompt_dependence"] = prompt_dependence(
+            spec,
+            task,
+            model_cfg,
+            params,
+            tokenizer,
+            size,
+            lambda examples: with_prompt_format(examples, config.data, "test"),
+        )
     print(_clean_line(out))
 
     # -- Sweep ---------------------------------------------------------------------------------

@@ -266,6 +266,11 @@ class Trainer:
             "critic/score/mean": float(scores.mean()),
             "critic/score/max": float(scores.max()),
             "critic/score/min": float(scores.min()),
+            # GRPO's signal: the share of prompts whose n samples did not all score the same
+            # (a group of equal scores has zero advantage and no gradient).
+            "critic/groups_with_advantage": float(
+                np.mean(np.ptp(np.reshape(scores, (-1, self.static.h.n)), axis=1) > 0)
+            ),
             "critic/rewards/mean": float(rewards.mean()),
             "critic/advantages/mean": float(adv[rmask > 0].mean()),
             "critic/advantages/max": float(adv[rmask > 0].max()),
