@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import sys
 import time
@@ -88,10 +89,13 @@ class Checkpointer:
             raise
         return out["state"], out["meta"]
 
-    def restore_host(self, step: int) -> tuple[dict, dict]:
+    def restore_host(
+        self, step: int, step_field: str = "config.evaluate.step"
+    ) -> tuple[dict, dict]:
         """(state as a tree of numpy arrays, meta) of checkpoint `step`, whatever the mesh and
         the number of processes that saved it (e.g. to evaluate or compare runs). An unreadable
-        checkpoint (corrupted or half-deleted files) is a ValueError naming it and what to do."""
+        checkpoint (corrupted or half-deleted files) is a ValueError naming it and what to do
+        (`step_field`: the field that picks another step)."""
         path = os.path.join(self.directory, str(int(step)), "state")
         try:
             item = ocp.StandardCheckpointer().metadata(path).item_metadata
@@ -116,8 +120,8 @@ class Checkpointer:
             others = sorted(s for s in self.manager.all_steps() if s != int(step))
             raise ValueError(
                 f"checkpoint {self.directory}/{int(step)} is unreadable ({type(e).__name__}:"
-                f" {' '.join(str(e).split())[:160]}); evaluate another step with"
-                f" --config.evaluate.step=N (other checkpoints: {others}), or rerun the train"
+                f" {_plain(e)[:160]}); choose another step with --{step_field}=N (other"
+                f" checkpoints: {others}), or rerun the train"
                 " job on that workdir: it moves an unreadable checkpoint aside and resumes from"
                 " the previous one"
             ) from e
@@ -170,6 +174,15 @@ class Checkpointer:
     def close(self) -> None:
         self.manager.wait_until_finished()
         self.manager.close()
+
+
+def _plain(error: BaseException) -> str:
+    """An exception's message on one line without object reprs (`<bound method ...>`, which
+    Orbax's and pybind11's messages carry)."""
+    text, previous = " ".join(str(error).split()), None
+    while text != previous:  # innermost first: reprs nest
+        previous, text = text, re.sub(r"<[^<>]*>", "", text)
+    return " ".join(text.split())
 
 
 def _params_only(directory: str, step: int) -> str:

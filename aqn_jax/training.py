@@ -34,7 +34,7 @@ from aqn_jax.checkpoint import (
 from aqn_jax.checks import check_train
 from aqn_jax.data.config import load_split
 from aqn_jax.diagnosis import srdd
-from aqn_jax.export import EXPORT_DIR, export_policy
+from aqn_jax.export import EXPORT_DIR, check_target, export_policy
 from aqn_jax.faults.config import with_abft
 from aqn_jax.faults.intercept import step_key
 from aqn_jax.lora import fingerprint as lora_fingerprint
@@ -59,6 +59,9 @@ def run(config, workdir: str) -> None:
     # ---------------------------------------------------------------------------------------
     checked = check_train(config, workdir)
     model_cfg, tokenizer, hw_plan, memory = checked
+    export_field = "the export of config.checkpoint.export='hf'"
+    if config.checkpoint.get("export", "none") == "hf":  # an existing one must be an export
+        check_target(os.path.join(workdir, EXPORT_DIR), export_field, workdir)
     print(memory.table())
     n_layers = model_cfg.num_hidden_layers
     described = summary_spec(config, n_layers)  # what summary.json says of the config
@@ -284,6 +287,7 @@ def run(config, workdir: str) -> None:
             model_cfg,
             plain,
             config.tokenizer_path or config.model.hf_path,
+            export_field,
         )
         print(f"export: {out} (transformers loads it; evaluate with --config.model.hf_path={out})")
 
