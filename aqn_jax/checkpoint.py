@@ -140,6 +140,8 @@ class Checkpointer:
     def restore_latest(self, abstract_state: Any, log=print) -> tuple[int, Any, dict] | None:
         """(step, state, meta) of the newest checkpoint that reads back; an unreadable one
         (corrupted files) is reported, set aside (never deleted) and the previous one tried.
+        One of another layout than `abstract_state` (`layout_change`) is a ValueError naming
+        the difference, and stays where it is.
         None when there is none: the run starts afresh, and `metrics.open_run` moves the
         outputs of the earlier start aside."""
         steps = sorted(self.manager.all_steps(), reverse=True)
@@ -147,6 +149,13 @@ class Checkpointer:
             raise ValueError(_params_only(self.directory, steps[0]))
         errors = []
         for step in steps:
+            changed = self.layout_change(step, abstract_state)
+            if changed is not None:  # readable, of another layout: named, left in place
+                raise ValueError(
+                    f"checkpoint {self.directory}/{step} holds a train state of another layout"
+                    f" than this config's ({changed}): the config changed the model or its"
+                    " adapters; use a new --workdir"
+                )
             try:
                 state, meta = self.restore(step, abstract_state)
             except Exception as e:  # noqa: BLE001 - any failure to read means unusable
@@ -168,6 +177,26 @@ class Checkpointer:
             log(f"no readable checkpoint in {self.directory}: none to resume from")
         return None
 
+    def layout_change(self, step: int, abstract_state: Any) -> str | None:
+        """What differs between checkpoint `step`'s saved tree (its metadata) and
+        `abstract_state`: a leaf only one side has, or a shape; None when they agree or the
+        metadata is unreadable (then the checkpoint is)."""
+        path = os.path.join(self.directory, str(int(step)), "state")
+        try:
+            item = ocp.StandardCheckpointer().metadata(path).item_metadata
+            saved = _shapes(item.tree)
+        except Exception:  # noqa: BLE001 - unreadable: restore_latest's to report
+            return None
+        wanted = _shapes(abstract_state)
+        for key in sorted(saved.keys() | wanted.keys()):
+            if key not in wanted:
+                return f"{key} saved, not in this config's state"
+            if key not in saved:
+                return f"{key} in this config's state, not saved"
+            if saved[key] != wanted[key]:
+                return f"{key}: saved shape {saved[key]}, this config's {wanted[key]}"
+        return None
+
     def wait(self) -> None:
         self.manager.wait_until_finished()
 
@@ -185,11 +214,54 @@ def _plain(error: BaseException) -> str:
     return " ".join(text.split())
 
 
+def _shapes(tree) -> dict[str, tuple]:
+    """{'a/b/c': shape} of a tree's array leaves (dicts and dataclass fields alike)."""
+
+    def name(k) -> str:
+        for attr in ("key", "name", "idx"):
+            if hasattr(k, attr):
+                return str(getattr(k, attr))
+        return str(k)
+
+    leaves = jax.tree_util.tree_leaves_with_path(tree, is_leaf=lambda x: hasattr(x, "shape"))
+    return {
+        "/".join(name(k) for k in path): tuple(leaf.shape)
+        for path, leaf in leaves
+        if hasattr(leaf, "shape")
+    }
+
+
 def _params_only(directory: str, step: int) -> str:
     return (
         f"{directory}/{step} is the params-only final checkpoint of a finished run"
         " (config.checkpoint.final='params'): nothing to resume; evaluate it with"
         " --config.evaluate.run, or choose another --workdir"
+    )
+
+
+def check_resume_base(workdir: str, base_print: str | None) -> None:
+    """A LoRA run's latest checkpoint holds the fingerprint of the base its adapters were
+    trained over (`meta['base']`): another base is refused (one line) before anything is
+    written. No checkpoint, or an unreadable meta (restore_latest's to report): nothing to
+    check."""
+    if not os.path.isdir(os.path.join(workdir, CHECKPOINT_DIR)):
+        return
+    ckpt = Checkpointer(workdir, 0, 1)
+    try:
+        steps = sorted(ckpt.manager.all_steps())
+        meta = ckpt.meta(steps[-1]) if steps else {}
+    finally:
+        ckpt.close()
+    if meta and meta.get("base") != base_print:
+        raise ValueError(
+            base_changed(f"{ckpt.directory}/{steps[-1]}", meta.get("base"), base_print)
+        )
+
+
+def base_changed(where: str, saved: str | None, base_print: str | None) -> str:
+    return (
+        f"{where} was trained over base {saved} but this run's base is {base_print}"
+        " (config.model / config.sft / weight_format changed); use a new --workdir"
     )
 
 
@@ -238,6 +310,17 @@ RESUME_FREE = (
     "resume_override",
 )
 RESUME_FREE_SECTIONS = ("distributed.", "planner.", "compare.", "evaluate.")
+# Fields whose change makes a checkpoint's train state another shape or layout (or, for a LoRA
+# run, the frozen base another one): refused even with resume_override, named, before anything
+# is read or written; a checkpoint is never taken for unreadable because of them.
+LAYOUT_FIELDS = {
+    "lora.rank": "changes the adapters' shapes",
+    "lora.target_modules": "changes which adapters the state holds",
+    "lora.train_norms": "changes what the state trains",
+    "model.preset": "changes the model's shapes",
+    "model.num_layers": "changes the model's shapes",
+    "model.weight_format": "changes the frozen base the adapters were trained over",
+}
 
 
 def _flat(tree, prefix=""):
@@ -275,6 +358,14 @@ def check_resume_config(config, workdir: str) -> dict:
         and k not in RESUME_FREE
         and not k.startswith(RESUME_FREE_SECTIONS)
     }
+    layout = [k for k in changed if k in LAYOUT_FIELDS]
+    if layout:
+        k = layout[0]
+        a, b = changed[k]
+        raise ValueError(
+            f"config.{k}: {a!r} -> {b!r} {LAYOUT_FIELDS[k]}; use a new --workdir (the"
+            f" checkpoints in {workdir} cannot resume under it, even with resume_override)"
+        )
     if changed and not config.get("resume_override", False):
         shown = ", ".join(f"config.{k}: {a!r} -> {b!r}" for k, (a, b) in list(changed.items())[:6])
         more = f" (+{len(changed) - 6} more)" if len(changed) > 6 else ""

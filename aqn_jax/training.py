@@ -26,7 +26,9 @@ from aqn_jax.aqn.plan import build_plan, needs_srdd
 from aqn_jax.checkpoint import (
     Checkpointer,
     Preemption,
+    base_changed,
     check_resumable,
+    check_resume_base,
     check_resume_config,
     check_sane,
     record_override,
@@ -67,16 +69,11 @@ def run(config, workdir: str) -> None:
     described = summary_spec(config, n_layers)  # what summary.json says of the config
     train_examples = load_split(config.data, "train")
     test_examples = load_split(config.data, "test")
-    changes = check_resume_config(config, workdir)
+    changes = check_resume_config(config, workdir)  # a layout change named, even overridden
     check_resumable(workdir)  # a finished params-only run: refused before anything is written
-    if primary:
-        if changes:
-            record_override(workdir, changes)
-        with open(os.path.join(workdir, "config.json"), "w") as f:
-            f.write(config.to_json_best_effort(indent=2))
 
     # ---------------------------------------------------------------------------------------
-    # Warm start
+    # Warm start (then the config is recorded: a refused resume writes nothing)
     # ---------------------------------------------------------------------------------------
     model_cfg, params, sft_info = warm_start(checked.warm_start, workdir)
     float_params = params  # the warm start as it is: the manifest's trace, the export's base
@@ -88,6 +85,12 @@ def run(config, workdir: str) -> None:
         # format), and a checkpoint holds its fingerprint instead of its bytes.
         base_print = f"{weight_format}:{lora_fingerprint(params)}"
         params = quant_base.pack(params, weight_format, family_of(model_cfg).site_of)
+    check_resume_base(workdir, base_print)  # another base (overridden fields): refused here
+    if primary:
+        if changes:
+            record_override(workdir, changes)
+        with open(os.path.join(workdir, "config.json"), "w") as f:
+            f.write(config.to_json_best_effort(indent=2))
 
     # ---------------------------------------------------------------------------------------
     # Diagnose (SRDD) where the AQN arm needs it
@@ -173,12 +176,10 @@ def run(config, workdir: str) -> None:
     # rows up to it, or none (metrics.open_run).
     restored = ckpt.restore_latest(rl_step.saveable(state))
     start = 0 if restored is None else int(restored[0])
-    if restored is not None and restored[2].get("base") != base_print:
+    if restored is not None and restored[2].get("base") != base_print:  # an earlier step's
         ckpt.close()
         raise ValueError(
-            f"{ckpt.directory}/{start} was trained over base {restored[2].get('base')} but this"
-            f" run's base is {base_print} (config.model / config.sft / weight_format changed);"
-            " use a new --workdir"
+            base_changed(f"{ckpt.directory}/{start}", restored[2].get("base"), base_print)
         )
     writer, history = open_run(workdir, None if restored is None else start)
     if restored is not None:

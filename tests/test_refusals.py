@@ -10,11 +10,11 @@ from conftest import launch_cli, load_config, tree_state
 
 def _set(config, **over):
     for key, value in over.items():
-        node, *path = key.split(".")
-        target = config[node]
-        for part in path[:-1]:
+        *path, last = key.split(".")
+        target = config
+        for part in path:
             target = target[part]
-        target[path[-1]] = value
+        target[last] = value
     return config
 
 
@@ -137,3 +137,66 @@ def test_a_late_format_check_is_one_line_from_the_command_line(tmp_path):
     assert "config.faults.mx_scale_flip.block_size=7: blocks of 7" in errors[0]
     assert "Traceback" not in proc.stderr
     assert tree_state(work) == before and not (tmp_path / "cache").exists()
+
+
+def test_a_checkpoint_of_another_layout_is_named_not_moved_aside(tmp_path):
+    """`restore_latest` with a state of other shapes (a config that changed the layout): a
+    ValueError naming the leaf, the checkpoint left where it is; the same layout restores."""
+    import numpy as np
+
+    from aqn_jax.checkpoint import Checkpointer
+
+    ckpt = Checkpointer(str(tmp_path), 0, 2)
+    ckpt.save(1, {"params": {"lora": {"a": np.ones((4, 16), np.float32)}}}, {"step": 1})
+    ckpt.wait()
+    before = tree_state(tmp_path)
+    other = {"params": {"lora": {"a": np.zeros((4, 8), np.float32)}}}
+    with pytest.raises(ValueError) as e:
+        ckpt.restore_latest(other)
+    assert (
+        "checkpoints/1 holds a train state of another layout than this config's"
+        " (params/lora/a: saved shape (4, 16), this config's (4, 8))" in str(e.value)
+    )
+    assert tree_state(tmp_path) == before  # not moved to 1.unreadable-...
+    same = {"params": {"lora": {"a": np.zeros((4, 16), np.float32)}}}
+    step, state, _ = ckpt.restore_latest(same)
+    assert step == 1 and np.all(np.asarray(state["params"]["lora"]["a"]) == 1)
+    ckpt.close()
+
+
+@pytest.mark.slow
+def test_a_refused_resume_writes_nothing(tmp_path):
+    """A QeRL run's workdir resumed with --config.resume_override=True and a changed base
+    format, LoRA rank or warm start (issue 50): each refused in one line, the workdir
+    byte-identical (config.json and config_overrides.jsonl not rewritten, no checkpoint moved
+    aside); the original command still resumes."""
+    from aqn_jax.launch import run
+
+    def qerl():  # the run's config on the shallow model, with `extra`'s fields
+        config = load_config("qerl", "mxfp4_lora,smoke")
+        config.sft.cache_dir = str(tmp_path / "cache")
+        small = {"trainer.total_steps": 1, "model.num_layers": 3, "faults.deadzone.layers": "1"}
+        return _set(config, **small, **extra)
+
+    work = tmp_path / "run"
+    extra = {}
+    run(qerl(), str(work))
+    before = tree_state(work)
+    cases = [
+        (
+            {"model.weight_format": "nvfp4"},
+            "config.model.weight_format: 'mxfp4' -> 'nvfp4' changes the frozen base the"
+            " adapters were trained over; use a new --workdir",
+        ),
+        ({"lora.rank": 8}, "config.lora.rank: 16 -> 8 changes the adapters' shapes; use a new"),
+        ({"sft.steps": 9}, "checkpoints/1 was trained over base mxfp4:"),
+    ]
+    for changed, message in cases:
+        extra = {**changed, "resume_override": True}
+        with pytest.raises(ValueError) as e:
+            run(qerl(), str(work))
+        assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
+        assert tree_state(work) == before, changed
+    extra = {}
+    run(qerl(), str(work))  # negative control: the run's own config resumes (nothing left)
+    assert (work / "checkpoints" / "1").is_dir()
