@@ -421,9 +421,11 @@ def _state_health(state):
     return finite, jnp.max(jnp.stack([jnp.max(jnp.abs(x)) for x in floats(state.params)]))
 
 
-def check_sane(step: int, state, metrics, trainer_cfg) -> None:
+def check_sane(step: int, state, metrics, trainer_cfg, fired: str = "", hint: str = "") -> None:
     """Before a checkpoint is written: a diverged state stops the run, naming the step, and
-    nothing is saved (the previous checkpoint stays the latest)."""
+    nothing is saved (the previous checkpoint stays the latest). `fired`: the bit faults that
+    fired since the last save (their sdc/ metrics), named first as the cause, with `hint` (the
+    guard that survives them) instead of the generic advice."""
     finite, params_max = _state_health(state)
     problems = []
     if not bool(finite):
@@ -436,6 +438,10 @@ def check_sane(step: int, state, metrics, trainer_cfg) -> None:
     if bound and not float(params_max) <= bound:
         problems.append(
             f"max |param| = {float(params_max):.4g} > config.trainer.max_param_abs={bound:g}"
+        )
+    if problems and fired:
+        raise FloatingPointError(
+            f"RL step {step}: not saved: {fired}, then {'; '.join(problems)}{hint}"
         )
     if problems:
         raise FloatingPointError(

@@ -48,7 +48,14 @@ from aqn_jax.rl import sampler as rl_sampler
 from aqn_jax.rl import step as rl_step
 from aqn_jax.rl.guard import RollbackNeeded, guard_spec
 from aqn_jax.rl.rollout_correction import correct
-from aqn_jax.rl.trainer import Trainer, loop_spec, prompt_batcher, train_batch
+from aqn_jax.rl.trainer import (
+    Trainer,
+    fault_fired,
+    guard_hint,
+    loop_spec,
+    prompt_batcher,
+    train_batch,
+)
 from aqn_jax.warm_start import warm_start
 
 
@@ -214,6 +221,7 @@ def run(config, workdir: str) -> None:
     # The loop's first state and data position: a rollback's target without a checkpoint (a
     # guard keeps the update from donating the state, so these buffers stay valid).
     state0, data0 = state, batcher.state()
+    fired: dict[int, str] = {}  # steps since the last save in which a bit fault fired
 
     def rollback(e: RollbackNeeded):
         """The state and data position of the last checkpoint (the loop's first ones without
@@ -237,10 +245,14 @@ def run(config, workdir: str) -> None:
                 state, m = loop.step(state, step)
             except RollbackNeeded as e:  # the guard's last resort (config.sdc.guard)
                 state, step = rollback(e)
+                for t in [t for t in fired if t >= step]:  # to be redone
+                    del fired[t]
                 del history[step:]  # the rows of the steps to redo: one row a step stays
                 writer.rewind(history)
                 continue
             m["timing_s/step"] += wait
+            if fault_fired(m):
+                fired[step] = fault_fired(m)
             every = config.trainer.val_every
             if step == total or (every and step % every == 0):
                 last_val = eval_now(state, step)
@@ -254,7 +266,12 @@ def run(config, workdir: str) -> None:
             )
             if ckpt.due(step) or step == total or stop.requested:
                 saved = rl_step.saveable(state)
-                check_sane(step, saved, m, config.trainer)  # else nothing is saved
+                cause = "; ".join(
+                    f"a bit fault fired in RL step {t} ({f})" for t, f in fired.items()
+                )
+                hint = guard_hint(loop.sdc_note)
+                check_sane(step, saved, m, config.trainer, cause, hint)  # else nothing is saved
+                fired.clear()
                 meta = {"step": step, "data": batcher.state(), "base": base_print}
                 ckpt.save(step, saved, meta, step == total)
             if stop.requested and step < total:

@@ -200,3 +200,70 @@ def test_a_refused_resume_writes_nothing(tmp_path):
     extra = {}
     run(qerl(), str(work))  # negative control: the run's own config resumes (nothing left)
     assert (work / "checkpoints" / "1").is_dir()
+
+
+def test_divergence_names_the_bit_fault_that_fired():
+    """check_finite / check_sane: when a bit fault fired in the step (sdc/injected > 0), its
+    sdc/ metrics come first and the guard is the advice; without one, the generic message."""
+    import flax.struct
+    import jax.numpy as jnp
+    import ml_collections
+
+    from aqn_jax.checkpoint import check_sane
+    from aqn_jax.rl.trainer import check_finite, fault_fired, guard_hint
+
+    note = "bitflip(count=1, bits=(30,))"
+    m = {"actor/pg_loss": float("nan"), "sdc/injected": 1.0, "sdc/grad_norm": float("inf")}
+    fired = fault_fired(m)
+    assert fired == "sdc/injected=1, sdc/grad_norm=inf"
+    with pytest.raises(FloatingPointError) as e:
+        check_finite(3, {"actor/pg_loss": m["actor/pg_loss"]}, note, fired)
+    assert str(e.value).startswith(
+        "RL step 3: a bit fault fired in this step (sdc/injected=1, sdc/grad_norm=inf), then"
+        " non-finite metric(s) ['actor/pg_loss']"
+    )
+    assert str(e.value).endswith("config.sdc.guard=skip or recompute survives a corrupted step")
+
+    @flax.struct.dataclass
+    class State:
+        params: dict
+        opt_state: dict
+
+    bad = State({"w": jnp.ones(3)}, {"nu": jnp.array([jnp.inf, 0.0, 0.0])})
+    bounds = ml_collections.ConfigDict({"max_grad_norm": 0.0, "max_param_abs": 0.0})
+    cause = f"a bit fault fired in RL step 1 ({fired})"
+    with pytest.raises(FloatingPointError) as e:
+        check_sane(1, bad, {}, bounds, cause, guard_hint(note))
+    assert str(e.value) == (
+        f"RL step 1: not saved: {cause}, then non-finite params or optimizer state; the device"
+        f" runs bit faults ({note}): config.sdc.guard=skip or recompute survives a corrupted step"
+    )
+    # Negative controls: no fault fired -> the generic messages.
+    assert fault_fired({"sdc/injected": 0.0, "sdc/injected_rollout": 0.0}) is None
+    with pytest.raises(FloatingPointError, match="the run diverged: lower config.actor.lr"):
+        check_sane(1, bad, {}, bounds)
+    with pytest.raises(FloatingPointError, match=r"^RL step 3: non-finite metric\(s\)"):
+        check_finite(3, {"actor/pg_loss": m["actor/pg_loss"]})
+
+
+@pytest.mark.slow
+def test_a_gradient_bit_flip_that_diverges_is_named(tmp_path, sft_cache):
+    """Issue 50's run: base.py:smoke with one gradient flip of bit 30 at RL step 1, no guard:
+    the run stops naming the fault (sdc/injected, sdc/grad_norm) and the guard, not 'lower
+    config.actor.lr'."""
+    from aqn_jax.launch import run
+
+    from conftest import shallow
+
+    config = shallow(load_config("base", "smoke"), **{"trainer.total_steps": 1})
+    config.sft.cache_dir = sft_cache
+    _set(config, **_bitflip(**{"faults.bitflip.target": "gradient"}))
+    _set(config, **{"faults.bitflip.bits": "(30,)", "faults.bitflip.steps": "(1,)"})
+    config.faults.bitflip.phases = ("train",)
+    with pytest.raises(FloatingPointError) as e:
+        run(config, str(tmp_path))
+    message = str(e.value)
+    assert message.startswith("RL step 1: ") and "a bit fault fired in" in message, message
+    assert "(sdc/injected=60, " in message and "sdc/grad_norm=inf" in message  # 60 linears
+    assert "config.sdc.guard=skip or recompute" in message and "\n" not in message
+    assert "lower config.actor.lr" not in message
