@@ -16,6 +16,7 @@ import os
 import re
 import signal
 import sys
+import threading
 import time
 from typing import Any
 
@@ -389,18 +390,46 @@ def record_override(workdir: str, changes: dict) -> None:
     print(f"resume with a changed config (override, recorded): {sorted(changes)}")
 
 
+# Set when a SIGTERM abandoned a compile running in a thread (training.Ahead) with nothing to
+# save: once the job's cleanup ran, launch ends the process with os._exit(143) instead of
+# waiting for XLA to finish it (tens of seconds; a thread inside XLA cannot be stopped).
+ABANDONED = threading.Event()
+SAVE_AND_EXIT = (
+    "SIGTERM: saving after the current RL step (a compile in progress finishes first), then"
+    " exiting (143)"
+)
+
+
 class Preemption:
-    """SIGTERM (a preempted job) asks for a final checkpoint after the current step."""
+    """SIGTERM (a preempted job) asks for a final checkpoint after the current step. It says
+    so when the signal arrives, also while the main thread is inside a compile (XLA's C++
+    holds it; Python's handler runs only after): the signal's wakeup file descriptor is read
+    by a thread of its own."""
 
     def __init__(self):
         self.requested = False
         self._previous = None
+        self._wakeup = None
         # Not possible off the main thread (e.g. a test runner's worker): then no handler.
         with contextlib.suppress(ValueError):
             self._previous = signal.signal(signal.SIGTERM, self._handle)
+            read, write = os.pipe()
+            os.set_blocking(write, False)
+            self._wakeup = (signal.set_wakeup_fd(write, warn_on_full_buffer=False), read, write)
+            threading.Thread(target=self._say, args=(read,), daemon=True).start()
 
     def _handle(self, signum, frame):
         self.requested = True
+
+    @staticmethod
+    def _say(read: int) -> None:
+        """Print SAVE_AND_EXIT on the first SIGTERM written to the wakeup fd."""
+        said = False
+        while data := os.read(read, 64):  # until close() closes the write end
+            if signal.SIGTERM in data and not said:
+                print(SAVE_AND_EXIT, flush=True)
+                said = True
+        os.close(read)
 
     def close(self) -> None:
         """Give SIGTERM back to whoever had it: after the loop a SIGTERM must not be swallowed
@@ -408,6 +437,11 @@ class Preemption:
         if self._previous is not None:
             signal.signal(signal.SIGTERM, self._previous)
             self._previous = None
+        if self._wakeup is not None:
+            previous, _, write = self._wakeup
+            signal.set_wakeup_fd(previous)
+            os.close(write)  # the reader sees the end of the pipe
+            self._wakeup = None
 
 
 @jax.jit

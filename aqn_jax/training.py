@@ -24,6 +24,7 @@ from aqn_jax import parallel, quant_base
 from aqn_jax.aqn.config import AQN_SIGMA
 from aqn_jax.aqn.plan import build_plan, needs_srdd
 from aqn_jax.checkpoint import (
+    ABANDONED,
     Checkpointer,
     Preemption,
     base_changed,
@@ -201,7 +202,11 @@ def run(config, workdir: str) -> None:
     # issue 41: measured on 2 cores both ways).
     ahead = Ahead(loop, state, batcher, start + 1) if start < total else None
     if restored is None:
-        val0 = eval_now(state, 0)
+        try:
+            val0 = eval_now(state, 0)
+        except SystemExit:  # SIGTERM (sigterm_exits_143): no RL step yet, nothing to save
+            _abandon(ahead, writer, ckpt)
+            raise
         writer.write(0, val0)
         history = [{"step": 0, **val0}]
     val0 = {k: v for k, v in history[0].items() if k != "step"}
@@ -240,7 +245,7 @@ def run(config, workdir: str) -> None:
         step = start + 1
         while step <= total:
             # The first step's time includes the wait for the compile ahead (what it did not hide).
-            wait = ahead.wait() if step == start + 1 and ahead is not None else 0.0
+            wait = ahead.wait(stop) if step == start + 1 and ahead is not None else 0.0
             try:
                 state, m = loop.step(state, step)
             except RollbackNeeded as e:  # the guard's last resort (config.sdc.guard)
@@ -323,6 +328,16 @@ def run(config, workdir: str) -> None:
         print_summary(summary, write_run_report(workdir, summary, history))
 
 
+def _abandon(ahead, writer, ckpt) -> None:
+    """A SIGTERM before the first RL step since the start or the last checkpoint: nothing to
+    save, so the compile ahead (if still running) is abandoned, not waited for (launch ends
+    the process once the job's cleanup ran)."""
+    if ahead is not None and ahead.running():
+        ahead.abandon()
+    writer.close()
+    ckpt.close()
+
+
 def val_line(step: int, val: dict) -> str:
     """The one line a validation prints."""
     return (
@@ -344,9 +359,27 @@ class Ahead:
         prompts = batcher.next_batch()["input_ids"]
         batcher.load_state(position)
         self._error: BaseException | None = None
-        # Not a daemon: a run that fails before step 1 exits after the compile, not inside it.
-        self._thread = threading.Thread(target=self._run, args=(loop, state, prompts.shape, step))
+        # A daemon, but never left running at an ordinary exit (`close` joins it): a SIGTERM
+        # with nothing to save abandons it (`abandon`), and the process then ends by os._exit
+        # (launch), never inside the interpreter's teardown.
+        self._thread = threading.Thread(
+            target=self._run, args=(loop, state, prompts.shape, step), daemon=True
+        )
+        self._abandoned = False
         self._thread.start()
+
+    def running(self) -> bool:
+        return self._thread.is_alive()
+
+    def abandon(self) -> None:
+        """Leave the compile to the process's end (checkpoint.ABANDONED tells launch)."""
+        print(
+            "SIGTERM during the compile: no RL step since the last checkpoint, nothing to save;"
+            " exiting (143) without waiting for the compile",
+            flush=True,
+        )
+        self._abandoned = True
+        ABANDONED.set()
 
     def _run(self, loop, state, shape, step) -> None:
         try:
@@ -354,17 +387,24 @@ class Ahead:
         except BaseException as e:  # re-raised by `wait`, in the loop's thread
             self._error = e
 
-    def wait(self) -> float:
-        """Seconds spent waiting for the compile to finish; raises what it raised."""
+    def wait(self, stop: Preemption | None = None) -> float:
+        """Seconds spent waiting for the compile to finish; raises what it raised. A SIGTERM
+        meanwhile (`stop.requested`; the first step has not run, nothing to save) abandons it
+        and exits 143."""
         t0 = time.perf_counter()
-        self._thread.join()
+        while self._thread.is_alive():
+            self._thread.join(0.2)
+            if stop is not None and stop.requested and self._thread.is_alive():
+                self.abandon()
+                raise SystemExit(143)
         if self._error is not None:
             error, self._error = self._error, None
             raise error
         return time.perf_counter() - t0
 
     def close(self) -> None:
-        self._thread.join()
+        if not self._abandoned:
+            self._thread.join()
 
 
 def compile_step_programs(loop: Trainer, state, prompt_shape: tuple[int, int], step: int) -> None:

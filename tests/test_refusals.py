@@ -264,6 +264,97 @@ def test_a_gradient_bit_flip_that_diverges_is_named(tmp_path, sft_cache):
         run(config, str(tmp_path))
     message = str(e.value)
     assert message.startswith("RL step 1: ") and "a bit fault fired in" in message, message
-    assert "(sdc/injected=60, " in message and "sdc/grad_norm=inf" in message  # 60 linears
+    assert (
+        "(sdc/injected=60, " in message and "sdc/grad_norm=inf" in message
+    )  # summed over the leaves hit
     assert "config.sdc.guard=skip or recompute" in message and "\n" not in message
     assert "lower config.actor.lr" not in message
+
+
+SLOW_COMPILE = """
+import pathlib, sys, time
+from aqn_jax import training
+
+def slow(*args, **kwargs):  # the compile ahead, made long (a 0.5B model's takes minutes)
+    pathlib.Path(sys.argv[1]).write_text("compiling")
+    time.sleep(300)
+
+training.compile_step_programs = slow
+from aqn_jax import launch
+
+launch.main(["launch", *sys.argv[2:]])
+"""
+
+
+@pytest.mark.slow
+def test_sigterm_during_the_compile_ahead_exits_at_once(tmp_path, sft_cache):
+    """SIGTERM while the step programs compile ahead (nothing trained since the start): one
+    line says so and the process exits 143 within 10 s, not after the compile (it took 45 s);
+    the workdir holds no lock holder and no checkpoint."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from conftest import SHALLOW_FLAGS
+
+    marker, work = tmp_path / "compiling", tmp_path / "run"
+    args = [
+        "--config=configs/base.py:smoke",
+        *SHALLOW_FLAGS,
+        f"--config.sft.cache_dir={sft_cache}",
+        f"--workdir={work}",
+    ]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", JAX_PLATFORMS="cpu")
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SLOW_COMPILE, str(marker), *args],
+        cwd=repo,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 240
+        while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert marker.exists(), proc.communicate()[0]
+        time.sleep(1.0)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+        took = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 143, out
+    assert took < 10, (took, out)
+    assert "SIGTERM during the compile: no RL step since the last checkpoint" in out, out
+    assert "Traceback" not in out
+    assert not (work / "checkpoints").exists() or not any((work / "checkpoints").iterdir())
+    print(f"SIGTERM to exit: {took:.1f} s")
+
+
+def test_sigterm_in_the_loop_says_it_saves_then_exits(capfd):
+    """The train loop's SIGTERM (`Preemption`): one line when it arrives, said by a thread of
+    its own (the main thread may be inside a compile); the flag set for the save."""
+    import os
+    import signal
+    import time
+
+    from aqn_jax.checkpoint import SAVE_AND_EXIT, Preemption
+
+    previous = signal.getsignal(signal.SIGTERM)
+    stop = Preemption()
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.3)
+        assert stop.requested
+    finally:
+        stop.close()
+    assert signal.getsignal(signal.SIGTERM) is previous
+    assert capfd.readouterr().out.count(SAVE_AND_EXIT) == 1
+    # Negative control: closed, it says nothing more.
+    assert capfd.readouterr().out == ""
