@@ -13,8 +13,10 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import sys
+import threading
 import time
 from typing import Any
 
@@ -88,10 +90,13 @@ class Checkpointer:
             raise
         return out["state"], out["meta"]
 
-    def restore_host(self, step: int) -> tuple[dict, dict]:
+    def restore_host(
+        self, step: int, step_field: str = "config.evaluate.step"
+    ) -> tuple[dict, dict]:
         """(state as a tree of numpy arrays, meta) of checkpoint `step`, whatever the mesh and
         the number of processes that saved it (e.g. to evaluate or compare runs). An unreadable
-        checkpoint (corrupted or half-deleted files) is a ValueError naming it and what to do."""
+        checkpoint (corrupted or half-deleted files) is a ValueError naming it and what to do
+        (`step_field`: the field that picks another step)."""
         path = os.path.join(self.directory, str(int(step)), "state")
         try:
             item = ocp.StandardCheckpointer().metadata(path).item_metadata
@@ -116,8 +121,8 @@ class Checkpointer:
             others = sorted(s for s in self.manager.all_steps() if s != int(step))
             raise ValueError(
                 f"checkpoint {self.directory}/{int(step)} is unreadable ({type(e).__name__}:"
-                f" {' '.join(str(e).split())[:160]}); evaluate another step with"
-                f" --config.evaluate.step=N (other checkpoints: {others}), or rerun the train"
+                f" {_plain(e)[:160]}); choose another step with --{step_field}=N (other"
+                f" checkpoints: {others}), or rerun the train"
                 " job on that workdir: it moves an unreadable checkpoint aside and resumes from"
                 " the previous one"
             ) from e
@@ -136,6 +141,8 @@ class Checkpointer:
     def restore_latest(self, abstract_state: Any, log=print) -> tuple[int, Any, dict] | None:
         """(step, state, meta) of the newest checkpoint that reads back; an unreadable one
         (corrupted files) is reported, set aside (never deleted) and the previous one tried.
+        One of another layout than `abstract_state` (`layout_change`) is a ValueError naming
+        the difference, and stays where it is.
         None when there is none: the run starts afresh, and `metrics.open_run` moves the
         outputs of the earlier start aside."""
         steps = sorted(self.manager.all_steps(), reverse=True)
@@ -143,6 +150,13 @@ class Checkpointer:
             raise ValueError(_params_only(self.directory, steps[0]))
         errors = []
         for step in steps:
+            changed = self.layout_change(step, abstract_state)
+            if changed is not None:  # readable, of another layout: named, left in place
+                raise ValueError(
+                    f"checkpoint {self.directory}/{step} holds a train state of another layout"
+                    f" than this config's ({changed}): the config changed the model or its"
+                    " adapters; use a new --workdir"
+                )
             try:
                 state, meta = self.restore(step, abstract_state)
             except Exception as e:  # noqa: BLE001 - any failure to read means unusable
@@ -164,6 +178,26 @@ class Checkpointer:
             log(f"no readable checkpoint in {self.directory}: none to resume from")
         return None
 
+    def layout_change(self, step: int, abstract_state: Any) -> str | None:
+        """What differs between checkpoint `step`'s saved tree (its metadata) and
+        `abstract_state`: a leaf only one side has, or a shape; None when they agree or the
+        metadata is unreadable (then the checkpoint is)."""
+        path = os.path.join(self.directory, str(int(step)), "state")
+        try:
+            item = ocp.StandardCheckpointer().metadata(path).item_metadata
+            saved = _shapes(item.tree)
+        except Exception:  # noqa: BLE001 - unreadable: restore_latest's to report
+            return None
+        wanted = _shapes(abstract_state)
+        for key in sorted(saved.keys() | wanted.keys()):
+            if key not in wanted:
+                return f"{key} saved, not in this config's state"
+            if key not in saved:
+                return f"{key} in this config's state, not saved"
+            if saved[key] != wanted[key]:
+                return f"{key}: saved shape {saved[key]}, this config's {wanted[key]}"
+        return None
+
     def wait(self) -> None:
         self.manager.wait_until_finished()
 
@@ -172,11 +206,63 @@ class Checkpointer:
         self.manager.close()
 
 
+def _plain(error: BaseException) -> str:
+    """An exception's message on one line without object reprs (`<bound method ...>`, which
+    Orbax's and pybind11's messages carry)."""
+    text, previous = " ".join(str(error).split()), None
+    while text != previous:  # innermost first: reprs nest
+        previous, text = text, re.sub(r"<[^<>]*>", "", text)
+    return " ".join(text.split())
+
+
+def _shapes(tree) -> dict[str, tuple]:
+    """{'a/b/c': shape} of a tree's array leaves (dicts and dataclass fields alike)."""
+
+    def name(k) -> str:
+        for attr in ("key", "name", "idx"):
+            if hasattr(k, attr):
+                return str(getattr(k, attr))
+        return str(k)
+
+    leaves = jax.tree_util.tree_leaves_with_path(tree, is_leaf=lambda x: hasattr(x, "shape"))
+    return {
+        "/".join(name(k) for k in path): tuple(leaf.shape)
+        for path, leaf in leaves
+        if hasattr(leaf, "shape")
+    }
+
+
 def _params_only(directory: str, step: int) -> str:
     return (
         f"{directory}/{step} is the params-only final checkpoint of a finished run"
         " (config.checkpoint.final='params'): nothing to resume; evaluate it with"
         " --config.evaluate.run, or choose another --workdir"
+    )
+
+
+def check_resume_base(workdir: str, base_print: str | None) -> None:
+    """A LoRA run's latest checkpoint holds the fingerprint of the base its adapters were
+    trained over (`meta['base']`): another base is refused (one line) before anything is
+    written. No checkpoint, or an unreadable meta (restore_latest's to report): nothing to
+    check."""
+    if not os.path.isdir(os.path.join(workdir, CHECKPOINT_DIR)):
+        return
+    ckpt = Checkpointer(workdir, 0, 1)
+    try:
+        steps = sorted(ckpt.manager.all_steps())
+        meta = ckpt.meta(steps[-1]) if steps else {}
+    finally:
+        ckpt.close()
+    if meta and meta.get("base") != base_print:
+        raise ValueError(
+            base_changed(f"{ckpt.directory}/{steps[-1]}", meta.get("base"), base_print)
+        )
+
+
+def base_changed(where: str, saved: str | None, base_print: str | None) -> str:
+    return (
+        f"{where} was trained over base {saved} but this run's base is {base_print}"
+        " (config.model / config.sft / weight_format changed); use a new --workdir"
     )
 
 
@@ -225,6 +311,17 @@ RESUME_FREE = (
     "resume_override",
 )
 RESUME_FREE_SECTIONS = ("distributed.", "planner.", "compare.", "evaluate.")
+# Fields whose change makes a checkpoint's train state another shape or layout (or, for a LoRA
+# run, the frozen base another one): refused even with resume_override, named, before anything
+# is read or written; a checkpoint is never taken for unreadable because of them.
+LAYOUT_FIELDS = {
+    "lora.rank": "changes the adapters' shapes",
+    "lora.target_modules": "changes which adapters the state holds",
+    "lora.train_norms": "changes what the state trains",
+    "model.preset": "changes the model's shapes",
+    "model.num_layers": "changes the model's shapes",
+    "model.weight_format": "changes the frozen base the adapters were trained over",
+}
 
 
 def _flat(tree, prefix=""):
@@ -262,6 +359,14 @@ def check_resume_config(config, workdir: str) -> dict:
         and k not in RESUME_FREE
         and not k.startswith(RESUME_FREE_SECTIONS)
     }
+    layout = [k for k in changed if k in LAYOUT_FIELDS]
+    if layout:
+        k = layout[0]
+        a, b = changed[k]
+        raise ValueError(
+            f"config.{k}: {a!r} -> {b!r} {LAYOUT_FIELDS[k]}; use a new --workdir (the"
+            f" checkpoints in {workdir} cannot resume under it, even with resume_override)"
+        )
     if changed and not config.get("resume_override", False):
         shown = ", ".join(f"config.{k}: {a!r} -> {b!r}" for k, (a, b) in list(changed.items())[:6])
         more = f" (+{len(changed) - 6} more)" if len(changed) > 6 else ""
@@ -285,18 +390,46 @@ def record_override(workdir: str, changes: dict) -> None:
     print(f"resume with a changed config (override, recorded): {sorted(changes)}")
 
 
+# Set when a SIGTERM abandoned a compile running in a thread (training.Ahead) with nothing to
+# save: once the job's cleanup ran, launch ends the process with os._exit(143) instead of
+# waiting for XLA to finish it (tens of seconds; a thread inside XLA cannot be stopped).
+ABANDONED = threading.Event()
+SAVE_AND_EXIT = (
+    "SIGTERM: saving after the current RL step (a compile in progress finishes first), then"
+    " exiting (143)"
+)
+
+
 class Preemption:
-    """SIGTERM (a preempted job) asks for a final checkpoint after the current step."""
+    """SIGTERM (a preempted job) asks for a final checkpoint after the current step. It says
+    so when the signal arrives, also while the main thread is inside a compile (XLA's C++
+    holds it; Python's handler runs only after): the signal's wakeup file descriptor is read
+    by a thread of its own."""
 
     def __init__(self):
         self.requested = False
         self._previous = None
+        self._wakeup = None
         # Not possible off the main thread (e.g. a test runner's worker): then no handler.
         with contextlib.suppress(ValueError):
             self._previous = signal.signal(signal.SIGTERM, self._handle)
+            read, write = os.pipe()
+            os.set_blocking(write, False)
+            self._wakeup = (signal.set_wakeup_fd(write, warn_on_full_buffer=False), read, write)
+            threading.Thread(target=self._say, args=(read,), daemon=True).start()
 
     def _handle(self, signum, frame):
         self.requested = True
+
+    @staticmethod
+    def _say(read: int) -> None:
+        """Print SAVE_AND_EXIT on the first SIGTERM written to the wakeup fd."""
+        said = False
+        while data := os.read(read, 64):  # until close() closes the write end
+            if signal.SIGTERM in data and not said:
+                print(SAVE_AND_EXIT, flush=True)
+                said = True
+        os.close(read)
 
     def close(self) -> None:
         """Give SIGTERM back to whoever had it: after the loop a SIGTERM must not be swallowed
@@ -304,6 +437,11 @@ class Preemption:
         if self._previous is not None:
             signal.signal(signal.SIGTERM, self._previous)
             self._previous = None
+        if self._wakeup is not None:
+            previous, _, write = self._wakeup
+            signal.set_wakeup_fd(previous)
+            os.close(write)  # the reader sees the end of the pipe
+            self._wakeup = None
 
 
 @jax.jit
@@ -317,9 +455,11 @@ def _state_health(state):
     return finite, jnp.max(jnp.stack([jnp.max(jnp.abs(x)) for x in floats(state.params)]))
 
 
-def check_sane(step: int, state, metrics, trainer_cfg) -> None:
+def check_sane(step: int, state, metrics, trainer_cfg, fired: str = "", hint: str = "") -> None:
     """Before a checkpoint is written: a diverged state stops the run, naming the step, and
-    nothing is saved (the previous checkpoint stays the latest)."""
+    nothing is saved (the previous checkpoint stays the latest). `fired`: the bit faults that
+    fired since the last save (their sdc/ metrics), named first as the cause, with `hint` (the
+    guard that survives them) instead of the generic advice."""
     finite, params_max = _state_health(state)
     problems = []
     if not bool(finite):
@@ -332,6 +472,10 @@ def check_sane(step: int, state, metrics, trainer_cfg) -> None:
     if bound and not float(params_max) <= bound:
         problems.append(
             f"max |param| = {float(params_max):.4g} > config.trainer.max_param_abs={bound:g}"
+        )
+    if problems and fired:
+        raise FloatingPointError(
+            f"RL step {step}: not saved: {fired}, then {'; '.join(problems)}{hint}"
         )
     if problems:
         raise FloatingPointError(

@@ -5,6 +5,7 @@ before anything is trained or written (`check_train`), and the prompt-length che
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import jax
@@ -16,7 +17,9 @@ from aqn_jax.checkpoint import check_final
 from aqn_jax.data.config import check_data, load_split
 from aqn_jax.data.gsm8k import tokenize_prompts
 from aqn_jax.diagnosis.srdd import check_config as check_diagnosis
+from aqn_jax.faults import formats
 from aqn_jax.faults.config import check_bit_dtypes, fault_plan
+from aqn_jax.faults.sites import expand_kinds
 from aqn_jax.lora import check_ranks, lora_spec
 from aqn_jax.models.factory import model_config
 from aqn_jax.models.hf import abstract_params
@@ -146,6 +149,19 @@ def check_trainer(trainer, checkpoint) -> None:
 
 
 EXPORTS = ("none", "hf")
+TRAIN_DTYPES = ("float32", "bfloat16", "auto")
+
+
+def check_train_dtypes(model) -> None:
+    """float16 weights or compute are refused for training: there is no loss scaling, and the
+    SFT warm start's loss is NaN at its first step (QeRL mode or not; evaluation takes it)."""
+    for field in ("param_dtype", "dtype"):
+        if model[field] not in TRAIN_DTYPES:
+            raise ValueError(
+                f"config.model.{field}={model[field]!r}: training in float16 overflows (no loss"
+                f" scaling; the SFT's loss is NaN at step 1); allowed for training:"
+                f" {list(TRAIN_DTYPES)} (the evaluate job takes float16)"
+            )
 
 
 def check_qerl(config, model_cfg, training: bool) -> None:
@@ -170,6 +186,43 @@ def check_qerl(config, model_cfg, training: bool) -> None:
                 " config.lora.rank > 0 (QeRL mode), or weight_format='none' for full fine-tuning"
             )
         quant_base.check_model(shapes, fmt, site_of)
+
+
+def _lanes(model_cfg, kinds, point: str) -> dict[str, set[int]]:
+    """{module kind: the last-axis lengths of its `point` tensors} of `kinds` (from shapes)."""
+    site_of = family_of(model_cfg).site_of
+    params = abstract_params(model_cfg)
+    hidden = model_cfg.hidden_size
+    out: dict[str, set[int]] = {}
+    for path in quant_base.linear_kernel_paths(params, site_of):
+        n_in, n_out = quant_base.leaf_at(params, path).shape
+        out.setdefault(site_of(path[:-1])[0], set()).add(n_in if point == "input" else n_out)
+    out["lm_head"] = {hidden if point == "input" else model_cfg.vocab_size}
+    # The rest (layer, attn, mlp, the norms, embed_tokens' output) carry the residual width;
+    # embed_tokens' input is token ids, never quantised.
+    return {k: out.get(k, {hidden}) for k in kinds if (k, point) != ("embed_tokens", "input")}
+
+
+def check_block_widths(faults, model_cfg) -> None:
+    """A block format's blocks (config.faults.quant, mx_scale_flip) divide the last axis of
+    every tensor it quantises, from the model's widths (nothing traced); one line naming the
+    field, the width and the block sizes allowed."""
+    for name in ("quant", "mx_scale_flip"):
+        sec = faults.get(name)
+        if sec is None or not sec.enabled or sec.get("target", "activation") != "activation":
+            continue
+        block = formats.check_block_size(sec.format, int(sec.block_size))
+        field = "format" if sec.format == "nvfp4" else "block_size"
+        lanes = _lanes(model_cfg, expand_kinds(sec.sites), sec.point)
+        widths = sorted({w for ws in lanes.values() for w in ws})
+        bad = next(((k, w) for k, ws in lanes.items() for w in sorted(ws) if w % block), None)
+        if bad is not None:
+            value = sec.format if field == "format" else block
+            raise ValueError(
+                f"config.faults.{name}.{field}={value!r}: blocks of {block} do not divide the"
+                f" {bad[1]} lanes of {bad[0]}'s {sec.point} (the last axis); allowed: a block"
+                f" size dividing {math.gcd(*widths)} (the widths hit: {widths})"
+            )
 
 
 class Checked(tuple):
@@ -203,6 +256,7 @@ def check_train(config, workdir: str | None = None, cache: dict | None = None) -
         check_optimizer(config.critic, "lr_warmup_steps", "config.critic")
     check_trainer(config.trainer, config.checkpoint)
     model_cfg = model_config(config.model)
+    check_train_dtypes(config.model)
     check_qerl(config, model_cfg, training=True)
     n = model_cfg.num_hidden_layers
     tokenizer = tokenizer_for(config.tokenizer_path, config.model)
@@ -210,6 +264,7 @@ def check_train(config, workdir: str | None = None, cache: dict | None = None) -
     warm = warm_start_spec(config)  # config.sft checked when enabled
     check_diagnosis(config.diagnosis)
     hw = fault_plan(config.faults, n)  # fault layers within the model, fields valid
+    check_block_widths(config.faults, model_cfg)
     check_bit_dtypes(config.faults, model_cfg.dtype, model_cfg.param_dtype)
     if guard_spec(config.get("sdc")).abft_backward and lora_spec(config.get("lora")).enabled:
         raise ValueError(

@@ -12,6 +12,8 @@ of the run's identity (a flag, not a config field: `check_resume_config` never s
 from __future__ import annotations
 
 import os
+import sys
+import tempfile
 
 import jax
 
@@ -26,15 +28,41 @@ def default_dir() -> str:
 
 def resolve(flag: str | None) -> str | None:
     """The cache directory for `--compile_cache=<flag>` (None: not given), or None for off.
-    Raises ValueError on a path that exists and is not a directory."""
+    A path given (the flag, or $JAX_COMPILATION_CACHE_DIR) that is not a directory this user can
+    create and write is a one-line ValueError naming it (JAX would only warn and run uncached);
+    the default one, unusable, turns the cache off with one line on stderr."""
     if flag is not None and flag.strip().lower() == OFF:
         return None
     path = flag or os.environ.get(ENV) or default_dir()
     path = os.path.abspath(os.path.expanduser(path))
+    problem = _unusable(path)
+    if problem is None:
+        return path
+    if not flag and not os.environ.get(ENV):
+        print(
+            f"compile cache off: {path} {problem} (--compile_cache=DIR sets one)", file=sys.stderr
+        )
+        return None
+    where = f"--compile_cache={flag}" if flag else f"{ENV}={os.environ.get(ENV)}"
+    raise ValueError(f"{where}: {path} {problem}; give a writable directory or '{OFF}'")
+
+
+def _unusable(path: str) -> str | None:
+    """Why `path` cannot hold the cache, or None. Probes by making (and removing) a directory
+    in it or in its nearest existing ancestor: os.access says yes to root, also under /proc."""
     if os.path.exists(path) and not os.path.isdir(path):
-        where = f"--compile_cache={flag}" if flag else f"{ENV}={os.environ.get(ENV)}"
-        raise ValueError(f"{where}: {path} is not a directory; give a directory or '{OFF}'")
-    return path
+        return "is not a directory"
+    where = path
+    while not os.path.exists(where):
+        where = os.path.dirname(where)
+    if not os.path.isdir(where):
+        return f"cannot be created ({where} is a file)"
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".aqn_jax-probe-", dir=where))
+    except OSError as e:
+        verb = "is not writable" if where == path else f"cannot be created in {where}"
+        return f"{verb} ({e.strerror})"
+    return None
 
 
 def use(path: str | None) -> None:

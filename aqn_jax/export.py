@@ -2,8 +2,11 @@
 evaluate job load (verl's `model_merger`, tunix's `save_lora_merged_model_as_safetensors`).
 
 `export_policy(out, model_cfg, params, tokenizer_source)` writes `config.json`, the safetensors
-and the tokenizer's files into `out` through a temporary directory renamed into place (a
-half-written export is never found). In QeRL mode `params` is `lora.merged(...)`: the adapters
+and the tokenizer's files into `out` through a temporary directory beside it renamed into place
+(a half-written export is never found). It never deletes what it did not write: an existing
+`out` is replaced only when it is an earlier export (its `MARKER` file) or an empty directory,
+anything else is refused (`check_target`, before any work); files and directories get the
+modes the umask gives. In QeRL mode `params` is `lora.merged(...)`: the adapters
 merged into the dequantised base, W' = W + (alpha / rank) A B.
 """
 
@@ -23,6 +26,8 @@ from aqn_jax.models.registry import family_of
 from aqn_jax.warm_start import warm_start, warm_start_spec
 
 EXPORT_DIR = "export"
+# The file every export holds: an existing directory is replaced only when it has one.
+MARKER = ".aqn_jax_export"
 # The files of an HF snapshot that describe its tokenizer and generation (copied when present).
 TOKENIZER_FILES = (
     HF_TOKENIZER_FILE,
@@ -37,31 +42,99 @@ TOKENIZER_FILES = (
 )
 
 
-def export_policy(out: str, model_cfg, params, tokenizer_source: str) -> str:
-    """Write the snapshot into `out` (replacing an earlier export); returns `out`.
-    `tokenizer_source`: the directory the run's tokenizer came from ('' = the embedded one)."""
-    out = os.path.abspath(out)
+def check_target(out: str, field: str, run_dir: str | None = None) -> str:
+    """`out` (absolute) if an export may be written there, else a one-line ValueError naming
+    `field`: a file, a directory that is not an earlier export (no `MARKER`; an empty one is
+    fine), the train run `run_dir` itself or a directory holding it, a path inside the run
+    other than its `EXPORT_DIR`, or a place this user cannot create or write. Writes nothing."""
+    out = os.path.abspath(os.path.expanduser(out))
+    real = os.path.realpath(out)
+    if run_dir is not None:
+        run = os.path.realpath(run_dir)
+        inside = real == run or real.startswith(run + os.sep) or run.startswith(real + os.sep)
+        if inside and real != os.path.join(run, EXPORT_DIR):
+            raise ValueError(
+                f"{field}={out}: the run {run_dir} itself, a directory inside it or one that"
+                f" holds it; allowed: {os.path.join(run_dir, EXPORT_DIR)} (the default) or a path"
+                " outside the run"
+            )
+    if os.path.lexists(out) and not os.path.isdir(out):
+        raise ValueError(f"{field}={out}: is a file; choose a new directory or an earlier export")
+    if os.path.isdir(out) and os.listdir(out) and not os.path.isfile(os.path.join(out, MARKER)):
+        raise ValueError(
+            f"{field}={out}: an existing directory that is not an export (no {MARKER} in it);"
+            " nothing is deleted: choose a new directory or an earlier export"
+        )
     parent = os.path.dirname(out)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".export-", dir=parent)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    try:  # a probe, removed at once: os.access says yes to root, also under /proc
+        os.rmdir(tempfile.mkdtemp(prefix=".aqn_jax-probe-", dir=parent))
+    except OSError as e:
+        raise ValueError(
+            f"{field}={out}: {parent} is not a writable directory ({e.strerror}); choose another"
+        ) from None
+    return out
+
+
+def export_policy(
+    out: str, model_cfg, params, tokenizer_source: str, field: str = "config.export.out"
+) -> str:
+    """Write the snapshot into `out` (an earlier export there replaced; `check_target` refuses
+    anything else, naming `field`); returns `out`. `tokenizer_source`: the directory the run's
+    tokenizer came from ('' = the embedded one)."""
+    out = check_target(out, field)
+    parent = os.path.dirname(out)
     try:
+        os.makedirs(parent, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=".export-", dir=parent)
+    except OSError as e:
+        raise ValueError(f"{field}={out}: cannot be written ({e.strerror}); choose another") from e
+    try:
+        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp's 0700: the mode a mkdir gets
         save_hf_checkpoint(tmp, model_cfg, params)
         copied = 0
         if tokenizer_source:
             for name in TOKENIZER_FILES:
                 src = os.path.join(tokenizer_source, name)
                 if os.path.isfile(src):
-                    shutil.copy2(src, os.path.join(tmp, name))
+                    shutil.copyfile(src, os.path.join(tmp, name))  # the umask's mode
                     copied += 1
         if not copied:  # the embedded character tokenizer
             load_tokenizer(tokenizer_source or None).save(tmp)
-        if os.path.isdir(out):
-            shutil.rmtree(out)
-        os.replace(tmp, out)
+        with open(os.path.join(tmp, MARKER), "w") as f:
+            f.write("an HF snapshot written by aqn_jax's export; replaced by the next one\n")
+        for name in os.listdir(tmp):  # some writers make their files 0600 (a temporary file)
+            os.chmod(os.path.join(tmp, name), 0o666 & ~_umask())
+        _replace(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _replace(tmp: str, out: str) -> None:
+    """`tmp` renamed to `out`; an earlier export there is renamed aside first and removed only
+    once the new one is in place (restored if the rename fails)."""
+    if not os.path.isdir(out) or not os.listdir(out):
+        os.replace(tmp, out)  # nothing there, or an empty directory
+        return
+    aside = tempfile.mkdtemp(prefix=".export-old-", dir=os.path.dirname(out))
+    old = os.path.join(aside, "export")
+    os.rename(out, old)
+    try:
+        os.rename(tmp, out)
+    except BaseException:
+        os.rename(old, out)
+        os.rmdir(aside)
+        raise
+    shutil.rmtree(aside)
 
 
 def plain_policy(config, trained, workdir: str, base_print: str | None = None):

@@ -125,6 +125,18 @@ def sigterm_exits_143():
         signal.signal(signal.SIGTERM, previous)
 
 
+def _exit_now_if_abandoned(code) -> None:
+    """After a SIGTERM abandoned a compile running in a thread (`checkpoint.ABANDONED`), the job
+    having cleaned up (the lock released, the writers closed): end the process now, not after
+    XLA finishes the compile, and not inside the interpreter's teardown with it running."""
+    from aqn_jax.checkpoint import ABANDONED
+
+    if ABANDONED.is_set():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code if isinstance(code, int) else 143)
+
+
 def _remove_empty(workdir: str, created: list[str]) -> None:
     """Remove the directories `open_workdir` created, deepest first, while they are empty."""
     for path in created:
@@ -231,6 +243,9 @@ def main(argv=None) -> None:
             _setup_process()
             with sigterm_exits_143():
                 run(_CONFIG.value, workdir)
+        except SystemExit as e:
+            _exit_now_if_abandoned(e.code)
+            raise
         except ValueError as e:
             # A user error (every check raises ValueError naming the field, the value and what
             # is allowed): its message, exit 2. Other exceptions are bugs: their traceback.

@@ -113,14 +113,19 @@ def _target_kernels(params, site_of: Callable, targets) -> list[tuple[tuple[str,
 
 
 def check_ranks(spec: LoraSpec, params, site_of: Callable) -> None:
-    """A rank above min(in, out) of a targeted linear is refused (one line naming it)."""
-    for path, kernel in _target_kernels(params, site_of, spec.targets):
-        n_in, n_out = kernel.shape
-        if spec.rank > min(n_in, n_out):
-            raise ValueError(
-                f"config.lora.rank={spec.rank} exceeds min(in, out) = {min(n_in, n_out)} of"
-                f" {'/'.join(path)} ({n_in} x {n_out}); allowed: 1..{min(n_in, n_out)}"
-            )
+    """A rank above min(in, out) of a targeted linear is refused, naming the narrowest one
+    and the real limit: the smallest min(in, out) over every targeted linear."""
+    kernels = _target_kernels(params, site_of, spec.targets)
+    if not kernels:
+        return
+    path, kernel = min(kernels, key=lambda pk: min(pk[1].shape))
+    n_in, n_out = kernel.shape
+    if spec.rank > min(n_in, n_out):
+        raise ValueError(
+            f"config.lora.rank={spec.rank} exceeds min(in, out) = {min(n_in, n_out)} of"
+            f" {'/'.join(path)} ({n_in} x {n_out}), the narrowest targeted linear; allowed:"
+            f" 1..{min(n_in, n_out)}"
+        )
 
 
 def _nest(flat: Mapping[tuple[str, ...], Any]) -> dict:

@@ -24,9 +24,12 @@ from aqn_jax import parallel, quant_base
 from aqn_jax.aqn.config import AQN_SIGMA
 from aqn_jax.aqn.plan import build_plan, needs_srdd
 from aqn_jax.checkpoint import (
+    ABANDONED,
     Checkpointer,
     Preemption,
+    base_changed,
     check_resumable,
+    check_resume_base,
     check_resume_config,
     check_sane,
     record_override,
@@ -34,7 +37,7 @@ from aqn_jax.checkpoint import (
 from aqn_jax.checks import check_train
 from aqn_jax.data.config import load_split
 from aqn_jax.diagnosis import srdd
-from aqn_jax.export import EXPORT_DIR, export_policy
+from aqn_jax.export import EXPORT_DIR, check_target, export_policy
 from aqn_jax.faults.config import with_abft
 from aqn_jax.faults.intercept import step_key
 from aqn_jax.lora import fingerprint as lora_fingerprint
@@ -46,7 +49,14 @@ from aqn_jax.rl import sampler as rl_sampler
 from aqn_jax.rl import step as rl_step
 from aqn_jax.rl.guard import RollbackNeeded, guard_spec
 from aqn_jax.rl.rollout_correction import correct
-from aqn_jax.rl.trainer import Trainer, loop_spec, prompt_batcher, train_batch
+from aqn_jax.rl.trainer import (
+    Trainer,
+    fault_fired,
+    guard_hint,
+    loop_spec,
+    prompt_batcher,
+    train_batch,
+)
 from aqn_jax.warm_start import warm_start
 
 
@@ -59,21 +69,19 @@ def run(config, workdir: str) -> None:
     # ---------------------------------------------------------------------------------------
     checked = check_train(config, workdir)
     model_cfg, tokenizer, hw_plan, memory = checked
+    export_field = "the export of config.checkpoint.export='hf'"
+    if config.checkpoint.get("export", "none") == "hf":  # an existing one must be an export
+        check_target(os.path.join(workdir, EXPORT_DIR), export_field, workdir)
     print(memory.table())
     n_layers = model_cfg.num_hidden_layers
     described = summary_spec(config, n_layers)  # what summary.json says of the config
     train_examples = load_split(config.data, "train")
     test_examples = load_split(config.data, "test")
-    changes = check_resume_config(config, workdir)
+    changes = check_resume_config(config, workdir)  # a layout change named, even overridden
     check_resumable(workdir)  # a finished params-only run: refused before anything is written
-    if primary:
-        if changes:
-            record_override(workdir, changes)
-        with open(os.path.join(workdir, "config.json"), "w") as f:
-            f.write(config.to_json_best_effort(indent=2))
 
     # ---------------------------------------------------------------------------------------
-    # Warm start
+    # Warm start (then the config is recorded: a refused resume writes nothing)
     # ---------------------------------------------------------------------------------------
     model_cfg, params, sft_info = warm_start(checked.warm_start, workdir)
     float_params = params  # the warm start as it is: the manifest's trace, the export's base
@@ -85,6 +93,12 @@ def run(config, workdir: str) -> None:
         # format), and a checkpoint holds its fingerprint instead of its bytes.
         base_print = f"{weight_format}:{lora_fingerprint(params)}"
         params = quant_base.pack(params, weight_format, family_of(model_cfg).site_of)
+    check_resume_base(workdir, base_print)  # another base (overridden fields): refused here
+    if primary:
+        if changes:
+            record_override(workdir, changes)
+        with open(os.path.join(workdir, "config.json"), "w") as f:
+            f.write(config.to_json_best_effort(indent=2))
 
     # ---------------------------------------------------------------------------------------
     # Diagnose (SRDD) where the AQN arm needs it
@@ -170,12 +184,10 @@ def run(config, workdir: str) -> None:
     # rows up to it, or none (metrics.open_run).
     restored = ckpt.restore_latest(rl_step.saveable(state))
     start = 0 if restored is None else int(restored[0])
-    if restored is not None and restored[2].get("base") != base_print:
+    if restored is not None and restored[2].get("base") != base_print:  # an earlier step's
         ckpt.close()
         raise ValueError(
-            f"{ckpt.directory}/{start} was trained over base {restored[2].get('base')} but this"
-            f" run's base is {base_print} (config.model / config.sft / weight_format changed);"
-            " use a new --workdir"
+            base_changed(f"{ckpt.directory}/{start}", restored[2].get("base"), base_print)
         )
     writer, history = open_run(workdir, None if restored is None else start)
     if restored is not None:
@@ -190,7 +202,11 @@ def run(config, workdir: str) -> None:
     # issue 41: measured on 2 cores both ways).
     ahead = Ahead(loop, state, batcher, start + 1) if start < total else None
     if restored is None:
-        val0 = eval_now(state, 0)
+        try:
+            val0 = eval_now(state, 0)
+        except SystemExit:  # SIGTERM (sigterm_exits_143): no RL step yet, nothing to save
+            _abandon(ahead, writer, ckpt)
+            raise
         writer.write(0, val0)
         history = [{"step": 0, **val0}]
     val0 = {k: v for k, v in history[0].items() if k != "step"}
@@ -210,6 +226,7 @@ def run(config, workdir: str) -> None:
     # The loop's first state and data position: a rollback's target without a checkpoint (a
     # guard keeps the update from donating the state, so these buffers stay valid).
     state0, data0 = state, batcher.state()
+    fired: dict[int, str] = {}  # steps since the last save in which a bit fault fired
 
     def rollback(e: RollbackNeeded):
         """The state and data position of the last checkpoint (the loop's first ones without
@@ -228,15 +245,19 @@ def run(config, workdir: str) -> None:
         step = start + 1
         while step <= total:
             # The first step's time includes the wait for the compile ahead (what it did not hide).
-            wait = ahead.wait() if step == start + 1 and ahead is not None else 0.0
+            wait = ahead.wait(stop) if step == start + 1 and ahead is not None else 0.0
             try:
                 state, m = loop.step(state, step)
             except RollbackNeeded as e:  # the guard's last resort (config.sdc.guard)
                 state, step = rollback(e)
+                for t in [t for t in fired if t >= step]:  # to be redone
+                    del fired[t]
                 del history[step:]  # the rows of the steps to redo: one row a step stays
                 writer.rewind(history)
                 continue
             m["timing_s/step"] += wait
+            if fault_fired(m):
+                fired[step] = fault_fired(m)
             every = config.trainer.val_every
             if step == total or (every and step % every == 0):
                 last_val = eval_now(state, step)
@@ -250,7 +271,12 @@ def run(config, workdir: str) -> None:
             )
             if ckpt.due(step) or step == total or stop.requested:
                 saved = rl_step.saveable(state)
-                check_sane(step, saved, m, config.trainer)  # else nothing is saved
+                cause = "; ".join(
+                    f"a bit fault fired in RL step {t} ({f})" for t, f in fired.items()
+                )
+                hint = guard_hint(loop.sdc_note)
+                check_sane(step, saved, m, config.trainer, cause, hint)  # else nothing is saved
+                fired.clear()
                 meta = {"step": step, "data": batcher.state(), "base": base_print}
                 ckpt.save(step, saved, meta, step == total)
             if stop.requested and step < total:
@@ -284,6 +310,7 @@ def run(config, workdir: str) -> None:
             model_cfg,
             plain,
             config.tokenizer_path or config.model.hf_path,
+            export_field,
         )
         print(f"export: {out} (transformers loads it; evaluate with --config.model.hf_path={out})")
 
@@ -299,6 +326,16 @@ def run(config, workdir: str) -> None:
         with open(os.path.join(workdir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2)
         print_summary(summary, write_run_report(workdir, summary, history))
+
+
+def _abandon(ahead, writer, ckpt) -> None:
+    """A SIGTERM before the first RL step since the start or the last checkpoint: nothing to
+    save, so the compile ahead (if still running) is abandoned, not waited for (launch ends
+    the process once the job's cleanup ran)."""
+    if ahead is not None and ahead.running():
+        ahead.abandon()
+    writer.close()
+    ckpt.close()
 
 
 def val_line(step: int, val: dict) -> str:
@@ -322,9 +359,27 @@ class Ahead:
         prompts = batcher.next_batch()["input_ids"]
         batcher.load_state(position)
         self._error: BaseException | None = None
-        # Not a daemon: a run that fails before step 1 exits after the compile, not inside it.
-        self._thread = threading.Thread(target=self._run, args=(loop, state, prompts.shape, step))
+        # A daemon, but never left running at an ordinary exit (`close` joins it): a SIGTERM
+        # with nothing to save abandons it (`abandon`), and the process then ends by os._exit
+        # (launch), never inside the interpreter's teardown.
+        self._thread = threading.Thread(
+            target=self._run, args=(loop, state, prompts.shape, step), daemon=True
+        )
+        self._abandoned = False
         self._thread.start()
+
+    def running(self) -> bool:
+        return self._thread.is_alive()
+
+    def abandon(self) -> None:
+        """Leave the compile to the process's end (checkpoint.ABANDONED tells launch)."""
+        print(
+            "SIGTERM during the compile: no RL step since the last checkpoint, nothing to save;"
+            " exiting (143) without waiting for the compile",
+            flush=True,
+        )
+        self._abandoned = True
+        ABANDONED.set()
 
     def _run(self, loop, state, shape, step) -> None:
         try:
@@ -332,17 +387,24 @@ class Ahead:
         except BaseException as e:  # re-raised by `wait`, in the loop's thread
             self._error = e
 
-    def wait(self) -> float:
-        """Seconds spent waiting for the compile to finish; raises what it raised."""
+    def wait(self, stop: Preemption | None = None) -> float:
+        """Seconds spent waiting for the compile to finish; raises what it raised. A SIGTERM
+        meanwhile (`stop.requested`; the first step has not run, nothing to save) abandons it
+        and exits 143."""
         t0 = time.perf_counter()
-        self._thread.join()
+        while self._thread.is_alive():
+            self._thread.join(0.2)
+            if stop is not None and stop.requested and self._thread.is_alive():
+                self.abandon()
+                raise SystemExit(143)
         if self._error is not None:
             error, self._error = self._error, None
             raise error
         return time.perf_counter() - t0
 
     def close(self) -> None:
-        self._thread.join()
+        if not self._abandoned:
+            self._thread.join()
 
 
 def compile_step_programs(loop: Trainer, state, prompt_shape: tuple[int, int], step: int) -> None:

@@ -272,6 +272,18 @@ def load_config(name: str, arg: str | None = None):
     return module.get_config() if arg is None else module.get_config(arg)
 
 
+def tree_state(root) -> dict:
+    """Everything under `root` as {relative path: (mode, bytes)} (a directory's bytes None), to
+    assert a refused command left a directory byte-identical (`tree_state(a) == before`)."""
+    import pathlib
+
+    root, out = pathlib.Path(root), {}
+    for path in sorted(root.rglob("*")):
+        data = None if path.is_dir() else path.read_bytes()
+        out[str(path.relative_to(root))] = (path.stat().st_mode, data)
+    return out
+
+
 def launch_cli(*args, workdir, cwd=None, env=None):
     """`python -m aqn_jax.launch ARGS --workdir=WORKDIR` in a subprocess (CPU, offline; `env`
     adds variables)."""

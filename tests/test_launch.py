@@ -196,6 +196,36 @@ def test_compile_cache_directory_flag_then_environment_then_per_user_default(tmp
         compile_cache.resolve(str(tmp_path / "file"))
 
 
+def test_an_unusable_compile_cache_is_refused_naming_the_flag(tmp_path, monkeypatch, capsys):
+    """--compile_cache (or $JAX_COMPILATION_CACHE_DIR) that cannot be created or written: one
+    line naming it, exit 2, nothing written (JAX alone only warned and ran uncached); the
+    per-user default in that state turns the cache off, saying so in one line."""
+    from aqn_jax import compile_cache
+
+    from conftest import launch_cli, tree_state
+
+    work = tmp_path / "run"
+    work.mkdir()
+    (work / "notes.txt").write_text("an earlier run's file")
+    before = tree_state(work)
+    proc = launch_cli("--config=configs/export.py", "--compile_cache=/proc/aqn_x", workdir=work)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert proc.returncode == 2 and len(errors) == 1, proc.stderr
+    assert errors[0].startswith("error: --compile_cache=/proc/aqn_x: /proc/aqn_x cannot be")
+    assert "give a writable directory or 'off'" in errors[0] and "Traceback" not in proc.stderr
+    assert tree_state(work) == before
+    monkeypatch.setenv(compile_cache.ENV, "/proc/aqn_env")
+    with pytest.raises(ValueError, match=rf"^{compile_cache.ENV}=/proc/aqn_env: /proc/aqn_env"):
+        compile_cache.resolve(None)
+    monkeypatch.delenv(compile_cache.ENV)
+    monkeypatch.setenv("XDG_CACHE_HOME", "/proc/aqn_home")
+    assert compile_cache.resolve(None) is None
+    assert capsys.readouterr().err.startswith("compile cache off: /proc/aqn_home/aqn_jax/xla")
+    # Negative control: a directory that can be made is taken (made by JAX, not here).
+    assert compile_cache.resolve(str(tmp_path / "new" / "xla")) == str(tmp_path / "new" / "xla")
+    assert not (tmp_path / "new").exists()
+
+
 def test_compile_cache_keeps_every_program(tmp_path):
     """`compile_cache.use`: a program that compiles in well under JAX's default threshold
     (1 s) is written too, and a process started from this one (the environment) uses the same

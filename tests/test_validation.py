@@ -278,10 +278,17 @@ def test_a_refused_resume_changes_nothing(launch, tmp_path):
 
     from aqn_jax.checkpoint import Checkpointer
 
+    from conftest import load_config
+
     work, cache = tmp_path / "run", f"--config.sft.cache_dir={tmp_path / 'cache'}"
-    # The run's start: config.json is written, then the warm start's tripwire stops it.
+    # The run's start: the warm start's tripwire stops it (config.json is written after the
+    # warm start since issue 50: written here as that run wrote it).
     with pytest.raises(AssertionError, match="the warm start was reached"):
         launch(cache, "--config.trainer.total_steps=2", workdir=work)
+    assert not (work / "config.json").exists()
+    started = load_config("targeted", "smoke")
+    started.sft.cache_dir, started.trainer.total_steps = str(tmp_path / "cache"), 2
+    (work / "config.json").write_text(started.to_json_best_effort(indent=2))
     (work / "config_overrides.jsonl").write_text('{"changed": {}}\n')
 
     @flax.struct.dataclass

@@ -176,6 +176,7 @@ class ScaleFlip(TransformBase):
         allowed = (*formats.MX_FORMATS, "nvfp4")
         if self.format not in allowed:
             raise ValueError(f"format={self.format!r}; allowed: {allowed}")
+        formats.check_block_size(self.format, self.block_size)
         bits.positions(self.fault.bits, self.scale_dtype)  # a position the scale has
 
     @property

@@ -284,10 +284,14 @@ def parse_steps(value: Any, field: str) -> tuple[int, ...] | None:
     """'all' -> None, else RL steps (>= 1) as a sorted tuple."""
     if isinstance(value, str) and value.strip() == "all":
         return None
-    layers = parse_layers(value, field, 1 << 30)
-    if 0 in layers:
-        raise ValueError(f"{field}={value!r}; RL steps count from 1")
-    return layers
+    allowed = "RL steps count from 1; allowed: 'all', a step, a tuple of steps or 'lo:hi'"
+    try:
+        steps = parse_layers(value, field, 1 << 30)
+    except ValueError:  # its message speaks of layers
+        raise ValueError(f"{field}={value!r}; {allowed}") from None
+    if 0 in steps:
+        raise ValueError(f"{field}={value!r}; {allowed}")
+    return steps
 
 
 def _bit_injection(kind: str, sec: Any, num_layers: int, mode: str) -> list[Injection]:
@@ -301,6 +305,7 @@ def _bit_injection(kind: str, sec: Any, num_layers: int, mode: str) -> list[Inje
     phases = check_phases(sec.phases, f"{f}.phases")
     points = (*POINTS, *BACKWARD_POINTS) if kind != "mx_scale_flip" else POINTS
     point = check_choice(sec.point, f"{f}.point", points) if target == "activation" else None
+    steps = parse_steps(sec.steps, f"{f}.steps")  # its message names the field already
     try:
         fault = BitFault(
             mode,
@@ -309,7 +314,7 @@ def _bit_injection(kind: str, sec: Any, num_layers: int, mode: str) -> list[Inje
             count=None if sec.count is None else int(sec.count),
             permanent=bool(sec.permanent),
             lane_seed=int(sec.lane_seed),
-            steps=parse_steps(sec.steps, f"{f}.steps"),
+            steps=steps,
             traced_bit=bool(sec.get("traced_bit", False)),
         )
         if not isinstance(fault.bits, str):  # the widest storage; the dtype's own width is

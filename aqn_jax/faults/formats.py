@@ -518,6 +518,19 @@ _apply = jax.jit(_fake_quantize, static_argnums=0)
 # --------------------------------------------------------------------------------------------
 
 
+def check_block_size(fmt: str, block_size) -> int:
+    """The block length of `fmt` (NVFP4's is fixed); an MX format's `block_size` must be a
+    positive int (raises `block_size=...`, for the caller to prefix with its section)."""
+    if fmt == "nvfp4":
+        return NVFP4_BLOCK_SIZE
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(
+            f"block_size={block_size!r}; allowed: a positive int dividing the last axis of the"
+            f" tensors quantised (OCP MX: {MX_BLOCK_SIZE})"
+        )
+    return block_size
+
+
 def scale_blocks(x_shape, fmt: str, block_size: int = MX_BLOCK_SIZE) -> tuple[int, ...]:
     """The shape of the block scales of a tensor of `x_shape` quantised along its last axis."""
     bs = NVFP4_BLOCK_SIZE if fmt == "nvfp4" else block_size

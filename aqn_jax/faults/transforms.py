@@ -344,6 +344,7 @@ class Quantize(TransformBase):
             raise ValueError(f"scale_rule={self.scale_rule!r}; allowed: ('floor', 'ceil')")
         if self.rounding not in ("even", "away"):
             raise ValueError(f"rounding={self.rounding!r}; allowed: ('even', 'away')")
+        formats.check_block_size(self.format, self.block_size)
         if self.format == "nvfp4":
             # A causal global scale would need the running amax inside the NVFP4 kernel.
             _check_scope(self.scope, ("call", "token"), "format='nvfp4'")

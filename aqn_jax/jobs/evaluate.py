@@ -23,7 +23,7 @@ import numpy as np
 
 from aqn_jax import parallel
 from aqn_jax.checkpoint import Checkpointer
-from aqn_jax.checks import check_prompt_lengths
+from aqn_jax.checks import check_block_widths, check_prompt_lengths
 from aqn_jax.data.config import check_data, load_split
 from aqn_jax.evaluation import check_evaluate, eval_spec, robustness
 from aqn_jax.export import plain_policy
@@ -40,6 +40,7 @@ def check_config(config):
     tokenizer = tokenizer_for(config.tokenizer_path, config.model)
     check_data(config.data)
     fault_plan(config.faults, model_cfg.num_hidden_layers)
+    check_block_widths(config.faults, model_cfg)
     if ev.run and not os.path.isdir(os.path.join(os.path.expanduser(ev.run), "checkpoints")):
         raise ValueError(
             f"config.evaluate.run={ev.run!r}: no checkpoints/ there; expected the workdir of a"

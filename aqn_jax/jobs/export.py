@@ -7,7 +7,9 @@ tokenizer's files), for transformers, vLLM or `configs/evaluate.py --config.mode
 start, config.lora and the base's weight_format (the command's other sections are not read).
 The latest checkpoint (or `export.step`) is exported: full fine-tuning as it is, a LoRA run's
 adapters merged into its dequantised base (W + alpha/rank A B). Output: `export.out`, or
-`<run>/export`. A train run with `--config.checkpoint.export=hf` writes the same at its end.
+`<run>/export`; an existing `export.out` is replaced only when it is an earlier export (nothing
+else is ever deleted: `aqn_jax.export.check_target`). A train run with
+`--config.checkpoint.export=hf` writes the same at its end.
 """
 
 from __future__ import annotations
@@ -18,11 +20,12 @@ import os
 import ml_collections
 
 from aqn_jax.checkpoint import Checkpointer
-from aqn_jax.export import EXPORT_DIR, export_policy, plain_policy
+from aqn_jax.export import EXPORT_DIR, check_target, export_policy, plain_policy
 
 
-def check_config(config) -> tuple[str, ml_collections.ConfigDict, int]:
-    """(the run's directory, its config, the step to export); one line naming the field."""
+def check_config(config) -> tuple[str, ml_collections.ConfigDict, int, str]:
+    """(the run's directory, its config, the step to export, the output directory); one line
+    naming the field. Writes nothing."""
     ex = config.export
     run = os.path.expanduser(str(ex.run or ""))
     if not run:
@@ -49,18 +52,18 @@ def check_config(config) -> tuple[str, ml_collections.ConfigDict, int]:
     step = steps[-1] if int(ex.step) < 0 else int(ex.step)
     if step not in steps:
         raise ValueError(f"config.export.step={ex.step}: {ex.run} has checkpoints {steps}")
-    return run, run_config, step
+    out = check_target(str(ex.out or os.path.join(run, EXPORT_DIR)), "config.export.out", run)
+    return run, run_config, step, out
 
 
 def run(config, workdir: str) -> None:
-    run_dir, run_config, step = check_config(config)
+    run_dir, run_config, step, out = check_config(config)
     ckpt = Checkpointer(run_dir, 0, 1)
     try:
-        state, meta = ckpt.restore_host(step)
+        state, meta = ckpt.restore_host(step, "config.export.step")
     finally:
         ckpt.close()
     model_cfg, params = plain_policy(run_config, state["params"], run_dir, meta.get("base"))
-    out = str(config.export.out or os.path.join(run_dir, EXPORT_DIR))
     tokenizer = run_config.get("tokenizer_path") or run_config.model.get("hf_path", "")
     export_policy(out, model_cfg, params, tokenizer)
     what = "LoRA merged into its base" if "lora" in state["params"] else "full fine-tuning"

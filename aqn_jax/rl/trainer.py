@@ -310,7 +310,12 @@ class Trainer:
         # The sdc/ diagnostics describe the fault, not the run's state: the gradient norm the
         # optimizer received is inf when a flipped exponent overflows it, and global-norm
         # clipping then makes that update zero, not NaN (the guard still acts on it).
-        check_finite(step, {k: v for k, v in m.items() if not k.startswith("sdc/")}, self.sdc_note)
+        check_finite(
+            step,
+            {k: v for k, v in m.items() if not k.startswith("sdc/")},
+            self.sdc_note,
+            fault_fired(m),
+        )
         return state, m
 
     def _train(self, state: RLState, step: int, tb, sigma: float, attempt: int) -> _Train:
@@ -465,21 +470,42 @@ def train_batch(out, scores) -> dict[str, np.ndarray]:
     }
 
 
-def check_finite(step: int, metrics: Mapping[str, float], faults: str = "") -> None:
+def check_finite(
+    step: int, metrics: Mapping[str, float], faults: str = "", fired: str | None = None
+) -> None:
     """Raise naming the step and the metric on NaN/Inf (the run stops; nothing is saved);
     `faults`: the bit faults the device runs, named in the error with the guard that would
-    survive them."""
+    survive them; `fired` (`fault_fired` of the step's metrics): said first, the cause."""
     bad = [k for k, v in metrics.items() if not math.isfinite(v)]
     if bad:
-        cause = (
-            f"; the device runs bit faults ({faults}): config.sdc.guard=skip or recompute"
-            " survives a corrupted step"
-            if faults
-            else ""
-        )
+        first = f"a bit fault fired in this step ({fired}), then " if fired else ""
         raise FloatingPointError(
-            f"RL step {step}: non-finite metric(s) {bad} (e.g. {bad[0]}={metrics[bad[0]]})" + cause
+            f"RL step {step}: {first}non-finite metric(s) {bad} (e.g. {bad[0]}="
+            f"{metrics[bad[0]]}){guard_hint(faults)}"
         )
+
+
+def guard_hint(faults: str) -> str:
+    """What survives the bit faults `faults` (a plan's description; '' = none)."""
+    if not faults:
+        return ""
+    return (
+        f"; the device runs bit faults ({faults}): config.sdc.guard=skip or recompute survives"
+        " a corrupted step"
+    )
+
+
+# The sdc/ metrics that say a bit fault fired in a step, and the ones shown with them.
+FIRED = ("sdc/injected", "sdc/injected_rollout")
+SHOWN = (*FIRED, "sdc/grad_norm", "sdc/update_rms", "sdc/detected_abft")
+
+
+def fault_fired(metrics: Mapping[str, float]) -> str | None:
+    """'sdc/injected=1, sdc/grad_norm=inf, ...' when a bit fault fired in the step these
+    metrics describe (a bit flipped in its train passes, trees or rollout), else None."""
+    if not any(metrics.get(k, 0.0) > 0 for k in FIRED):
+        return None
+    return ", ".join(f"{k}={metrics[k]:.4g}" for k in SHOWN if k in metrics)
 
 
 def rollout_totals(rollout_stats, longest: int) -> np.ndarray:

@@ -1,0 +1,112 @@
+"""The export never deletes what it did not write (issue 50): an existing target is replaced
+only when it is an earlier export (its marker file), the run itself and anything inside it other
+than its export directory are refused, a file or an unwritable path is one line, and a refused
+command leaves the run and the target byte-identical. A re-export replaces the earlier one
+(written beside it, then renamed); modes follow the umask."""
+
+import os
+import stat
+
+import numpy as np
+import pytest
+
+from conftest import launch_cli, load_config, random_params, tree_state
+
+
+@pytest.fixture
+def train_run(tmp_path):
+    """A train run's workdir as the export job reads it first: config.json and a checkpoint."""
+    from aqn_jax.checkpoint import Checkpointer
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text(load_config("targeted", "smoke").to_json())
+    ckpt = Checkpointer(str(run), 0, 1)
+    ckpt.save(1, {"params": {"w": np.zeros(2, np.float32)}}, {"step": 1})
+    ckpt.close()
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')
+    return run
+
+
+def _export_config(run, out):
+    config = load_config("export")
+    config.export.run, config.export.out = str(run), str(out)
+    return config
+
+
+def _refused(config, work, match):
+    """launch.run refuses `config` with `match`; the export job's workdir `work` untouched."""
+    from aqn_jax.launch import run
+
+    with pytest.raises(ValueError, match=match) as e:
+        run(config, str(work))
+    assert "\n" not in str(e.value)
+    assert not work.exists()  # the export job's own workdir: not even created
+
+
+def test_export_refuses_targets_it_did_not_write(train_run, tmp_path):
+    work = tmp_path / "work"
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("precious")
+    afile = tmp_path / "a_file"
+    afile.write_text("precious too")
+    before = {p: tree_state(p) for p in (train_run, other)}
+    cases = [
+        (other, "an existing directory that is not an export"),
+        (train_run, "the run .* itself, a directory inside it or one that holds it"),
+        (train_run / "checkpoints", "itself, a directory inside it"),
+        (tmp_path, "itself, a directory inside it or one that holds it"),
+        (afile, "is a file"),
+        ("/proc/aqn_jax_export", "/proc is not a writable directory"),
+    ]
+    for out, match in cases:
+        _refused(_export_config(train_run, out), work, rf"config.export.out={out}: .*{match}")
+    assert {p: tree_state(p) for p in (train_run, other)} == before
+    assert afile.read_text() == "precious too"
+    # From the command line: exit 2 and one line, the directory byte-identical.
+    proc = launch_cli(
+        "--config=configs/export.py",
+        f"--config.export.run={train_run}",
+        f"--config.export.out={other}",
+        workdir=work,
+    )
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert proc.returncode == 2 and len(errors) == 1, proc.stderr
+    assert f"config.export.out={other}: an existing directory that is not an export" in errors[0]
+    assert "Traceback" not in proc.stderr
+    assert tree_state(other) == before[other] and tree_state(train_run) == before[train_run]
+    # Negative controls: the run's own export directory, a new path, an empty directory.
+    from aqn_jax.jobs.export import check_config
+
+    (tmp_path / "empty").mkdir()
+    for out in (train_run / "export", tmp_path / "new" / "dir", tmp_path / "empty"):
+        assert check_config(_export_config(train_run, out))[3] == str(out)
+    assert not (tmp_path / "new").exists()  # checked, not created
+
+
+def test_reexport_replaces_an_earlier_export_atomically(tmp_path):
+    from aqn_jax.export import MARKER, export_policy
+    from aqn_jax.models.hf import load_hf_checkpoint
+    from aqn_jax.models.qwen2 import Qwen2Config
+
+    cfg = Qwen2Config.tiny(num_hidden_layers=1)
+    out = tmp_path / "export"
+    old_mask = os.umask(0o027)
+    try:
+        export_policy(str(out), cfg, random_params(cfg, 0), "")
+        first = tree_state(out)
+        (out / "stale.txt").write_text("from the earlier export")  # replaced with it
+        export_policy(str(out), cfg, random_params(cfg, 1), "")
+    finally:
+        os.umask(old_mask)
+    assert (out / MARKER).is_file() and not (out / "stale.txt").exists()
+    assert sorted(os.listdir(tmp_path)) == ["export"]  # nothing left beside it
+    assert tree_state(out).keys() == first.keys()
+    _, params = load_hf_checkpoint(str(out), "float32")
+    want = random_params(cfg, 1)["embed_tokens"]["embedding"]
+    np.testing.assert_array_equal(np.asarray(params["embed_tokens"]["embedding"]), want)
+    # Modes follow the umask (0o027): not mkdtemp's 0700, not the sources' modes.
+    assert stat.S_IMODE(out.stat().st_mode) == 0o750
+    for name in os.listdir(out):
+        assert stat.S_IMODE((out / name).stat().st_mode) == 0o640, name
