@@ -49,6 +49,7 @@ EXTRA=${EXTRA:-}
 PACK_EVERY=${PACK_EVERY:-30}
 ADAPTER_ARM=${ADAPTER_ARM:-deadzone}
 W=$(mktemp -d /tmp/learn.XXXX)
+trap 'rm -rf "$W"' EXIT  # what matters is in $OUT (and SNAP, where set)
 mkdir -p "$OUT" "$W/setup"
 SUM="$OUT/summary.txt"
 : >"$SUM"
@@ -155,7 +156,8 @@ done
 for j in "${!PIDS[@]}"; do
   wait "${PIDS[$j]}"; rc=$?
   arm=$(echo $ARMS | cut -d' ' -f$((j + 1)))
-  say "$arm: rc $rc$([ $rc = 124 ] && echo ' (stopped at its deadline)'); $(grep -E 'Error|error:' "$W/$arm.log" | tail -n 1)"
+  err=$(grep -E 'Error|error:' "$W/$arm.log" | tail -n 1)
+  say "$arm: rc $rc$([ $rc = 124 ] && echo ' (stopped at its deadline)')${err:+; $err}"
 done
 pack
 say "adapter ($ADAPTER_ARM): $(tail -n 1 "$W/adapter.log" 2>/dev/null || echo none)"
