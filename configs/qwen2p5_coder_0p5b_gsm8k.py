@@ -91,14 +91,13 @@ JOBS = ("severity", "evaluate")
 
 def get_config(arg: str | None = None):
     parts = [p for p in (arg or "deadzone").split(",") if p]
-    smoke = "smoke" in parts
-    arith = "arith" in parts
-    names = [p for p in parts if p not in ("smoke", "arith")] or ["deadzone"]
+    smoke, gpu, arith = "smoke" in parts, "gpu" in parts, "arith" in parts
+    names = [p for p in parts if p not in ("smoke", "gpu", "arith")] or ["deadzone"]
     allowed = (*ARMS, *JOBS)
     if len(names) != 1 or names[0] not in allowed:
         raise ValueError(
             f"--config=configs/qwen2p5_coder_0p5b_gsm8k.py:{arg}; allowed: one of {allowed},"
-            " optionally followed by ',arith' and/or ',smoke'"
+            " optionally followed by ',gpu' or ',arith', and/or ',smoke'"
         )
     name = names[0]
     config = base_config("smoke" if smoke else None)
@@ -168,12 +167,35 @@ def get_config(arg: str | None = None):
 
     if arith:
         _short_answers(config)
+    if gpu:  # the lent GPU's run (bench/device/learn.sh, CALL.md "The learning run")
+        # QeRL mode in bf16 on one H100 shared by two arms (faulty, clean control) at
+        # XLA_PYTHON_CLIENT_MEM_FRACTION=0.45 each. Signal: 16 samples a prompt (a prompt the
+        # faulty device solves with p = 0.05 has an advantage with probability 1 - 0.95^16 -
+        # 0.05^16 = 0.56; 0.81 at p = 0.1), 384 new tokens (at 256 half the CPU samples were
+        # cut). 4 prompts x 16 = 64 rows a step, the H100 step's shape (8 x 8) in rows.
+        config.model.dtype = "bfloat16"
+        config.rollout.n = 16
+        config.rollout.max_new_tokens = 384  # RL and validation (greedy, boxed)
+        # One prompt bucket: each bucket is its own rollout, validation and update programs,
+        # and a short run's compile (minutes for a 0.5B LoRA step, issue 44) outweighs the
+        # padding of 128-token prompts to 256 on a GPU.
+        config.rollout.prompt_buckets = (256,)
+        config.data_batch.prompts = 4
+        config.actor.mini_batch_prompts = 4
+        config.actor.micro_batch_rows = 8  # planner: 23.1 GiB faulty, 21.3 clean (16: ~38)
+        config.trainer.total_steps = 30  # sized to the run call's window (CALL.md's budget)
+        config.trainer.val_every = 10  # a run cut short still has its latest validation
+        config.trainer.val_size = 256  # held-out test problems, both devices
+        config.trainer.val_batch_size = 256  # one decode batch a device
+        config.checkpoint.every = 10  # the adapters the device run packs into $OUT
+        config.checkpoint.keep = 1
 
     if smoke:  # every stage once at the smallest shapes (tests/test_qwen_gsm8k_config.py)
         config.rollout.n = 2
         config.rollout.max_new_tokens = 4
         config.data_batch.prompts = 1
         config.actor.mini_batch_prompts = 1
+        config.actor.micro_batch_rows = 2  # of the smoke's 1 x 2 rows (',gpu' has 8)
         config.trainer.total_steps = 1
         config.trainer.val_size = 2
         config.trainer.val_batch_size = 2

