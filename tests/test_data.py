@@ -547,3 +547,53 @@ def test_split_by_question_shares_facts_not_questions():
         assert split_of(ex.question) == "test"
     with pytest.raises(ValueError, match="split_by = 'words'"):
         ArithmeticTask(split_by="words")
+
+
+def test_prompt_format_shows_worked_problems_and_the_instruction(tmp_path):
+    """config.data.shots / instruction (data.config.with_prompt_format): every prompt starts
+    with the first `shots` train problems as earlier chat turns, their solutions without GSM8K's
+    calculator annotations and answered in the reward's form, and those problems leave the
+    train split; the defaults change nothing (the negative control)."""
+    from aqn_jax.data.config import check_data, data_config, load_split, shot_answer
+    from aqn_jax.data.gsm8k import Example
+
+    data = data_config()
+    data.train_size, data.test_size = 6, 3
+    plain = {s: load_split(data, s) for s in ("train", "test")}
+    assert plain["test"] == ArithmeticTask(2, 2, 0).examples("test", 3)  # defaults: unchanged
+
+    data.shots, data.reward_method, data.instruction = 2, "boxed", " Be brief."
+    train, test = load_split(data, "train"), load_split(data, "test")
+    assert [e.index for e in train] == [2, 3, 4, 5]  # the shown problems are not trained on
+    shown = plain["train"][:2]
+    for ex, before in zip(test, plain["test"], strict=True):
+        assert ex.ground_truth == before.ground_truth and ex.question == before.question
+        msgs = ex.prompt_messages
+        assert [m["role"] for m in msgs] == ["user", "assistant", "user", "assistant", "user"]
+        assert msgs[-1]["content"] == before.question + " Be brief."
+        for k, shot in enumerate(shown):
+            assert msgs[2 * k]["content"] == shot.question + " Be brief."
+            lines = shot.answer.split("####")[0].strip()  # e.g. "12 + 7 = 19\n19 * 2 = 38"
+            assert msgs[2 * k + 1]["content"] == f"{lines}\n\\boxed{{{shot.ground_truth}}}"
+
+    # Only shots: verl's instruction stays; the strict reward's form is '#### N'.
+    data.instruction, data.reward_method = "", "strict"
+    msgs = load_split(data, "test")[0].prompt_messages
+    assert msgs[-1]["content"] == plain["test"][0].question + INSTRUCTION_SUFFIX
+    assert msgs[1]["content"].endswith(f"\n#### {shown[0].ground_truth}")
+
+    gsm = Example(
+        "q", [], "72", 0, answer="Half: 48/2 = <<48/2=24>>24\n48+24 = <<48+24=72>>72\n#### 72"
+    )
+    assert shot_answer(gsm, "boxed") == "Half: 48/2 = 24\n48+24 = 72\n\\boxed{72}"
+
+    for value in (-1, 9):  # (ConfigDict itself refuses a float or a string here)
+        bad = data_config()
+        bad.shots = value
+        with pytest.raises(
+            ValueError, match=rf"^config\.data\.shots={value}; allowed: an int in 0\.\.8"
+        ):
+            check_data(bad)
+    data.train_size, data.shots = 6, 7
+    with pytest.raises(ValueError, match=r"config\.data\.shots=7 but the train split has 6"):
+        load_split(data, "test")
