@@ -253,20 +253,22 @@ def _short_answers(config) -> None:
     # The fault: the seed's kind at layer 15, per token, 0.07 of each token's max, as on GSM8K;
     # here it keeps 39% of the clean accuracy (severity job, 48 test problems: 0.146 vs 0.375).
     config.faults.deadzone.threshold = 0.07
-    # The operating point: 4 prompts x 8 samples (32 rows) at temperature 1.0 (GRPO's, verl's
-    # default); a prompt the faulty device solves with p = 0.15 per sample holds an advantage
-    # with probability 1 - 0.85^8 - 0.15^8 = 0.73. One mini-batch: on-policy, no old-log-prob
-    # pass; micro-batches of 4 rows x 256 tokens hold 0.6 GB of f32 logits.
+    # The operating point: 4 prompts x 8 samples (32 rows) at temperature 0.7; a prompt the
+    # faulty device solves with p = 0.15 per sample holds an advantage with probability
+    # 1 - 0.85^8 - 0.15^8 = 0.73. At temperature 1.0 (verl's default) the first step scored
+    # 0 of 32 against greedy 0.180 (WORKSPACE.md, issue 49). One mini-batch: on-policy, no
+    # old-log-prob pass; micro-batches of 4 rows x 256 tokens hold 0.6 GB of f32 logits.
     config.data_batch.prompts = 4
     config.actor.mini_batch_prompts = 4
     config.actor.micro_batch_rows = 4
     config.rollout.n = 8
-    config.rollout.temperature = 1.0
+    config.rollout.temperature = 0.7
     # LoRA r32 (scale 1) at 1e-4: the 2e-5 of the GSM8K arm moved no greedy answer of 32 in
     # two updates with a signal (issue 43); a run of tens of steps needs a larger step.
     config.actor.lr = 1e-4
-    config.trainer.total_steps = 36
-    config.trainer.val_every = 12  # validation at steps 0, 12, 24, 36
+    # 24 steps of ~3 min and three validations of ~6 min fit the session's 100 minutes.
+    config.trainer.total_steps = 24
+    config.trainer.val_every = 12  # validation at steps 0, 12, 24
     config.trainer.val_size = 128  # held-out problems, greedy, on both devices
     config.trainer.val_batch_size = 32  # decode batch (its prefill's logits are f32)
     config.checkpoint.every = 4  # resumable: at most 4 steps lost
