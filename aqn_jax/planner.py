@@ -53,7 +53,8 @@ of (N / t) * S * 4 bytes per token over S key positions. Per token, a decoder la
   update (activations)  layers: without remat L * r * T * saved;  with remat (each layer's
                         input only, plus one layer recomputed in its backward)
                         L * r * T * D * c + r * T * saved
-                        readout: 3 r c V / t * 4 (+ V / t * D * 4 when the head is trained)
+                        readout: 4 r c V / t * 4 + 2 r R D * 4 (+ V / t * D * 4 when the head
+                        is trained)
   prepare               r * T * forward + 2 r c V / t * 4
                         (one layer at a time; the readout's chunk)
   generation            r * bucket * forward (the prefill; the decode steps and the
@@ -61,13 +62,15 @@ of (N / t) * S * 4 bytes per token over S key positions. Per token, a decoder la
 
 The log-probs never hold the logits of every position (`aqn_jax/logprobs.py`, issue 51): the
 head runs on c = min(config.model.logprob_chunk, R) response positions of the r rows at a time,
-under `jax.checkpoint`, so the update holds three float32 copies of one chunk's logits (the
-recomputed logits, their softmax, their gradient) and, when the head is trained (full
+under `jax.checkpoint`. The update holds four float32 copies of one chunk's logits (the
+recomputed logits, their exponentials, the softmax, their gradient), the response's hidden
+states and their gradient in float32 (2 r R D * 4) and, when the head is trained (full
 fine-tuning), the head's float32 gradient accumulated over the chunks (the `lax.map`'s carry);
-prepare's forward holds two (the logits and their exponentials). Read off XLA:CPU's buffer
-assignment at the 0.5B widths and vocabulary, 2 rows, R = 256, c = 32 (`python
-bench/plan_vs_xla.py`): the gradient's temp is the head's gradient plus 2.1 chunk copies in
-float32 (4.1 with the head frozen), the forward's 1.05.
+prepare's forward two chunk copies (the logits and their exponentials). Read off XLA:CPU's
+buffer assignment at the 0.5B widths and vocabulary, 2 rows, R = 256, c = 32 (`python
+bench/plan_vs_xla.py`, float32): the gradient's temp is 0.89 of that plan with the head trained,
+1.00 with it frozen, the forward's 0.53. In bfloat16 XLA also keeps the head's weights cast to
+bf16 (twice when tied): the update's compute_weights counts them; prepare's plan does not.
 
 compute_weights was read off XLA:CPU's buffer assignment of a micro-batch's gradient at the
 0.5B widths, T = 384, 2 rows (`python bench/plan_vs_xla.py`): per decoder layer and token,
@@ -590,8 +593,9 @@ def activation_terms(
 ) -> dict[str, int]:
     """Bytes of one micro-batch's forward+backward on one device, `rows` rows of
     `prompt_len + max_new` positions: {'layers': the decoder layers' saved activations,
-    'logits': the readout's chunk (three float32 copies: logits, softmax, gradient) and, with
-    `head_grad` (the head is trained), the head's float32 gradient accumulated over chunks}."""
+    'logits': the readout's chunk (four float32 copies: logits, exponentials, softmax,
+    gradient), the response's hidden states and their gradient in float32 and, with `head_grad`
+    (the head is trained), the head's float32 gradient accumulated over chunks}."""
     m = model_cfg
     T = prompt_len + max_new
     tokens = rows * T
@@ -601,7 +605,7 @@ def activation_terms(
         layers += tokens * layer
     else:
         layers = m.num_hidden_layers * tokens * layer
-    logits = readout_bytes(m, rows, max_new, tensor, 3)
+    logits = readout_bytes(m, rows, max_new, tensor, 4) + 2 * rows * max_new * m.hidden_size * 4
     if head_grad:
         logits += _cdiv(m.vocab_size, tensor) * m.hidden_size * 4
     return {"layers": layers, "logits": logits}
