@@ -220,9 +220,13 @@ def _with_weight_faults(weight_transform, faults, key, values, flips: list):
     return transform
 
 
-def token_nll(logp_BT: jax.Array, loss_mask_BT: jax.Array):
-    """(sum, count) of the next-token cross-entropy where `loss_mask` is 1, from the log-probs of
-    `Readout.next_token(ids)` (the prediction of token t+1 from position t, in float32): the
-    held-out loss of evaluation and of the severity curve, and the SFT loss."""
+def token_nll(model: nn.Module, params, ids_BT, mask_BT, loss_mask_BT, **kwargs):
+    """(sum, count) of the next-token cross-entropy of `ids` where `loss_mask` is 1 (the
+    prediction of token t+1 from position t, in float32, through `forward`'s readout: the head a
+    chunk of positions at a time): the held-out loss of evaluation and of the severity curve, and
+    the SFT loss. kwargs: `forward`'s; with `mutable`, ((sum, count), the collections)."""
+    out = forward(model, params, ids_BT, mask_BT, readout=Readout.next_token(ids_BT), **kwargs)
+    (logp_BT, _), got = out if kwargs.get("mutable") else (out, None)
     w = loss_mask_BT[:, 1:].astype(jnp.float32)
-    return -jnp.sum(logp_BT * w), jnp.sum(w)
+    nll = (-jnp.sum(logp_BT * w), jnp.sum(w))
+    return nll if got is None else (nll, got)

@@ -25,7 +25,7 @@ import optax
 
 from aqn_jax.data.gsm8k import Example
 from aqn_jax.data.tokenizers import Tokenizer
-from aqn_jax.forward import Readout, forward, token_nll
+from aqn_jax.forward import token_nll
 
 from .optim import adamw, lr_schedule
 
@@ -78,8 +78,7 @@ def sft_sequences(
 def sft_loss(model: nn.Module, params, ids, mask, loss_mask) -> jax.Array:
     """Token-mean next-token cross-entropy over the positions where `loss_mask` is 1 (the head
     a chunk of positions at a time: `forward.Readout`)."""
-    logp, _ = forward(model, params, ids, mask, readout=Readout.next_token(ids))
-    total, count = token_nll(logp, loss_mask)
+    total, count = token_nll(model, params, ids, mask, loss_mask)
     return total / jnp.maximum(count, 1.0)
 
 
