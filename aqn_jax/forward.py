@@ -14,6 +14,10 @@ the weights attaches in one place:
     target 'weight': bit flips or stuck bits of the weights as read, the stored ones untouched;
     their flips are reported in `fault_stats` under `weights`).
 
+With a `Readout`, the model stops at its final hidden states and `forward` returns the
+log-probs (and entropy) of given tokens at given positions instead of the logits: the head runs
+on those positions only, a chunk at a time, under the same interceptors (`aqn_jax/logprobs.py`).
+
 `params` is either a plain param tree (full fine-tuning, the reference, the embedded default:
 nothing changes for it) or a `Weights`. The fault plan's interceptor is entered inside this
 function, so it must be called inside the jitted program (DESIGN.md, decision 2).

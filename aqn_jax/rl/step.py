@@ -18,7 +18,8 @@ per-step knobs by name (AQN's sigma under `aqn.config.AQN_SIGMA`, a fault's rate
 value does not recompile, and a new knob needs no signature change. A batch row is the
 left-padded prompt `[bucket]` followed by the `max_new_tokens` response slots; the prompt
 length is read from the shapes, so each program compiles once per prompt bucket. Log-probs use
-logits / rollout temperature, as the sampler's do (verl).
+logits / rollout temperature, as the sampler's do (verl), from the response positions only, a
+chunk at a time (`policy_logprobs`, `forward.Readout`: never the `[rows, T, V]` logits).
 
 Fault randomness: each forward pass draws its own fault noise (a noisy device never repeats its
 error), keyed by the step's 'train' key folded with the pass index; the deterministic faults
