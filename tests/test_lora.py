@@ -71,6 +71,7 @@ def test_fresh_adapter_is_bitwise_the_base(dtype):
     assert np.max(np.abs(moved - base)) > 1e-2
 
 
+@pytest.mark.slow
 def test_faults_see_base_plus_adapter():
     """A noisy-linear fault redoes the product: at scale 0 it equals the model's own Linear
     with the adapter (y, and dA, dB through its custom backward, against autodiff)."""

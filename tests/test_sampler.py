@@ -48,6 +48,7 @@ def full_logits(ids, mask):
     return np.asarray(_forward(WEIGHTS, ids, mask))
 
 
+@pytest.mark.slow
 def test_greedy_equals_stepwise_argmax_of_uncached_forward():
     ids, mask = prompts()
     out = sampler(eos_id=-1)(WEIGHTS, ids, mask, jax.random.key(0))

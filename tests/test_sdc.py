@@ -328,6 +328,7 @@ def test_abft_catches_flips_above_its_tolerance_and_claims_none_below(dtype):
     assert np.all(below[np.asarray(bit_of_row) == 0])
 
 
+@pytest.mark.slow
 def test_abft_no_false_positive_over_200_clean_forwards_f32_and_bf16():
     # 200 clean forward passes of a one-layer tiny model (random token batches; one layer keeps
     # the compile short), ABFT on its 7 linears: no row is flagged in f32 or bf16 compute.

@@ -9,6 +9,7 @@ import pytest
 from conftest import load_config
 
 
+@pytest.mark.slow
 def test_shipped_warm_start_reads_its_prompt(tmp_path):
     from aqn_jax.data.config import task_of
     from aqn_jax.evaluation import decode_spec, prompt_dependence
@@ -51,6 +52,7 @@ def test_a_changed_sft_setting_does_not_load_the_shipped_warm_start():
     assert os.path.isdir(os.path.join(SHIPPED_DIR, shipped))
 
 
+@pytest.mark.slow
 def test_a_damaged_sft_cache_entry_is_set_aside_and_recomputed(tmp_path, monkeypatch, capsys):
     """A truncated cache entry used to block every later run with a bare SafetensorError."""
     from aqn_jax import warm_start as pretrain
@@ -82,6 +84,7 @@ def test_a_damaged_sft_cache_entry_is_set_aside_and_recomputed(tmp_path, monkeyp
     assert info["cache"] == "hit" and len(calls) == 2
 
 
+@pytest.mark.slow
 def test_sft_train_learns_the_task():
     """sft_train lowers the loss: 30 steps (batch 16, lr 3e-3, 5 warmup) of a random 3-layer tiny
     model on 256 train problems of the default arithmetic task end below 0.6 of the first
