@@ -108,3 +108,37 @@ def test_sft_train_learns_the_task():
         warmup_steps=5,
     )
     assert hist["loss"][-1] < 0.6 * hist["loss"][0], hist["loss"]
+
+
+def test_pretrain_job_loads_the_shipped_warm_start_and_trains_nothing(
+    tmp_path, monkeypatch, capsys
+):
+    """Job `pretrain` (configs/warm_start.py, the config that made aqn_jax/assets): its SFT key
+    is the shipped snapshot's, so the job reads it and trains nothing, leaving the package's
+    assets byte-identical; a changed SFT setting is a miss and would train (the negative
+    control: the same tripwire fires)."""
+    from aqn_jax import warm_start as pretrain
+    from aqn_jax.launch import run
+
+    from conftest import tree_state
+
+    class Trained(Exception):
+        pass
+
+    def tripwire(*args, **kwargs):
+        raise Trained
+
+    monkeypatch.setattr(pretrain, "sft_train", tripwire)
+    config = load_config("warm_start")
+    assert config.job == "pretrain" and config.sft.cache_dir == pretrain.SHIPPED_DIR
+    entry = pretrain.cache_dir(pretrain.warm_start_spec(config), str(tmp_path))
+    before = tree_state(pretrain.SHIPPED_DIR)
+    run(config, str(tmp_path / "run"))
+    assert f"SFT warm start: cached {entry}" in capsys.readouterr().out
+    assert os.path.isdir(entry) and tree_state(pretrain.SHIPPED_DIR) == before
+    changed = load_config("warm_start")
+    changed.sft.steps += 1
+    changed.sft.cache_dir = str(tmp_path / "cache")
+    with pytest.raises(Trained):
+        run(changed, str(tmp_path / "changed"))
+    assert tree_state(pretrain.SHIPPED_DIR) == before
