@@ -27,7 +27,9 @@ def test_fast_tier_check_names_modules_only_imported_or_never(tmp_path, monkeypa
         (pkg / name).write_text(text)
     monkeypatch.syspath_prepend(str(tmp_path))
     data = str(tmp_path / ".coverage")
-    cov = coverage.Coverage(data_file=data, source=[str(pkg)])
+    # config_file=False: not pyproject.toml's [tool.coverage.run] (parallel data files, measured
+    # subprocesses), which tests/fast_tier.py's own run uses; this one is a plain measurement.
+    cov = coverage.Coverage(data_file=data, source=[str(pkg)], config_file=False)
     cov.start()
     try:
         assert importlib.import_module("fasttier_pkg.ran").f(1) == 2
