@@ -24,6 +24,7 @@ MAX_LEN = 24  # more slots than used: unwritten slots must stay masked
 PATH = forward_path(CONFIG, MAX_LEN)
 
 
+@pytest.mark.slow  # prefill + stepwise decode vs the full forward, eager and jitted (issue 53)
 class KVCacheTest(chex.TestCase):
     def setUp(self):
         super().setUp()
