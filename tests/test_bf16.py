@@ -254,6 +254,7 @@ def _step_static(model_cfg, arm):
 @pytest.mark.parametrize(
     ("arm", "min_cos", "pg_tol"), [("clean", 0.99, 0.01), ("deadzone", 0.8, 0.1)]
 )
+@pytest.mark.slow
 def test_rl_step_gradient_in_bf16_is_close_to_f32(arm, min_cos, pg_tol):
     cfg32 = Qwen2Config.tiny(num_hidden_layers=3)
     cfg16 = dataclasses.replace(cfg32, dtype="bfloat16")
@@ -305,6 +306,7 @@ def test_rl_step_gradient_in_bf16_is_close_to_f32(arm, min_cos, pg_tol):
     assert cos(g_other, g32) < 0.5, cos(g_other, g32)
 
 
+@pytest.mark.slow
 def test_sampler_in_bf16_uses_a_bf16_cache_and_matches_its_teacher_forced_forward():
     cache = init_cache(BF16_CFG, 2, 8)
     assert {x.dtype for x in cache.k + cache.v} == {jnp.dtype(BF16)}

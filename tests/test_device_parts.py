@@ -349,5 +349,7 @@ def test_gpu_variant_is_the_issue_operating_point_and_leaves_the_others():
     assert (cpu.trainer.total_steps, cpu.trainer.val_size, cpu.model.dtype) == (5, 32, "auto")
     smoke = load_config(name, "deadzone,gpu,smoke")
     assert (smoke.rollout.n, smoke.rollout.max_new_tokens, smoke.trainer.total_steps) == (2, 4, 1)
-    with pytest.raises(ValueError, match=r"optionally followed by ',gpu' and/or ',smoke'"):
+    with pytest.raises(
+        ValueError, match=r"optionally followed by ',gpu' or ',arith', and/or ',smoke'"
+    ):
         load_config(name, "deadzone,gpux")

@@ -151,6 +151,7 @@ def small_model():
 
 
 @pytest.mark.parametrize("kind", ["noise", "deadzone"])
+@pytest.mark.slow
 def test_batched_scan_equals_naive_loop(small_model, kind):
     model, params, ids, mask = small_model
     c = fault_config(kind, layers="2")
@@ -204,6 +205,7 @@ def calibrated(sft_tiny):
     return Qwen2ForCausalLM(cfg), params, ids, mask
 
 
+@pytest.mark.slow
 def test_localises_deadzone_at_every_layer(calibrated):
     """16 placements (8 layers x thresholds 0.01, 0.1) in one compiled scan: the deadzone sits at
     every layer with its threshold multiplied by a traced per-layer vector (0 = healthy), which
@@ -234,6 +236,7 @@ def test_localises_deadzone_at_every_layer(calibrated):
     assert hits / len(rows) >= 0.9, rows
 
 
+@pytest.mark.slow
 def test_swept_deadzone_takes_the_granularity(calibrated):
     """bench/srdd_real.py --granularity token: the swept plan at one placement is the static
     per-token deadzone exactly, and (negative control) not the tensor-wide one."""
@@ -269,6 +272,7 @@ def test_swept_deadzone_takes_the_granularity(calibrated):
     assert abs(swept["dead"][3] - tensor["dead"][3]) > 0.05, (swept["dead"][3], tensor["dead"][3])
 
 
+@pytest.mark.slow
 def test_scan_of_a_remat_config(calibrated):
     """A training config (remat=True, as configs/qwen2p5_coder_0p5b_gsm8k.py) is probed as the
     same model without remat: the probe's results used to leak out of the remat trace
@@ -300,6 +304,7 @@ def test_scan_of_a_remat_config(calibrated):
     assert np.all(np.delete(b["dead"] <= tol, 3)), (b["dead"], tol)
 
 
+@pytest.mark.slow
 def test_no_fault_found_on_a_clean_device(calibrated):
     model, params, ids, mask = calibrated
     c = fault_config()
@@ -316,6 +321,7 @@ def test_no_fault_found_on_a_clean_device(calibrated):
     assert report["verdict"]["confidence"] == 1.0
 
 
+@pytest.mark.slow
 def test_noise_fault_found_by_instability(calibrated):
     model, params, ids, mask = calibrated
     c = fault_config("noise", "6")
@@ -342,6 +348,7 @@ def _diagnose_config(**faults):
     return config
 
 
+@pytest.mark.slow
 def test_diagnose_job_writes_report_and_fragment(tmp_path):
     from aqn_jax.launch import run
 

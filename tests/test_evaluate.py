@@ -124,6 +124,7 @@ def _prompts(tok, examples):
     return left_pad(ids, tok.pad_id, max(map(len, ids)))
 
 
+@pytest.mark.slow
 def test_mean_at_n(sft_tiny):
     cfg, params, tok, task = sft_tiny
     config = _config(size=4, batch_size=4, samples=3, noise_levels=(0.0,), mxfp4=False)
@@ -138,6 +139,7 @@ def test_mean_at_n(sft_tiny):
     assert acc * 4 * 3 == pytest.approx(round(acc * 4 * 3), abs=1e-4)  # k of 12 samples
 
 
+@pytest.mark.slow
 def test_heldout_loss_equals_direct_cross_entropy(sft_tiny):
     cfg, params, tok, task = sft_tiny
     examples = task.examples("test", 12)

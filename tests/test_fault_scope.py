@@ -84,6 +84,7 @@ def teacher_forced_logprobs(plan, out):
 
 
 # --- causal: cached decoding == teacher forcing -----------------------------------------------
+@pytest.mark.slow
 def test_causal_cached_greedy_decode_equals_uncached_forward_at_every_step():
     out = greedy_decode(deadzone_plan("causal"))
     live = out.response_mask > 0
@@ -99,6 +100,7 @@ def test_causal_cached_greedy_decode_equals_uncached_forward_at_every_step():
     assert np.abs(call_logp - call.logprobs).max() > 10 * tol
 
 
+@pytest.mark.slow
 def test_causal_running_amax_is_carried_next_to_the_cache():
     """The prefill leaves the prompt's max |h| per row (padding excluded) in fault_state."""
     plan = deadzone_plan("causal")
@@ -264,6 +266,7 @@ def test_bad_scope_is_a_one_line_field_error(section, over, match):
 
 # --- the trainer's drift metric, on a smoke run ---------------------------------------------------
 @pytest.mark.parametrize("scope", ["causal", "call"])
+@pytest.mark.slow
 def test_sampler_trainer_drift_is_near_zero_for_causal_and_positive_for_call(
     scope, sft_cache, tmp_path
 ):

@@ -122,6 +122,7 @@ def inj(name, kinds, transform, layers="all", point="output", phases=("train",))
         (("embed_tokens",), "all", "output", ["embed_tokens:output"]),
     ],
 )
+@pytest.mark.slow
 def test_manifest_lists_exactly_the_selected_paths(kinds, layers, point, expected):
     plan = FaultPlan([inj("n", kinds, Noise("absolute_gaussian", Scale(0.0)), layers, point)])
     hits = plan.trace_manifest(MODEL, PARAMS, "train")
@@ -159,6 +160,7 @@ def test_phase_gating():
 
 
 # --- transparency ---------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_zero_scales_give_the_plain_model_exactly():
     plan = FaultPlan(
         [
@@ -189,6 +191,7 @@ def test_zero_scales_give_the_plain_model_exactly():
     np.testing.assert_array_equal(run(exact, values={"sigma": 0.0})[0], clean)
 
 
+@pytest.mark.slow
 def test_params_and_init_unchanged():
     plan = FaultPlan([inj("aqn", ("rmsnorm",), NormWeightNoise(Scale(0.5)))])
     before = jax.tree_util.tree_map(np.array, PARAMS)
@@ -204,6 +207,7 @@ def test_params_and_init_unchanged():
 
 # --- deadzone semantics ---------------------------------------------------------------------------
 @pytest.mark.parametrize("k", [0, 2])
+@pytest.mark.slow
 def test_deadzone_at_layer_k_leaves_earlier_layers_untouched(k):
     plan = FaultPlan([inj("dz", ("layer",), Deadzone(0.2), layers=(k,))])
     _, clean = run(FaultPlan([]), capture=True)
@@ -223,6 +227,7 @@ def test_deadzone_at_layer_k_leaves_earlier_layers_untouched(k):
 
 
 @pytest.mark.parametrize("granularity", ["tensor", "token"])
+@pytest.mark.slow
 def test_quantile_deadzone_flushes_the_stated_fraction_through_the_interceptor(granularity):
     q = 0.6
     dz = Deadzone(q, severity="quantile", granularity=granularity)
@@ -240,6 +245,7 @@ def test_quantile_deadzone_flushes_the_stated_fraction_through_the_interceptor(g
     assert "quantile=0.6" in dz.describe()
 
 
+@pytest.mark.slow
 def test_deadzone_noise_deadzone_composition_and_rescue_telemetry():
     """AQN before the deadzone can rescue: |s| < thr but |s + n| >= thr survives."""
     noise = Noise("absolute_gaussian", Scale(1.0, value="sigma"))
@@ -327,6 +333,7 @@ def test_noise_is_a_function_of_seed_step_phase_and_site():
     np.testing.assert_allclose(g1.std(), 1.0, rtol=0.05)
 
 
+@pytest.mark.slow
 def test_new_sigma_does_not_retrace():
     traces = []
     plan = FaultPlan([inj("aqn", ("rmsnorm",), NormWeightNoise(Scale(1.0, value="sigma")))])
@@ -347,6 +354,7 @@ def test_new_sigma_does_not_retrace():
 
 
 # --- AQN on RMSNorm weights (QeRL) ----------------------------------------------------------------
+@pytest.mark.slow
 def test_norm_weight_noise_is_one_vector_per_norm_redrawn_per_step():
     sigma = 0.05
     plan = FaultPlan([inj("aqn", ("input_layernorm",), NormWeightNoise(Scale(sigma)), (0,))])
@@ -366,6 +374,7 @@ def test_norm_weight_noise_is_one_vector_per_norm_redrawn_per_step():
 
 
 # --- remat and op-level transforms ----------------------------------------------------------------
+@pytest.mark.slow
 def test_remat_model_gets_the_same_faults():
     plan = FaultPlan(
         [
@@ -393,6 +402,7 @@ def test_remat_model_gets_the_same_faults():
     chex.assert_trees_all_close(a[1], b[1], rtol=0, atol=bound(2 * n, scale))
 
 
+@pytest.mark.slow
 def test_deadzone_gradient_mask_in_the_model():
     """grad='mask' zeroes the gradient through flushed lanes of layer 1's output."""
 
@@ -410,6 +420,7 @@ def test_deadzone_gradient_mask_in_the_model():
     assert mask_norm < 0.05 * ste_norm
 
 
+@pytest.mark.slow
 def test_mxfp4_on_all_linear_inputs_reports_error():
     plan = FaultPlan([inj("q", ("linear",), Quantize("mxfp4"), point="input")])
     logits, st = run(plan)
@@ -476,6 +487,7 @@ def test_a_new_transform_is_one_function_object():
     }
 
 
+@pytest.mark.slow
 def test_fault_trial_redraws_noise_and_restores_the_outer_trial():
     plan = FaultPlan([inj("n", ("layer",), Noise("absolute_gaussian", Scale(0.5)), (1,))])
     dz = FaultPlan([inj("dz", ("layer",), Deadzone(0.3), (1,))])

@@ -6,6 +6,7 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from absl.testing import parameterized
 
 from aqn_jax.models.qwen2 import Qwen2Config, Qwen2ForCausalLM, init_cache
@@ -23,6 +24,7 @@ MAX_LEN = 24  # more slots than used: unwritten slots must stay masked
 PATH = forward_path(CONFIG, MAX_LEN)
 
 
+@pytest.mark.slow  # prefill + stepwise decode vs the full forward, eager and jitted (issue 53)
 class KVCacheTest(chex.TestCase):
     def setUp(self):
         super().setUp()
@@ -77,6 +79,7 @@ class KVCacheTest(chex.TestCase):
         )
 
 
+@pytest.mark.slow
 def test_remat_gives_same_logits_and_grads():
     params = random_params(CONFIG, seed=1)
     ids = np.random.RandomState(2).randint(0, CONFIG.vocab_size, size=(2, 10))

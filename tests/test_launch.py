@@ -28,6 +28,7 @@ def _launch(*args, workdir):
 ABSL_INFO = re.compile(r"^I\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ \S+:\d+\] ", re.M)
 
 
+@pytest.mark.slow
 def test_model_summary_embedded_default_writes_to_runs_config_stem(tmp_path):
     """The embedded default's model summary; without --workdir a job writes to
     ./runs/<config file stem> (the README's commands); `--compile_cache` wins over the
@@ -67,6 +68,7 @@ def test_model_summary_embedded_default_writes_to_runs_config_stem(tmp_path):
     }
 
 
+@pytest.mark.slow
 def test_model_summary_from_hf_snapshot(hf_factory, tmp_path):
     from aqn_jax.data.tokenizers import CharTokenizer
 
@@ -95,6 +97,7 @@ def test_model_summary_from_hf_snapshot(hf_factory, tmp_path):
         ("--config.job=nope", "config.job='nope'; allowed: .*'model_summary'"),
     ],
 )
+@pytest.mark.slow
 def test_bad_config_fails_before_work(tmp_path, override, message):
     proc = _launch("--config=configs/model_summary.py", override, workdir=tmp_path)
     assert proc.returncode != 0
@@ -102,6 +105,7 @@ def test_bad_config_fails_before_work(tmp_path, override, message):
     assert not (tmp_path / "model_summary.json").exists()
 
 
+@pytest.mark.slow
 def test_tokenizer_larger_than_model_vocab(hf_factory, tmp_path):
     from aqn_jax.data.tokenizers import CharTokenizer
 

@@ -26,6 +26,7 @@ def _holder(workdir):
     return proc
 
 
+@pytest.mark.slow
 def test_second_process_refuses_then_takes_over_a_killed_holder(tmp_path):
     proc = _holder(tmp_path)
     try:
@@ -80,6 +81,7 @@ def test_launch_on_a_busy_workdir_exits_2_before_any_work(tmp_path):
     print(f"refused in {wall:.1f} s")
 
 
+@pytest.mark.slow
 def test_sigterm_exits_143_through_the_jobs_cleanup():
     """SIGTERM anywhere in a job (Slurm preemption, scancel, timeout) raises SystemExit(143) in
     it, so its `finally` blocks run (the workdir lock, pending checkpoint saves) where the

@@ -24,6 +24,7 @@ from aqn_jax.models.qwen2 import Qwen2Config
 from aqn_jax.models.registry import causal_lm, family_of
 
 from conftest import load_config, random_params
+from tolerance import bound, forward_path
 
 # The tiny preset's widths at 2 layers: every linear input (128, 384) is a multiple of both
 # formats' blocks (16, 32).
@@ -65,12 +66,18 @@ def test_fresh_adapter_is_bitwise_the_base(dtype):
     run = jax.jit(lambda p: forward(model, p, ids))
     base = np.asarray(run(params))
     fresh = np.asarray(run(lora_lib.weights(spec, params, _adapters(spec, params))))
-    np.testing.assert_array_equal(fresh, base)  # y + scale * (x A) 0 == y exactly
+    # y + scale * (x A) 0 == y exactly, but the two are two programs: in float32 XLA:CPU may
+    # block the base matmuls differently once the adapter's product joins them (AMD EPYC with
+    # AVX-512: 5.7e-6 on logits of ~10; bitwise on AVX2), so the bound is f32 rounding along
+    # the forward (tests/tolerance.py); in bfloat16 the outputs are bitwise equal.
+    tol = bound(forward_path(cfg, ids.shape[1]), np.abs(base).max()) if dtype == "float32" else 0
+    np.testing.assert_allclose(fresh, base, rtol=0, atol=tol)
     # Negative control: B != 0 moves the logits, by far more than rounding.
     moved = np.asarray(run(lora_lib.weights(spec, params, _adapters(spec, params, 0.05))))
-    assert np.max(np.abs(moved - base)) > 1e-2
+    assert np.max(np.abs(moved - base)) > max(1e-2, 10 * tol)
 
 
+@pytest.mark.slow
 def test_faults_see_base_plus_adapter():
     """A noisy-linear fault redoes the product: at scale 0 it equals the model's own Linear
     with the adapter (y, and dA, dB through its custom backward, against autodiff)."""

@@ -86,6 +86,7 @@ def test_which_updates_take_the_shortcut():
         _static("sometimes")
 
 
+@pytest.mark.slow
 def test_shortcut_equals_the_two_pass_update():
     fused, two = _static("auto"), _static("always")
     params = random_params(CFG, seed=1)

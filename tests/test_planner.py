@@ -185,6 +185,7 @@ def _temp_bytes(fn, *args, donate=()) -> int:
     return int(stats.temp_size_in_bytes)
 
 
+@pytest.mark.slow
 def test_activation_models_against_compiled_tiny_programs():
     """The tiny model's micro-batch forward+backward, prepare forward and prefill, compiled on
     this backend: XLA's temp bytes vs the planner's estimates (printed; same order)."""

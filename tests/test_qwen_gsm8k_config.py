@@ -73,6 +73,7 @@ def test_settings_the_issue_asks_for():
 
 
 @pytest.mark.parametrize("arg", ["deadzone,smoke", "targeted,smoke"])
+@pytest.mark.slow
 def test_train_smoke_validates_on_real_gsm8k(snapshot, arg, tmp_path):
     from aqn_jax.checkpoint import check_final
     from aqn_jax.checks import check_train

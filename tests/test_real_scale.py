@@ -92,6 +92,7 @@ def test_real_scale_config_runs_end_to_end(snapshot, tmp_path):
     assert sorted(os.listdir(work / "checkpoints")) == ["2", "4"]
 
 
+@pytest.mark.slow
 def test_generation_weights_are_bf16_and_match_the_traced_cast(snapshot):
     """The rollout's bf16 copy is exactly what the fp32-master forward casts to per matmul, so
     the sampler's log-probs and the trainer's recomputed ones see the same weights."""
@@ -135,6 +136,7 @@ def test_generation_weights_are_bf16_and_match_the_traced_cast(snapshot):
     np.testing.assert_array_equal(np.asarray(master), np.asarray(cast))
 
 
+@pytest.mark.slow
 def test_required_paths_are_refused_before_anything_is_written(snapshot, tmp_path):
     work = tmp_path / "never"
     flags = [f for f in shrunk(snapshot) if not f.startswith("--config.model.hf_path")]
@@ -154,6 +156,7 @@ def _nothing_written(work) -> bool:
     return not left and (not (work / ".lock").exists() or (work / ".lock").read_text() == "")
 
 
+@pytest.mark.slow
 def test_memory_planner_refuses_before_compiling(snapshot, tmp_path):
     """A device too small for the plan: the run stops in validation, naming the mesh and
     showing the per-device table, before any SFT, diagnosis or compile (nothing written)."""

@@ -165,16 +165,17 @@ def test_a_checkpoint_of_another_layout_is_named_not_moved_aside(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_refused_resume_writes_nothing(tmp_path):
+def test_a_refused_resume_writes_nothing(tmp_path, sft_cache):
     """A QeRL run's workdir resumed with --config.resume_override=True and a changed base
     format, LoRA rank or warm start (issue 50): each refused in one line, the workdir
     byte-identical (config.json and config_overrides.jsonl not rewritten, no checkpoint moved
-    aside); the original command still resumes."""
+    aside); the original command still resumes. The warm start is the session's (the shallow
+    smokes' SFT cache key), so only the changed one (sft.steps=9) trains here."""
     from aqn_jax.launch import run
 
     def qerl():  # the run's config on the shallow model, with `extra`'s fields
         config = load_config("qerl", "mxfp4_lora,smoke")
-        config.sft.cache_dir = str(tmp_path / "cache")
+        config.sft.cache_dir = sft_cache
         small = {"trainer.total_steps": 1, "model.num_layers": 3, "faults.deadzone.layers": "1"}
         return _set(config, **small, **extra)
 

@@ -48,6 +48,7 @@ def full_logits(ids, mask):
     return np.asarray(_forward(WEIGHTS, ids, mask))
 
 
+@pytest.mark.slow
 def test_greedy_equals_stepwise_argmax_of_uncached_forward():
     ids, mask = prompts()
     out = sampler(eos_id=-1)(WEIGHTS, ids, mask, jax.random.key(0))
@@ -111,6 +112,7 @@ def test_same_key_same_samples_and_different_key_differs():
     assert (a.tokens[0] != a.tokens[1]).any()  # the n samples of one prompt differ
 
 
+@pytest.mark.slow
 def test_top_k_one_and_tiny_top_p_are_greedy():
     ids, mask = prompts()
     greedy = sampler()(WEIGHTS, ids, mask, jax.random.key(0)).tokens
@@ -122,6 +124,7 @@ def test_top_k_one_and_tiny_top_p_are_greedy():
     )
 
 
+@pytest.mark.slow
 def test_no_retrace_within_a_bucket():
     s = sampler()
     for lengths in [(7, 3, 10), (12, 5, 13), (16, 1, 2)]:  # all fit bucket 16

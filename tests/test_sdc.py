@@ -168,6 +168,7 @@ def test_bitflip_count_at_one_site_manifest_and_telemetry():
     assert stats0["bitflip.flips/layers_1/mlp/down_proj"] == 0.0
 
 
+@pytest.mark.slow
 def test_steps_fire_on_the_first_attempt_only_and_permanent_lanes_stay():
     once = BitFault("flip", bits="sign", count=4, steps=(3,))
     plan = FaultPlan([Injection("bitflip", SiteSelector(("o_proj",), (0,)), Bits(once))])
@@ -328,6 +329,7 @@ def test_abft_catches_flips_above_its_tolerance_and_claims_none_below(dtype):
     assert np.all(below[np.asarray(bit_of_row) == 0])
 
 
+@pytest.mark.slow
 def test_abft_no_false_positive_over_200_clean_forwards_f32_and_bf16():
     # 200 clean forward passes of a one-layer tiny model (random token batches; one layer keeps
     # the compile short), ABFT on its 7 linears: no row is flagged in f32 or bf16 compute.
@@ -402,6 +404,7 @@ def test_gradient_fault_flips_one_selected_element_and_recompute_draws_anew():
     assert corrupted(once, 4, 0)[2] == 0
 
 
+@pytest.mark.slow
 def test_moment_fault_and_the_range_check():
     from aqn_jax.faults.bitfaults import TreeBits
     from aqn_jax.rl import optim
@@ -613,6 +616,7 @@ def test_study_bit_labels_outcomes_and_wilson(tmp_path):
     assert (tmp_path / "vulnerability.png").stat().st_size > 0
 
 
+@pytest.mark.slow
 def test_weight_fault_on_the_forward_seam():
     # A weight fault acts on the weights as the forward reads them: count=2 elements of layer
     # 0's down_proj kernel get the sign bit flipped, the logits move, the flips are reported
@@ -772,6 +776,7 @@ def _backward_abft_probe(plan, params, model, ids, step):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.slow
 def test_backward_abft_flags_the_corrupted_product_at_its_site_and_no_clean_row(dtype):
     # One program (the fault's `steps` are traced): at step 1 the exponent's top bit of one of the
     # one-layer model's down_proj dW elements flips (count=1), at step 2 of its o_proj dX;

@@ -12,6 +12,7 @@ from conftest import load_config, shallow
 LAYERS = (0, 2)
 
 
+@pytest.mark.slow
 def test_severity_curve_smoke(tmp_path, sft_cache):
     from aqn_jax.launch import run
 
@@ -36,6 +37,7 @@ def test_severity_curve_smoke(tmp_path, sft_cache):
     assert "| quantile 0.5 |" in table and "/ 50% |" in table
 
 
+@pytest.mark.slow
 def test_severity_without_accuracy_decodes_nothing(tmp_path, monkeypatch, sft_cache):
     """`severity.accuracy=False`: loss and flushed fraction only; no greedy decode, the
     prompt-dependence control included (it decodes too)."""

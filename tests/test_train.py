@@ -32,8 +32,11 @@ def smoke(name, sft_cache, **over):
     "arm",
     [
         # clean: the session's one clean smoke (conftest.clean_smoke), which test_sdc.py's guard
-        # compares with; its group keeps both on one worker
-        pytest.param(a, marks=pytest.mark.xdist_group("clean_smoke")) if a == "clean" else a
+        # compares with; its group keeps both on one worker. It is the fast tier's train run
+        # (`-m "not slow"`, issue 53); the other arms are slow.
+        pytest.param(a, marks=pytest.mark.xdist_group("clean_smoke"))
+        if a == "clean"
+        else pytest.param(a, marks=pytest.mark.slow)
         for a in STUDY_ARMS
     ],
 )  # global_qerl: test_compare
@@ -405,6 +408,7 @@ LEARN_STEPS = 12
 LEARN_MARGIN = 0.02
 
 
+@pytest.mark.slow
 def test_a_diverging_run_stops_before_saving_its_weights(tmp_path, sft_cache):
     """lr 1e6: the first update blows the weights up; the check before the save stops the run
     naming the step, and no checkpoint holds the diverged weights (issue 18)."""

@@ -9,6 +9,7 @@ import pytest
 from conftest import load_config
 
 
+@pytest.mark.slow
 def test_shipped_warm_start_reads_its_prompt(tmp_path):
     from aqn_jax.data.config import task_of
     from aqn_jax.evaluation import decode_spec, prompt_dependence
@@ -51,6 +52,7 @@ def test_a_changed_sft_setting_does_not_load_the_shipped_warm_start():
     assert os.path.isdir(os.path.join(SHIPPED_DIR, shipped))
 
 
+@pytest.mark.slow
 def test_a_damaged_sft_cache_entry_is_set_aside_and_recomputed(tmp_path, monkeypatch, capsys):
     """A truncated cache entry used to block every later run with a bare SafetensorError."""
     from aqn_jax import warm_start as pretrain
@@ -82,6 +84,7 @@ def test_a_damaged_sft_cache_entry_is_set_aside_and_recomputed(tmp_path, monkeyp
     assert info["cache"] == "hit" and len(calls) == 2
 
 
+@pytest.mark.slow
 def test_sft_train_learns_the_task():
     """sft_train lowers the loss: 30 steps (batch 16, lr 3e-3, 5 warmup) of a random 3-layer tiny
     model on 256 train problems of the default arithmetic task end below 0.6 of the first
@@ -105,3 +108,37 @@ def test_sft_train_learns_the_task():
         warmup_steps=5,
     )
     assert hist["loss"][-1] < 0.6 * hist["loss"][0], hist["loss"]
+
+
+def test_pretrain_job_loads_the_shipped_warm_start_and_trains_nothing(
+    tmp_path, monkeypatch, capsys
+):
+    """Job `pretrain` (configs/warm_start.py, the config that made aqn_jax/assets): its SFT key
+    is the shipped snapshot's, so the job reads it and trains nothing, leaving the package's
+    assets byte-identical; a changed SFT setting is a miss and would train (the negative
+    control: the same tripwire fires)."""
+    from aqn_jax import warm_start as pretrain
+    from aqn_jax.launch import run
+
+    from conftest import tree_state
+
+    class Trained(Exception):
+        pass
+
+    def tripwire(*args, **kwargs):
+        raise Trained
+
+    monkeypatch.setattr(pretrain, "sft_train", tripwire)
+    config = load_config("warm_start")
+    assert config.job == "pretrain" and config.sft.cache_dir == pretrain.SHIPPED_DIR
+    entry = pretrain.cache_dir(pretrain.warm_start_spec(config), str(tmp_path))
+    before = tree_state(pretrain.SHIPPED_DIR)
+    run(config, str(tmp_path / "run"))
+    assert f"SFT warm start: cached {entry}" in capsys.readouterr().out
+    assert os.path.isdir(entry) and tree_state(pretrain.SHIPPED_DIR) == before
+    changed = load_config("warm_start")
+    changed.sft.steps += 1
+    changed.sft.cache_dir = str(tmp_path / "cache")
+    with pytest.raises(Trained):
+        run(changed, str(tmp_path / "changed"))
+    assert tree_state(pretrain.SHIPPED_DIR) == before

@@ -1,0 +1,69 @@
+"""tests/fast_tier.py, the fast tier's coverage check (issue 53), on a small package measured by
+coverage for real: a module whose function ran passes; one only imported, one never imported
+are named; a module of constants needs only its import, an empty one nothing."""
+
+import importlib
+import sys
+
+import coverage
+import fast_tier
+
+MODULES = {
+    "ran.py": "X = 1\n\n\ndef f(a):\n    b = a + 1\n    return b\n",
+    "imported.py": (
+        "import os\n\n\n@staticmethod\ndef g(a=os.sep):\n    return (\n        a\n    )\n"
+    ),
+    "constants.py": "Y = [1,\n     2]\n",
+    "unimported.py": "Z = 3\n\n\ndef h():\n    return Z\n",
+    "empty.py": '"""Only a docstring is code; an empty file has none."""\n',
+    "blank.py": "",
+}
+
+
+def test_fast_tier_check_names_modules_only_imported_or_never(tmp_path, monkeypatch):
+    pkg = tmp_path / "fasttier_pkg"
+    pkg.mkdir()
+    for name, text in MODULES.items():
+        (pkg / name).write_text(text)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    data = str(tmp_path / ".coverage")
+    # config_file=False: not pyproject.toml's [tool.coverage.run] (parallel data files, measured
+    # subprocesses), which tests/fast_tier.py's own run uses; this one is a plain measurement.
+    cov = coverage.Coverage(data_file=data, source=[str(pkg)], config_file=False)
+    cov.start()
+    try:
+        assert importlib.import_module("fasttier_pkg.ran").f(1) == 2
+        importlib.import_module("fasttier_pkg.imported")
+        importlib.import_module("fasttier_pkg.constants")
+        importlib.import_module("fasttier_pkg.empty")
+    finally:
+        cov.stop()
+        for name in [m for m in sys.modules if m.startswith("fasttier_pkg")]:
+            sys.modules.pop(name)
+    cov.save()
+    executed = fast_tier.executed_lines(data)
+    assert executed[str((pkg / "ran.py").resolve())] >= {1, 4, 5, 6}
+    assert fast_tier.untouched(executed, pkg) == [
+        "fasttier_pkg/imported.py: imported only (none of its 3 function lines ran)",
+        "fasttier_pkg/unimported.py: never imported",
+    ]
+    # The function bodies' lines: every line of a multi-line statement, never the def line.
+    assert fast_tier.body_lines(MODULES["imported.py"]) == ({6, 7, 8}, True)
+    assert fast_tier.body_lines(MODULES["blank.py"]) == (set(), False)
+    # Negative control: once g has run too, only the never-imported module is left.
+    executed[str((pkg / "imported.py").resolve())].add(7)
+    assert fast_tier.untouched(executed, pkg) == ["fasttier_pkg/unimported.py: never imported"]
+
+
+def test_fast_tier_check_sees_every_module_of_the_package():
+    """Each file under aqn_jax/ is either checked for a function line or is an import-only
+    module; nothing is skipped because its source failed to parse."""
+    files = sorted(fast_tier.PACKAGE.rglob("*.py"))
+    assert len(files) >= 70
+    with_functions = [f for f in files if fast_tier.body_lines(f.read_text())[0]]
+    assert fast_tier.PACKAGE / "forward.py" in with_functions
+    assert len(with_functions) >= 60
+    # Nothing ran: every module with code is named, none left out.
+    named = fast_tier.untouched({})
+    coded = [f for f in files if fast_tier.body_lines(f.read_text())[1]]
+    assert len(named) == len(coded) and all(x.endswith("never imported") for x in named)
