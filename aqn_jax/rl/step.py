@@ -107,9 +107,7 @@ class Hyper:
     estimator: str
     n: int
     temperature: float
-    clip_low: float
-    clip_high: float
-    clip_ratio_c: float
+    policy_loss: losses.PolicyLoss  # config.algo.policy_loss and its entry's settings
     agg: str
     use_kl_loss: bool
     kl_loss_coef: float
@@ -189,9 +187,7 @@ def hyper_from(config) -> Hyper:
         estimator=algo.estimator,
         n=int(config.rollout.n),
         temperature=float(config.rollout.temperature) or 1.0,
-        clip_low=float(algo.clip_ratio_low),
-        clip_high=float(algo.clip_ratio_high),
-        clip_ratio_c=float(algo.clip_ratio_c),
+        policy_loss=losses.policy_loss_from(algo),
         agg=algo.loss_agg_mode,
         use_kl_loss=bool(algo.use_kl_loss),
         kl_loss_coef=float(algo.kl_loss_coef),
@@ -628,7 +624,7 @@ def prepare_step(static: Static, state: RLState, ref_params, batch, scores, key,
 
 # -- update: PPO epochs over mini-batches, accumulation over micro-batches -------------------------
 def actor_loss(static: Static, params, mic, denom, key, values):
-    """Clipped (dual-clip) policy loss - entropy bonus (+ KL loss) of one micro-batch."""
+    """Policy loss (config.algo.policy_loss) - entropy bonus (+ KL loss) of one micro-batch."""
     h = static.h
     logits, fstate = _policy_logits(static, params, mic, key, values)
     logits = logits / h.temperature
@@ -636,14 +632,11 @@ def actor_loss(static: Static, params, mic, denom, key, values):
     mask = mic["rmask"]
     # On-policy (static.fused_old_logp): the old policy is this pass's, detached: ratio 1.
     old_logp = jax.lax.stop_gradient(logp) if static.fused_old_logp else mic["old_logp"]
-    pg, aux = losses.policy_loss(
+    pg, aux = h.policy_loss(
         logp,
         old_logp,
         mic["advantages"],
         mask,
-        clip_low=h.clip_low,
-        clip_high=h.clip_high,
-        clip_ratio_c=h.clip_ratio_c,
         agg=h.agg,
         denom=denom,
         weights_NT=mic.get("is_weights"),  # the rollout correction's IS weights, when on
