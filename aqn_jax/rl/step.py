@@ -126,6 +126,11 @@ class Hyper:
     old_logp_pass: str = "auto"  # config.actor.old_logp_pass (OLD_LOGP_PASS)
 
     @property
+    def use_ref(self) -> bool:
+        """A reference policy (its params and passes): the KL loss or the KL in the reward."""
+        return self.use_kl_loss or self.use_kl_in_reward
+
+    @property
     def on_policy(self) -> bool:
         """The update sees the policy that sampled before any optimizer step: one epoch, one
         mini-batch, no rollout correction (it compares the trainer's old log-probs with the
@@ -233,7 +238,7 @@ class Static:
 
     @property
     def use_ref(self) -> bool:
-        return self.h.use_kl_loss or self.h.use_kl_in_reward
+        return self.h.use_ref
 
     @property
     def fused_old_logp(self) -> bool:
