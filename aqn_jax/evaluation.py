@@ -41,7 +41,7 @@ from aqn_jax.data.tokenizers import Tokenizer
 from aqn_jax.faults.intercept import FaultPlan, Injection, step_key
 from aqn_jax.faults.sites import LINEAR_KINDS, SiteSelector
 from aqn_jax.faults.transforms import Noise, Quantize, Scale
-from aqn_jax.forward import forward, token_nll
+from aqn_jax.forward import token_nll
 from aqn_jax.models.registry import ModelConfig, causal_lm, family_of
 from aqn_jax.rewards import METHODS, score_batch
 from aqn_jax.rl.sampler import Sampler, SamplingParams
@@ -399,8 +399,7 @@ def heldout_loss(
     def make():
         @jax.jit
         def batch_nll(params, ids, mask, loss_mask, key):
-            logits = forward(model, params, ids, mask, plan=plan, phase="eval", key=key)
-            return token_nll(logits, ids, loss_mask)
+            return token_nll(model, params, ids, mask, loss_mask, plan=plan, phase="eval", key=key)
 
         return batch_nll
 

@@ -14,6 +14,10 @@ the weights attaches in one place:
     target 'weight': bit flips or stuck bits of the weights as read, the stored ones untouched;
     their flips are reported in `fault_stats` under `weights`).
 
+With a `Readout`, the model stops at its final hidden states and `forward` returns the
+log-probs (and entropy) of given tokens at given positions instead of the logits: the head runs
+on those positions only, a chunk at a time, under the same interceptors (`aqn_jax/logprobs.py`).
+
 `params` is either a plain param tree (full fine-tuning, the reference, the embedded default:
 nothing changes for it) or a `Weights`. The fault plan's interceptor is entered inside this
 function, so it must be called inside the jitted program (DESIGN.md, decision 2).
@@ -31,8 +35,10 @@ import jax
 import jax.numpy as jnp
 
 from aqn_jax import quant_base
-from aqn_jax.faults.intercept import FaultPlan
+from aqn_jax.faults.intercept import FaultPlan, fault_part
 from aqn_jax.faults.transforms import STATS_COLLECTION as STATS
+from aqn_jax.logprobs import check_head_faults, chunked_logprobs
+from aqn_jax.models.registry import lm_head
 
 LORA_COLLECTION = "lora"
 _NO_FAULTS = FaultPlan()
@@ -98,6 +104,23 @@ def variables(params, weight_transform: Callable | None = None) -> dict[str, Any
     return out
 
 
+@flax.struct.dataclass
+class Readout:
+    """What `forward` returns instead of the logits: `(logp, entropy)`, each `[B, R]`, of
+    `tokens` `[B, R]` as predicted at positions start .. start + R - 1 of the input, under
+    softmax(logits / temperature); the head runs on those positions only, a chunk
+    (`config.model.logprob_chunk` positions) at a time (`aqn_jax/logprobs.py`)."""
+
+    tokens: jax.Array
+    start: int = flax.struct.field(pytree_node=False, default=0)
+    temperature: float = flax.struct.field(pytree_node=False, default=1.0)
+
+    @classmethod
+    def next_token(cls, ids_BT: jax.Array) -> Readout:
+        """Each next token of `ids` from the position before it (positions 0 .. T - 2)."""
+        return cls(ids_BT[:, 1:], 0, 1.0)
+
+
 def forward(
     model: nn.Module,
     params,
@@ -112,6 +135,7 @@ def forward(
     mutable: Sequence[str] = (),
     interceptors: Sequence[Callable] = (),
     weight_transform: Callable | None = None,
+    readout: Readout | None = None,
     **kwargs,
 ):
     """`model.apply` of `params` on `ids` (attention `mask`) on the device of `plan` in `phase`.
@@ -121,8 +145,11 @@ def forward(
     mutable: collections returned; with any, the result is `(out, {collection: tree})`.
     interceptors: entered outside the fault plan's (SRDD's probes: the layer calls they make
       go through the plan). kwargs: the model's own (cache, last_only, positions).
+    readout: `(logp, entropy)` of its tokens in place of the logits (`Readout`).
     """
     plan = plan or _NO_FAULTS
+    if readout is not None:
+        check_head_faults(plan)
     flips: list[jax.Array] = []
     faults = plan.tree_faults(phase, "weight")
     if faults:  # weight faults: on the weights as this forward reads them, after the rest
@@ -134,6 +161,8 @@ def forward(
         for icpt in interceptors:
             stack.enter_context(nn.intercept_methods(icpt))
         stack.enter_context(plan.apply(phase, key=key, values=values or {}))
+        if readout is not None:
+            return _read(model, vs, ids, mask, readout, mutable, **kwargs)
         if mutable:
             out, got = model.apply(vs, ids, attention_mask=mask, mutable=list(mutable), **kwargs)
             if flips and STATS in mutable:  # the weight faults' telemetry, as a site's
@@ -142,6 +171,34 @@ def forward(
                 got = {**got, STATS: stats}
             return out, got
         return model.apply(vs, ids, attention_mask=mask, **kwargs)
+
+
+def _read(model: nn.Module, vs, ids, mask, readout: Readout, mutable: Sequence[str], **kwargs):
+    """`forward`'s readout, inside its contexts: the model to its final hidden states, then the
+    head over the read positions a chunk at a time, under the same interceptors (each chunk
+    a `fault_part`); the head's telemetry joins the model's under its site."""
+    mutable = list(mutable)
+    out = model.apply(vs, ids, attention_mask=mask, hidden=True, mutable=mutable or False, **kwargs)
+    hidden_BTD, got = out if mutable else (out, {})
+    R = readout.tokens.shape[1]
+    x_BRD = hidden_BTD[:, readout.start : readout.start + R]
+    head = lm_head(model.config)
+    sow = [STATS] if STATS in mutable else False
+
+    def apply_head(x_NcD, part):
+        with fault_part(part):
+            out = head.apply(vs, x_NcD, mutable=sow)
+        return out if sow else (out, {})
+
+    chunk = model.config.logprob_chunk
+    logp, ent, stats = chunked_logprobs(
+        apply_head, x_BRD, readout.tokens, readout.temperature, chunk
+    )
+    if not mutable:
+        return logp, ent
+    if stats.get(STATS):
+        got = {**got, STATS: {**got.get(STATS, {}), **stats[STATS]}}
+    return (logp, ent), got
 
 
 def _with_weight_faults(weight_transform, faults, key, values, flips: list):
@@ -167,11 +224,13 @@ def _with_weight_faults(weight_transform, faults, key, values, flips: list):
     return transform
 
 
-def token_nll(logits_BTV: jax.Array, ids_BT: jax.Array, loss_mask_BT: jax.Array):
+def token_nll(model: nn.Module, params, ids_BT, mask_BT, loss_mask_BT, **kwargs):
     """(sum, count) of the next-token cross-entropy of `ids` where `loss_mask` is 1 (the
-    prediction of token t+1 from position t, in float32): the held-out loss of evaluation and
-    of the severity curve."""
-    logp = jax.nn.log_softmax(logits_BTV[:, :-1].astype(jnp.float32), axis=-1)
-    nll = -jnp.take_along_axis(logp, ids_BT[:, 1:, None], axis=-1)[..., 0]
+    prediction of token t+1 from position t, in float32, through `forward`'s readout: the head a
+    chunk of positions at a time): the held-out loss of evaluation and of the severity curve, and
+    the SFT loss. kwargs: `forward`'s; with `mutable`, ((sum, count), the collections)."""
+    out = forward(model, params, ids_BT, mask_BT, readout=Readout.next_token(ids_BT), **kwargs)
+    (logp_BT, _), got = out if kwargs.get("mutable") else (out, None)
     w = loss_mask_BT[:, 1:].astype(jnp.float32)
-    return jnp.sum(nll * w), jnp.sum(w)
+    nll = (-jnp.sum(logp_BT * w), jnp.sum(w))
+    return nll if got is None else (nll, got)

@@ -53,14 +53,24 @@ of (N / t) * S * 4 bytes per token over S key positions. Per token, a decoder la
   update (activations)  layers: without remat L * r * T * saved;  with remat (each layer's
                         input only, plus one layer recomputed in its backward)
                         L * r * T * D * c + r * T * saved
-                        logits: 3 (T + R) * r * V / t * 4  (float32: three copies over all T
-                        positions, as the model computes logits at every position and XLA does
-                        not push the response slice into the lm_head matmul, three over the R
-                        response positions: log-softmax, the entropy's softmax, gradients)
-  prepare               r * T * forward + ((1 + ref) T + 2 R) * r * V / t * 4
-                        (one layer at a time; the policy's and the reference's logits)
+                        readout: 4 r c V / t * 4 + 2 r R D * 4 (+ V / t * D * 4 when the head
+                        is trained)
+  prepare               r * T * forward + 2 r c V / t * 4
+                        (one layer at a time; the readout's chunk)
   generation            r * bucket * forward (the prefill; the decode steps and the
                         last-position logits are small)
+
+The log-probs never hold the logits of every position (`aqn_jax/logprobs.py`, issue 51): the
+head runs on c = min(config.model.logprob_chunk, R) response positions of the r rows at a time,
+under `jax.checkpoint`. The update holds four float32 copies of one chunk's logits (the
+recomputed logits, their exponentials, the softmax, their gradient), the response's hidden
+states and their gradient in float32 (2 r R D * 4) and, when the head is trained (full
+fine-tuning), the head's float32 gradient accumulated over the chunks (the `lax.map`'s carry);
+prepare's forward two chunk copies (the logits and their exponentials). Read off XLA:CPU's
+buffer assignment at the 0.5B widths and vocabulary, 2 rows, R = 256, c = 32 (`python
+bench/plan_vs_xla.py`, float32): the gradient's temp is 0.89 of that plan with the head trained,
+1.00 with it frozen, the forward's 0.53. In bfloat16 XLA also keeps the head's weights cast to
+bf16 (twice when tied): the update's compute_weights counts them; prepare's plan does not.
 
 compute_weights was read off XLA:CPU's buffer assignment of a micro-batch's gradient at the
 0.5B widths, T = 384, 2 rows (`python bench/plan_vs_xla.py`): per decoder layer and token,
@@ -566,12 +576,27 @@ def forward_layer_bytes(model_cfg: ModelConfig, tensor: int, keys: int, score_co
     return family_of(model_cfg).forward_layer_bytes(model_cfg, tensor, keys, score_copies)
 
 
+def readout_bytes(model_cfg: ModelConfig, rows: int, max_new: int, tensor: int, copies: int) -> int:
+    """Bytes of `copies` float32 logits of one chunk of the log-prob readout on one device:
+    `rows` rows x min(logprob_chunk, max_new) positions x V / t (`aqn_jax/logprobs.py`)."""
+    chunk = min(int(model_cfg.logprob_chunk), max_new)
+    return copies * rows * chunk * _cdiv(model_cfg.vocab_size, tensor) * 4
+
+
 def activation_terms(
-    model_cfg: ModelConfig, rows: int, prompt_len: int, max_new: int, tensor: int, remat: bool
+    model_cfg: ModelConfig,
+    rows: int,
+    prompt_len: int,
+    max_new: int,
+    tensor: int,
+    remat: bool,
+    head_grad: bool = True,
 ) -> dict[str, int]:
     """Bytes of one micro-batch's forward+backward on one device, `rows` rows of
     `prompt_len + max_new` positions: {'layers': the decoder layers' saved activations,
-    'logits': the float32 logits and their softmax copies and gradients}."""
+    'logits': the readout's chunk (four float32 copies: logits, exponentials, softmax,
+    gradient), the response's hidden states and their gradient in float32 and, with `head_grad`
+    (the head is trained), the head's float32 gradient accumulated over chunks}."""
     m = model_cfg
     T = prompt_len + max_new
     tokens = rows * T
@@ -581,17 +606,20 @@ def activation_terms(
         layers += tokens * layer
     else:
         layers = m.num_hidden_layers * tokens * layer
-    logits = 3 * (T + max_new) * rows * _cdiv(m.vocab_size, tensor) * 4
+    logits = readout_bytes(m, rows, max_new, tensor, 4) + 2 * rows * max_new * m.hidden_size * 4
+    if head_grad:
+        logits += _cdiv(m.vocab_size, tensor) * m.hidden_size * 4
     return {"layers": layers, "logits": logits}
 
 
 def prepare_bytes(
-    model_cfg: ModelConfig, rows: int, prompt_len: int, max_new: int, tensor: int, ref: bool
+    model_cfg: ModelConfig, rows: int, prompt_len: int, max_new: int, tensor: int
 ) -> int:
     """Bytes of the prepare program on one device: a forward of `rows` rows (one layer's working
-    set at a time) and the policy's (and the reference's) float32 logits."""
+    set at a time) and the readout's chunk (two float32 copies: the logits and their exponentials;
+    the policy's and the reference's passes run one after the other)."""
     T = prompt_len + max_new
-    logits = ((1 + int(ref)) * T + 2 * max_new) * rows * _cdiv(model_cfg.vocab_size, tensor) * 4
+    logits = readout_bytes(model_cfg, rows, max_new, tensor, 2)
     return rows * T * forward_layer_bytes(model_cfg, tensor, T, 3) + logits
 
 
@@ -616,7 +644,13 @@ def _plan(
     params = _shard_bytes(job.params, sizes)
     trained = params if job.trainable is None else _shard_bytes(job.trainable, sizes)
     act = activation_terms(
-        job.model, _cdiv(micro_batch_rows, dp), job.bucket, job.max_new, tensor, remat
+        job.model,
+        _cdiv(micro_batch_rows, dp),
+        job.bucket,
+        job.max_new,
+        tensor,
+        remat,
+        head_grad=job.trainable is None,  # QeRL mode: the head is frozen
     )
     components = {
         "params": params,
@@ -631,7 +665,7 @@ def _plan(
             job.model, _cdiv(max(job.rows, job.val_rows), dp), job.bucket, job.max_new, tensor
         ),
         "prepare": prepare_bytes(
-            job.model, _cdiv(micro_batch_rows, dp), job.bucket, job.max_new, tensor, job.use_ref
+            job.model, _cdiv(micro_batch_rows, dp), job.bucket, job.max_new, tensor
         ),
         "gradients": trained,
         "activations": act["layers"] + act["logits"],

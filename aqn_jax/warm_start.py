@@ -117,11 +117,12 @@ def warm_start_spec(config: Any) -> WarmStartSpec:
     seed = sft_seed(config.sft, config.seed)
     # num_layers at its default (0, the preset's depth) is left out: the keys of warm starts
     # made before the field existed, the shipped one included, stay what they were. The base's
-    # weight_format is applied to the warm start after it is made (QeRL mode): not part of it.
+    # weight_format is applied to the warm start after it is made (QeRL mode): not part of it;
+    # logprob_chunk only regroups the log-probs' sums (issue 51): not part of it either.
     model = {
         k: v
         for k, v in config.model.to_dict().items()
-        if (k != "num_layers" or v) and k != "weight_format"
+        if (k != "num_layers" or v) and k not in ("weight_format", "logprob_chunk")
     }
     parts = {
         "model": model,

@@ -87,6 +87,10 @@ SMOKE_SHAPE = (4, 2, 8)
 BASE_SETTINGS = ("ours1", "trl1", "ours2", "trl2", "trl2p")
 SETTINGS = BASE_SETTINGS + tuple(f"{s}_bf16" for s in ("ours1", "trl1", "ours2", "trl2p"))
 GPU_SETTINGS = ("ours_gpu", "trl_gpu")  # both bf16 on the accelerator
+# ours_gpu's micro-batch rows: the largest the planner fits in an H100 as JAX sizes it (59 GiB,
+# headroom 0.9; `python bench/readout_plan.py`) at 8 x 8 x 256 (the whole 32-row mini-batch
+# at 0.5B, 8 rows at 1.5B); other archs and the CPU settings take the whole mini-batch.
+GPU_MICRO_ROWS = {"qwen2p5_0p5b": 32, "qwen2p5_1p5b": 8}
 LR, KL = 3e-5, 0.001
 
 
@@ -114,6 +118,13 @@ def weights_dir(arch: str, tmp: str) -> str:
 
 
 # -- ours ------------------------------------------------------------------------------------------
+def micro_rows(setting: str, arch: str, rows: int) -> int:
+    """The micro-batch of a setting: on the GPU `GPU_MICRO_ROWS` where it divides the
+    mini-batch's `rows`, else (and on the CPU) the whole mini-batch."""
+    micro = GPU_MICRO_ROWS.get(arch, rows) if setting == "ours_gpu" else rows
+    return micro if rows % micro == 0 else rows
+
+
 def run_ours(setting: str, arch: str, wdir: str, steps: int, tmp: str, shape, extra=()) -> dict:
     prompts, n, new = shape
     workdir = tempfile.mkdtemp(prefix=f"ours_{setting}_", dir=tmp)
@@ -126,7 +137,7 @@ def run_ours(setting: str, arch: str, wdir: str, steps: int, tmp: str, shape, ex
         f"--config.data_batch.prompts={prompts}", f"--config.rollout.n={n}",
         f"--config.rollout.max_new_tokens={new}", f"--config.actor.lr={LR}",
         f"--config.actor.mini_batch_prompts={prompts // 2}",
-        f"--config.actor.micro_batch_rows={prompts // 2 * n}",
+        f"--config.actor.micro_batch_rows={micro_rows(setting, arch, prompts // 2 * n)}",
     ]  # fmt: skip
     bf16 = setting.endswith("_bf16") or setting == "ours_gpu"
     # The f32 tiny settings start from the shipped warm start through the SFT cache (the

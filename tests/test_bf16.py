@@ -275,8 +275,7 @@ def test_rl_step_gradient_in_bf16_is_close_to_f32(arm, min_cos, pg_tol):
         )
         # Old and reference log-probs: the f32 policy on this device (the step's prepare
         # pass), so the PPO ratio starts at exactly 1 in f32.
-        logits, _ = rl_step._policy_logits(s32, params, b, jax.random.key(1), {AQN_SIGMA: 0.0})
-        lp = rl_step.token_logprobs(logits, b["tokens"], 1.0)
+        (lp, _), _ = rl_step.policy_logprobs(s32, params, b, jax.random.key(1), {AQN_SIGMA: 0.0})
         b.update(old_logp=lp, ref_logp=lp)
         return jax.tree_util.tree_map(lambda x: jnp.asarray(x)[None], b)
 

@@ -21,8 +21,12 @@ from aqn_jax.diagnosis.scans import scan_layers
 from aqn_jax.faults.intercept import FaultPlan, Injection, step_key
 from aqn_jax.faults.sites import SiteSelector, classify
 from aqn_jax.faults.transforms import Deadzone, Noise, NormWeightNoise, Scale
+from aqn_jax.forward import Readout, forward
+from aqn_jax.logprobs import logprobs_from_logits
 from aqn_jax.models import registry
 from aqn_jax.rl.sampler import Sampler, SamplingParams
+
+from tolerance import bound
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +42,7 @@ class ToyConfig:
     param_dtype: str = "float32"
     dtype: str = "float32"
     remat: bool = False
+    logprob_chunk: int = 2
 
 
 def toy_norm(x, weight, eps):
@@ -88,7 +93,9 @@ class ToyLM(nn.Module):
     head: str = "lm"
 
     @nn.compact
-    def __call__(self, ids, attention_mask=None, positions=None, cache=None, last_only=False):
+    def __call__(
+        self, ids, attention_mask=None, positions=None, cache=None, last_only=False, hidden=False
+    ):
         c = self.config
         x = nn.Embed(c.vocab_size, c.hidden_size, name="embed_tokens")(ids)
         for i in range(c.num_hidden_layers):
@@ -96,10 +103,22 @@ class ToyLM(nn.Module):
         x = ToyNorm(name="final_norm")(x)
         if last_only:
             x = x[:, -1:]
+        if hidden:
+            return x
         logits = ToyLinear(c.vocab_size, name="head")(x).astype(jnp.float32)
         if cache is None:
             return logits
         return logits, {"end": cache["end"] + ids.shape[1]}
+
+
+class ToyHead(nn.Module):
+    """The head alone at the LM's param path (`head`): the log-prob readout's."""
+
+    config: ToyConfig
+
+    @nn.compact
+    def __call__(self, x):
+        return ToyLinear(self.config.vocab_size, name="head")(x).astype(jnp.float32)
 
 
 _TOP = {"embed_tokens": "embed_tokens", "final_norm": "norm", "head": "lm_head"}
@@ -123,6 +142,7 @@ def toy_site_of(path):
 TOY = registry.Family(
     model_types=("toy",),
     causal_lm=ToyLM,
+    lm_head=ToyHead,
     init_cache=lambda config, rows, length: {"end": jnp.zeros((), jnp.int32)},
     layer_name="block{}".format,
     site_of=toy_site_of,
@@ -241,6 +261,20 @@ def test_sampler_and_planner_read_the_family(toy):
     # The planner's activation model is the family's.
     assert planner.saved_layer_bytes(CONFIG, 1, 8) == 4 * (3 * 16 + 2 * 24)
     assert planner.forward_layer_bytes(CONFIG, 1, 8, 2) == 4 * 2 * 24
+    # The log-prob readout applies the family's head alone (`lm_head`), a chunk at a time, and
+    # a fault at its lm_head site acts there (each token's logits below 0.99 of its largest
+    # flushed: a chunk's own tokens decide, so the chunked readout equals the whole call's).
+    tokens = jnp.asarray(IDS[:, 1:])
+    flush = plan_of(Injection("z", SiteSelector(("lm_head",)), Deadzone(0.99, scope="token")))
+    kw = dict(plan=flush, phase="eval", key=step_key(0, 0, "eval"))
+    for plan_kw in ({}, kw):
+        logp, _ = forward(model, params, IDS, readout=Readout.next_token(IDS), **plan_kw)
+        full = forward(model, params, IDS, **plan_kw)[:, :-1]
+        # The path: per block its norm, up (D) and down (F) sums; the final norm, the head, V.
+        tol = bound(3 * (16 + 16 + 24) + 16 + 16 + 32, np.abs(np.asarray(full)).max())
+        np.testing.assert_allclose(logp, logprobs_from_logits(full, tokens, 1.0)[0], atol=tol)
+    clean, _ = forward(model, params, IDS, readout=Readout.next_token(IDS))
+    assert np.abs(np.asarray(logp - clean)).max() > 0.1  # the fault moved them
 
 
 def test_srdd_reads_the_familys_layers(toy):

@@ -15,6 +15,7 @@ from aqn_jax import parallel
 from aqn_jax.aqn.config import AQN_SIGMA
 from aqn_jax.aqn.plan import build_plan
 from aqn_jax.faults.config import fault_plan
+from aqn_jax.forward import forward
 from aqn_jax.models.qwen2 import Qwen2Config
 from aqn_jax.rl import step as rl_step
 
@@ -104,7 +105,17 @@ def test_shortcut_equals_the_two_pass_update():
     # The two-pass ratio is 1 up to the two programs' rounding (prepare's forward is fused
     # differently from the update's value_and_grad): a log-prob is within the f32 bound of the
     # forward's reduction path with the log-softmax, at the scale of the logits.
-    logits, _ = rl_step._policy_logits(two, state.params, batch, jax.random.key(3), VALUES)
+    logits = forward(
+        two.policy,
+        state.params,
+        batch["ids"],
+        batch["mask"],
+        plan=two.plan,
+        phase="train",
+        key=jax.random.key(3),
+        values=VALUES,
+    )
+    logits = rl_step.response_logits(logits, PLEN, NEW)
     path = forward_path(CFG, PLEN + NEW, log_softmax=True)
     logp_tol = bound(path, float(jnp.abs(logits).max()))
     old1 = m1[rl_step.ROWS]["old_logp"].reshape(ROWS, NEW)

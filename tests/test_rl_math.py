@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from aqn_jax.logprobs import logprobs_from_logits
 from aqn_jax.rl import advantages as A
 from aqn_jax.rl import losses as L
 
@@ -191,5 +192,6 @@ def test_aggregation_modes_hand_computed():
 
 def test_entropy_from_logits():
     p = np.array([0.5, 0.25, 0.25])
-    ent = float(L.entropy_from_logits(jnp.log(jnp.asarray(p))[None])[0])
-    assert ent == pytest.approx(-(p * np.log(p)).sum(), rel=1e-6)
+    logp, ent = logprobs_from_logits(jnp.log(jnp.asarray(p))[None], jnp.asarray([1]), 1.0)
+    assert float(ent[0]) == pytest.approx(-(p * np.log(p)).sum(), rel=1e-6)
+    assert float(logp[0]) == pytest.approx(np.log(0.25), rel=1e-6)

@@ -85,6 +85,23 @@ def fault_trial(trial) -> Iterator[None]:
         _TRIAL.reset(token)
 
 
+# The part of a module call split into parts (the log-prob readout's chunk of positions),
+# folded into every site key so that each part draws its own noise.
+_PART: contextvars.ContextVar[Any] = contextvars.ContextVar("fault_part", default=None)
+
+
+@contextlib.contextmanager
+def fault_part(part) -> Iterator[None]:
+    """Inside this context every site key also folds in `part` (a Python or traced int): a
+    module applied a chunk at a time (`aqn_jax/logprobs.py`) draws independent noise per chunk,
+    as it would over the whole call, instead of repeating one chunk's draw."""
+    token = _PART.set(part)
+    try:
+        yield
+    finally:
+        _PART.reset(token)
+
+
 def step_key(seed: int, step, phase: str) -> jax.Array:
     """The base key of one (seed, step, phase): what a resumed run recomputes from scratch."""
     if phase not in _PHASE_IDS:
@@ -271,9 +288,9 @@ class _Run:
             )
         path_hash = zlib.crc32(str(site).encode()) & 0x7FFFFFFF
         key = jax.random.fold_in(jax.random.fold_in(self.key, path_hash), index)
-        trial = _TRIAL.get()
-        if trial is not None:
-            key = jax.random.fold_in(key, trial)
+        for extra in (_TRIAL.get(), _PART.get()):
+            if extra is not None:
+                key = jax.random.fold_in(key, extra)
         return key
 
     def intercept(self, next_fun, args, kwargs, context):

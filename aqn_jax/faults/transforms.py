@@ -40,6 +40,10 @@ from .sites import GROUPS, LINEAR_KINDS, Site
 # --- what a transform sees ----------------------------------------------------------------------
 STATS_COLLECTION = "fault_stats"  # telemetry, sown at each site
 STATE_COLLECTION = "fault_state"  # running statistics carried across cached decode calls
+# Telemetry that counts (bits, blocks, rows): summed when a module call is split into parts
+# (the log-prob readout's chunks, `aqn_jax/logprobs.py`); every other statistic is a mean,
+# weighted by the part's size.
+COUNT_STATS = frozenset({"flips", "blocks_hit", "bwd_flips", "detected", "rows"})
 
 
 class Ctx:

@@ -33,7 +33,7 @@ from aqn_jax.faults.intercept import FaultPlan, Injection, step_key, summarize_s
 from aqn_jax.faults.sites import SiteSelector, expand_kinds
 from aqn_jax.faults.transforms import Deadzone
 from aqn_jax.files import write_json
-from aqn_jax.forward import forward, token_nll
+from aqn_jax.forward import token_nll
 from aqn_jax.models.factory import model_config
 from aqn_jax.models.registry import causal_lm, layer_name
 from aqn_jax.rl.sampler import Sampler
@@ -158,18 +158,19 @@ def run(config, workdir: str) -> None:
 def _stats_program(model, plan):
     @jax.jit
     def fn(params, ids, mask, loss_mask, key, values):
-        logits, state = forward(
+        nll, state = token_nll(
             model,
             params,
             ids,
             mask,
+            loss_mask,
             plan=plan,
             phase="eval",
             key=key,
             values=values,
             mutable=["fault_stats"],
         )
-        return (*token_nll(logits, ids, loss_mask), state["fault_stats"])
+        return (*nll, state["fault_stats"])
 
     return fn
 

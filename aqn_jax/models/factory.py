@@ -34,6 +34,7 @@ def model_section(preset: str = "tiny") -> ml_collections.ConfigDict:
     c.param_dtype = "float32"  # float32 | bfloat16 | float16
     c.dtype = "float32"  # activation / matmul dtype
     c.remat = False  # rematerialise each decoder layer in the backward pass
+    c.logprob_chunk = 32  # positions per chunk of the log-prob readout (f32 logits: rows x this)
     # The frozen base's decoder linears in a 4-bit format (QeRL's NVFP4A16 / MXFP4A16), packed
     # and dequantised in every forward (aqn_jax/quant_base.py): none | nvfp4 | mxfp4. Training
     # needs config.lora.rank > 0 (a quantised base is frozen); evaluate takes it as a device.
@@ -59,6 +60,10 @@ def model_config(model_cfg: Any) -> Qwen2Config:
     if dtype == compute_dtype.AUTO:  # launch resolves and logs it; a direct caller measures
         dtype = compute_dtype.choose()[0]
     numerics = dict(param_dtype=model_cfg.param_dtype, dtype=dtype, remat=bool(model_cfg.remat))
+    chunk = model_cfg.get("logprob_chunk", Qwen2Config.logprob_chunk)
+    if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1:
+        raise ValueError(f"config.model.logprob_chunk={chunk!r}; allowed: an int >= 1")
+    numerics["logprob_chunk"] = chunk
     num_layers = model_cfg.get("num_layers", 0)
     if not isinstance(num_layers, int) or isinstance(num_layers, bool) or num_layers < 0:
         raise ValueError(

@@ -73,6 +73,9 @@ class Qwen2Config:
     dtype: str = "float32"
     # Rematerialise each decoder layer in the backward pass (saves activation memory).
     remat: bool = False
+    # Positions per chunk of the log-prob readout (`aqn_jax/logprobs.py`): the head's float32
+    # logits exist for rows x this many positions at a time, never for the whole sequence.
+    logprob_chunk: int = 32
 
     def __post_init__(self):
         if self.model_type not in MODEL_TYPES:
@@ -93,6 +96,7 @@ class Qwen2Config:
             "num_hidden_layers",
             "num_attention_heads",
             "num_key_value_heads",
+            "logprob_chunk",
         ):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
@@ -575,6 +579,7 @@ class Qwen2ForCausalLM(nn.Module):
         positions: jax.Array | None = None,
         cache: KVCache | None = None,
         last_only: bool = False,
+        hidden: bool = False,
     ):
         """Logits `[B, T, V]` in float32, or `(logits, cache)` when a cache is given.
 
@@ -587,6 +592,9 @@ class Qwen2ForCausalLM(nn.Module):
           `[cache.end, cache.end + T)` and the updated cache is returned.
         last_only: logits of the last position only (`[B, 1, V]`): a prefill needs nothing
           else, and the lm_head over every prompt position is the largest matmul of a prefill.
+        hidden: the final norm's output `[B, T, D]` (compute dtype) instead of the logits (no
+          cache): the log-prob readout applies the head itself, a chunk of positions at a time
+          (`Qwen2Head`, `aqn_jax/logprobs.py`).
         """
         cfg = self.config
         dt, pdt = _dtype(cfg.dtype), _dtype(cfg.param_dtype)
@@ -646,15 +654,42 @@ class Qwen2ForCausalLM(nn.Module):
             )
         if self.head != "lm":
             raise ValueError(f"head={self.head!r}; allowed: 'lm', 'value'")
-
-        head = LMHead(
-            cfg.vocab_size, cfg.tie_word_embeddings, dtype=dt, param_dtype=pdt, name="lm_head"
-        )
-        logits_BTV = head(x_BTD, embed.embedding if cfg.tie_word_embeddings else None)
-        logits_BTV = logits_BTV.astype(jnp.float32)
+        if hidden:
+            return x_BTD
+        logits_BTV = _head(cfg, x_BTD, embed)
         if cache is None:
             return logits_BTV
         return logits_BTV, KVCache(k=tuple(new_k), v=tuple(new_v), mask=key_mask_BS, end=start + T)
+
+
+def _head(cfg: Qwen2Config, x_BTD: jax.Array, embed: nn.Embed) -> jax.Array:
+    """float32 logits of the final hidden states: the `lm_head` module (the fault site), over
+    the embedding table when tied."""
+    dt, pdt = _dtype(cfg.dtype), _dtype(cfg.param_dtype)
+    head = LMHead(
+        cfg.vocab_size, cfg.tie_word_embeddings, dtype=dt, param_dtype=pdt, name="lm_head"
+    )
+    return head(x_BTD, embed.embedding if cfg.tie_word_embeddings else None).astype(jnp.float32)
+
+
+class Qwen2Head(nn.Module):
+    """The LM head alone, at the causal LM's param paths (`lm_head`, and `embed_tokens` when
+    tied): `apply(variables of the causal LM, x_BTD)` -> float32 logits. The log-prob readout
+    calls it on a chunk of positions at a time, so the `lm_head` fault site is this call."""
+
+    config: Qwen2Config
+
+    @nn.compact
+    def __call__(self, x_BTD: jax.Array) -> jax.Array:
+        cfg = self.config
+        embed = nn.Embed(
+            cfg.vocab_size,
+            cfg.hidden_size,
+            dtype=_dtype(cfg.dtype),
+            param_dtype=_dtype(cfg.param_dtype),
+            name="embed_tokens",
+        )
+        return _head(cfg, x_BTD, embed)
 
 
 # --- what the library needs from this family (registered in `models/registry.py`) ------------

@@ -33,6 +33,7 @@ class ModelConfig(Protocol):
     param_dtype: str
     dtype: str
     remat: bool
+    logprob_chunk: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +46,9 @@ class Family:
       cache. Decoder layer i is the module named `layer_name(i)`, called as `(x, *rest)` and
       returning `(x, kv)` (SRDD re-runs it on probed inputs); param paths follow
       `checkpoint_keys`.
+      `hidden=True` returns the final norm's output `[B, T, D]` instead of the logits.
+    lm_head: `config -> nn.Module`, the head alone at the causal LM's param paths:
+      `apply(variables, x_BTD)` -> float32 logits; its head module is the `lm_head` fault site.
     init_cache: `(config, batch_size, max_len) -> cache`, a pytree the model reads and returns.
     layer_name: `i -> str`, the name (top-level path entry) of decoder layer i; its params,
       intermediates and telemetry live under it.
@@ -61,6 +65,7 @@ class Family:
 
     model_types: tuple[str, ...]
     causal_lm: Callable[..., nn.Module]
+    lm_head: Callable[[Any], nn.Module]
     init_cache: Callable[[Any, int, int], Any]
     layer_name: Callable[[int], str]
     site_of: Callable[[tuple[str, ...]], tuple[str, int | None] | None]
@@ -78,6 +83,7 @@ FAMILIES: dict[str, Family] = {
     "qwen2": Family(
         model_types=qwen2.MODEL_TYPES,
         causal_lm=qwen2.Qwen2ForCausalLM,
+        lm_head=qwen2.Qwen2Head,
         init_cache=qwen2.init_cache,
         layer_name="layers_{}".format,
         site_of=qwen2.site_of,
@@ -116,6 +122,11 @@ def family_of(config: ModelConfig) -> Family:
 def causal_lm(config: ModelConfig, head: str = "lm") -> nn.Module:
     """The model of `config` (head 'lm': logits; 'value': the PPO critic)."""
     return family_of(config).causal_lm(config, head=head)
+
+
+def lm_head(config: ModelConfig) -> nn.Module:
+    """The LM head of `config`'s model alone (the log-prob readout's, `aqn_jax/logprobs.py`)."""
+    return family_of(config).lm_head(config)
 
 
 def init_cache(config: ModelConfig, batch_size: int, max_len: int) -> Any:

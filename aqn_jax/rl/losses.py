@@ -261,13 +261,6 @@ def kl_penalty(logp_NT, ref_logp_NT, kind: str = "low_var_kl"):
     return KL_ESTIMATORS[kind](logp_NT, ref_logp_NT)
 
 
-def entropy_from_logits(logits_NTV):
-    """Entropy of softmax(logits) per position: logsumexp(z) - sum softmax(z) * z."""
-    z = logits_NTV.astype(jnp.float32)
-    lse = jax.nn.logsumexp(z, axis=-1)
-    return lse - jnp.sum(jax.nn.softmax(z, axis=-1) * z, axis=-1)
-
-
 def value_loss(
     vpreds_NT,
     old_values_NT,

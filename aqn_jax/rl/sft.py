@@ -25,6 +25,7 @@ import optax
 
 from aqn_jax.data.gsm8k import Example
 from aqn_jax.data.tokenizers import Tokenizer
+from aqn_jax.forward import token_nll
 
 from .optim import adamw, lr_schedule
 
@@ -75,12 +76,10 @@ def sft_sequences(
 
 
 def sft_loss(model: nn.Module, params, ids, mask, loss_mask) -> jax.Array:
-    """Token-mean next-token cross-entropy over the positions where `loss_mask` is 1."""
-    logits = model.apply({"params": params}, ids, attention_mask=mask)
-    logp = jax.nn.log_softmax(logits[:, :-1], axis=-1)
-    nll = -jnp.take_along_axis(logp, ids[:, 1:, None], axis=-1)[..., 0]
-    w = loss_mask[:, 1:].astype(jnp.float32)
-    return jnp.sum(nll * w) / jnp.maximum(jnp.sum(w), 1.0)
+    """Token-mean next-token cross-entropy over the positions where `loss_mask` is 1 (the head
+    a chunk of positions at a time: `forward.Readout`)."""
+    total, count = token_nll(model, params, ids, mask, loss_mask)
+    return total / jnp.maximum(count, 1.0)
 
 
 def sft_train(

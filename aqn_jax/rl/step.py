@@ -18,7 +18,8 @@ per-step knobs by name (AQN's sigma under `aqn.config.AQN_SIGMA`, a fault's rate
 value does not recompile, and a new knob needs no signature change. A batch row is the
 left-padded prompt `[bucket]` followed by the `max_new_tokens` response slots; the prompt
 length is read from the shapes, so each program compiles once per prompt bucket. Log-probs use
-logits / rollout temperature, as the sampler's do (verl).
+logits / rollout temperature, as the sampler's do (verl), from the response positions only, a
+chunk at a time (`policy_logprobs`, `forward.Readout`: never the `[rows, T, V]` logits).
 
 Fault randomness: each forward pass draws its own fault noise (a noisy device never repeats its
 error), keyed by the step's 'train' key folded with the pass index; the deterministic faults
@@ -51,7 +52,8 @@ from aqn_jax.faults.bitfaults import (
 )
 from aqn_jax.faults.intercept import FaultPlan
 from aqn_jax.faults.sites import LINEAR_KINDS
-from aqn_jax.forward import Weights, forward
+from aqn_jax.forward import Readout, Weights, forward
+from aqn_jax.logprobs import check_head_faults
 from aqn_jax.lora import LoraSpec
 from aqn_jax.models.factory import logical_axes
 from aqn_jax.models.registry import ModelConfig, causal_lm, family_of
@@ -360,6 +362,7 @@ def static_from(
     updates = h.ppo_epochs * h.mini_batches
     actor_schedule, actor_opt = spec.actor.build(total_steps * updates, updates)
     _, critic_opt = spec.critic.build(total_steps * updates, updates)
+    check_head_faults(plan)  # before anything compiles: the readout's chunks at lm_head
     sdc = sdc_spec(spec, plan, total_steps * updates)
     if sdc is not None:  # bit faults on the gradients / AdamW moments: around the optimizer
         actor_opt = optim_lib.with_tree_faults(actor_opt, sdc.gradient, sdc.moments, spec.seed)
@@ -518,18 +521,17 @@ def init_state(
 
 # -- the forward passes ----------------------------------------------------------------------------
 def response_logits(logits_BSV, prompt_len: int, resp_len: int):
-    """Logits that predict response token t: position prompt_len - 1 + t."""
+    """The outputs (the critic's values) at the positions that predict response token t:
+    prompt_len - 1 + t."""
     return logits_BSV[:, prompt_len - 1 : prompt_len - 1 + resp_len]
 
 
-def token_logprobs(logits_NTV, tokens_NT, temperature: float):
-    logp = jax.nn.log_softmax(logits_NTV.astype(jnp.float32) / temperature, axis=-1)
-    return jnp.take_along_axis(logp, tokens_NT[..., None], axis=-1)[..., 0]
-
-
-def _policy_logits(static: Static, params, batch, key, values):
+def policy_logprobs(static: Static, params, batch, key, values):
+    """((log-probs, entropy) of the response tokens `[rows, max_new]` under logits /
+    temperature, the pass's fault statistics): the head only on the response positions, a chunk
+    at a time (`forward.Readout`), never the `[rows, T, V]` logits."""
     plen = batch["ids"].shape[1] - static.max_new
-    logits, state = forward(
+    return forward(
         static.policy,
         params,
         batch["ids"],
@@ -539,8 +541,8 @@ def _policy_logits(static: Static, params, batch, key, values):
         key=key,
         values=values,
         mutable=["fault_stats"],
+        readout=Readout(batch["tokens"], plen - 1, static.h.temperature),
     )
-    return response_logits(logits, plen, static.max_new), state
 
 
 def _values(static: Static, critic_params, batch, key, values):
@@ -560,23 +562,17 @@ def _values(static: Static, critic_params, batch, key, values):
 
 # -- prepare: old / reference log-probs, values, rewards, advantages -------------------------------
 def _prepare_chunk(static: Static, state: RLState, ref_params, key, values, xs):
-    h = static.h
     j, mic = xs
     o = {"fault_stats": {}}
     if not static.fused_old_logp:  # else the update's own log-probs are the old ones
-        logits, fstate = _policy_logits(
+        (logp, ent), fstate = policy_logprobs(
             static, policy_weights(static, state), mic, jax.random.fold_in(key, 3 * j), values
         )
-        o = {
-            "old_logp": token_logprobs(logits, mic["tokens"], h.temperature),
-            "entropy": losses.entropy_from_logits(logits / h.temperature),
-            "fault_stats": fstate.get("fault_stats", {}),
-        }
+        o = {"old_logp": logp, "entropy": ent, "fault_stats": fstate.get("fault_stats", {})}
     if ref_params is not None:
-        ref_logits, _ = _policy_logits(
+        (o["ref_logp"], _), _ = policy_logprobs(
             static, ref_params, mic, jax.random.fold_in(key, 3 * j + 1), values
         )
-        o["ref_logp"] = token_logprobs(ref_logits, mic["tokens"], h.temperature)
     if static.use_critic:
         o["values"] = _values(
             static, state.critic_params, mic, jax.random.fold_in(key, 3 * j + 2), values
@@ -631,9 +627,7 @@ def prepare_step(static: Static, state: RLState, ref_params, batch, scores, key,
 def actor_loss(static: Static, params, mic, denom, key, values):
     """Policy loss (config.algo.policy_loss) - entropy bonus (+ KL loss) of one micro-batch."""
     h = static.h
-    logits, fstate = _policy_logits(static, params, mic, key, values)
-    logits = logits / h.temperature
-    logp = token_logprobs(logits, mic["tokens"], 1.0)
+    (logp, entropy), fstate = policy_logprobs(static, params, mic, key, values)
     mask = mic["rmask"]
     # On-policy (static.fused_old_logp): the old policy is this pass's, detached: ratio 1.
     old_logp = jax.lax.stop_gradient(logp) if static.fused_old_logp else mic["old_logp"]
@@ -646,7 +640,7 @@ def actor_loss(static: Static, params, mic, denom, key, values):
         denom=denom,
         weights_NT=mic.get("is_weights"),  # the rollout correction's IS weights, when on
     )
-    ent = losses.agg_loss(losses.entropy_from_logits(logits), mask, h.agg, denom)
+    ent = losses.agg_loss(entropy, mask, h.agg, denom)
     loss = pg - h.entropy_coeff * ent
     kl_loss = jnp.zeros(())
     if h.use_kl_loss:
