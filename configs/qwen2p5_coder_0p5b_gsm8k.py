@@ -59,6 +59,33 @@ Settings and why:
   0.05 -> 0.188, 0.07 -> 0.094, 0.1 -> 0.000. The operating point is per-token 0.07 at layer
   15: the fault costs more than half the accuracy and the device still earns reward.
 
+`,arith` (issue 49, the CPU learning track; no data paths): the embedded arithmetic task (two
+operations on two-digit amounts) asked with one solved problem shown first and "Write the
+equations, one per line, then the final answer as \\boxed{N}" (config.data.shots/instruction:
+with verl's "think step by step" the model spent 64 tokens on prose and answered 0 of 8),
+64 new tokens, the deadzone at 0.07 of each token's max at layer 15 (severity job, 48
+problems: clean 0.375, faulty 0.146: 39% kept), 4 prompts x 8 samples at temperature 0.7,
+LoRA r32 lr 1e-4, 24 steps, validation on 128 held-out problems at steps 0, 12, 24:
+
+  python -m aqn_jax.launch --config=configs/qwen2p5_coder_0p5b_gsm8k.py:deadzone,arith \\
+      --config.model.hf_path=/models/Qwen2.5-Coder-0.5B-Instruct --workdir=runs/qwen05_arith
+
+Measured (2 AMD EPYC cores with AVX-512 BF16, bf16 compute, helpers at low priority beside it):
+72 min in all (step 0's validation 7.5 min, 24 steps of 145-157 s: gen 28-42 s, update 104-116
+s; peak RSS 17.8 GiB against the planner's 17.09), greedy accuracy with Wilson 95% intervals:
+
+  step   faulty device          clean device
+  0      0.180 [0.123, 0.255]   0.578 [0.492, 0.660]
+  12     0.766 [0.685, 0.831]   0.867 [0.798, 0.915]
+  24     0.750 [0.668, 0.817]   0.781 [0.702, 0.844]
+
+Groups with an advantage: 0.50-1.00 in steps 1-10, 0-0.50 after (the policy sharpens: most
+groups all right or all wrong); clipped at 64 tokens: 0.125-0.188 in steps 1-2, <= 0.156 after.
+Read honestly: RL on the faulty device lifted both devices (the model learned the short format
+and the arithmetic: the clean device gained too) and closed the fault's gap from 0.398 to
+0.031; a clean-device RL control was not run, so how much of the faulty device's gain needs
+the faulty device is not measured. Curve: docs/qwen05_arith_learning.png.
+
 Measured in QeRL mode (WORKSPACE.md, issue 43; 2 AMD cores, AVX2, f32): a step is 326-345 s
 (gen 135-144, update 193-201, old log-probs 0.08); on 4 cores of an AMX Xeon in bf16 89 s. The
 result, read honestly: 7 GRPO steps with the calibrated fault on the faulty device won nothing

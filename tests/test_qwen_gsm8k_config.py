@@ -131,3 +131,27 @@ def test_bad_argument_and_checkpoint_final():
         "export": "none",
     }
     assert os.path.isdir(GSM8K)
+
+
+def test_arith_track_holds_its_settings(snapshot):
+    """',arith' (issue 49's CPU learning track): the embedded task in a one-shot chat prompt, 64
+    new tokens, no data paths (with Qwen2.5's tokenizer its prompts are 166-191 tokens: one
+    bucket of 192, WORKSPACE.md issue 49; this fixture's GSM8K-trained BPE writes them longer)."""
+    from aqn_jax.data.config import check_data, load_split
+
+    config = load_config(CONFIG, "deadzone,arith")
+    assert config.required == ("model.hf_path",)
+    assert (config.data.train_path, config.data.shots, config.rollout.max_new_tokens) == ("", 1, 64)
+    assert config.rollout.prompt_buckets == (config.rollout.max_prompt_len,) == (192,)
+    assert config.faults.deadzone.layers == "15" and config.faults.deadzone.granularity == "token"
+    assert config.trainer.val_size >= 128 and rl_step.hyper_from(config).on_policy
+    config.model.hf_path = snapshot
+    check_required(config)
+    check_data(config.data)
+    test = load_split(config.data, "test")
+    assert len(test) == config.data.test_size and len(test[0].prompt_messages) == 3
+    # Negative control: the GSM8K arm still requires its data paths.
+    gsm = load_config(CONFIG, "deadzone")
+    gsm.model.hf_path = snapshot
+    with pytest.raises(ValueError, match="config.data.train_path is required"):
+        check_required(gsm)
