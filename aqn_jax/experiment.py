@@ -45,6 +45,7 @@ from aqn_jax.models.factory import model_section
 from aqn_jax.parallel import distributed_config, mesh_config
 from aqn_jax.planner import planner_config
 from aqn_jax.rl.guard import sdc_config
+from aqn_jax.rl.losses import policy_loss_config
 from aqn_jax.rl.rollout_correction import PRESETS, correction_config
 from aqn_jax.warm_start import sft_config
 
@@ -99,9 +100,7 @@ def base_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
     config.algo = ml_collections.ConfigDict()  # the RL objective (verl algorithm / actor)
     config.algo.estimator = "grpo"  # grpo | drgrpo | gae (PPO with a critic)
-    config.algo.clip_ratio_low = 0.2  # PPO ratio clip below 1 (0.2)
-    config.algo.clip_ratio_high = 0.2  # PPO ratio clip above 1 (0.2; DAPO 0.28)
-    config.algo.clip_ratio_c = 3.0  # dual-clip
+    policy_loss_config(config.algo)  # policy_loss (ppo | gspo) and each loss's clip range
     config.algo.loss_agg_mode = "token-mean"  # how token losses average (rl/losses.AGG_MODES)
     config.algo.use_kl_loss = True  # KL to the reference policy as a loss term (GRPO)
     config.algo.kl_loss_coef = 0.001  # its weight (0.001)

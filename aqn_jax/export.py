@@ -137,12 +137,16 @@ def _replace(tmp: str, out: str) -> None:
     shutil.rmtree(aside)
 
 
-def plain_policy(config, trained, workdir: str, base_print: str | None = None):
+def plain_policy(
+    config, trained, workdir: str, base_print: str | None = None, warm: tuple | None = None
+):
     """(model config, a plain param tree) of a run's trained params: as they are for full
     fine-tuning; for a LoRA run (`{"lora": ...}`) the adapters merged into its base, the warm
     start of `config` (the run's own config) in config.model.weight_format. `base_print`: the
-    checkpoint's fingerprint of its base; a different base is refused (one line)."""
-    model_cfg, base, _ = warm_start(warm_start_spec(config), workdir)
+    checkpoint's fingerprint of its base; a different base is refused (one line). `warm`:
+    (model config, float params) of that warm start where the caller holds it (the train job),
+    so it is not loaded again."""
+    model_cfg, base = warm or warm_start(warm_start_spec(config), workdir)[:2]
     if "lora" not in trained:
         return model_cfg, trained
     base = jax.device_get(base)

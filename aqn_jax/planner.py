@@ -121,6 +121,7 @@ from aqn_jax.lora import LoraSpec, lora_spec
 from aqn_jax.models.registry import ModelConfig, causal_lm, family_of, init_cache
 from aqn_jax.rl.advantages import ESTIMATORS
 from aqn_jax.rl.optim import OptimizerSpec
+from aqn_jax.rl.step import hyper_from
 
 GIB = 2**30
 # What a CPU run's process holds besides the arrays of the plan: jax/XLA and the compiled
@@ -450,7 +451,7 @@ def job_spec(config: Any, model_cfg: ModelConfig) -> JobSpec:
         max_new=int(ro.max_new_tokens),
         buckets=reachable_buckets(ro),
         val_samplers=2 if eval_faults else 1,
-        use_ref=bool(config.algo.use_kl_loss or config.algo.use_kl_in_reward),
+        use_ref=hyper_from(config).use_ref,
         headroom=float(section.headroom),
         device_memory_gb=float(section.device_memory_gb),
         refuse=bool(section.enabled),
@@ -490,18 +491,18 @@ def _qerl(spec: JobSpec, params, specs):
     site_of = family_of(spec.model).site_of
     kernels = set(quant_base.linear_kernel_paths(params, site_of))
     fmt = spec.weight_format
-    block = {"nvfp4": 16, "mxfp4": 32}.get(fmt)
     base, rollout, deq = Counter(), Counter(), Counter()
     itemsize = np.dtype(spec.model.dtype).itemsize
     for path, leaf in jax.tree_util.tree_leaves_with_path(params):
         names = tuple(k.key for k in path)
         pspec = quant_base.leaf_at(specs, names)
         per_dim = tuple(_axes(pspec[i]) if i < len(pspec) else () for i in range(leaf.ndim))
-        if block and names in kernels:
-            (n_in, n_out), (s_in, s_out) = leaf.shape, per_dim
-            base[((n_out, n_in // 2), 1, (s_out, s_in))] += 1
-            base[((n_out, n_in // block), 1, (s_out, s_in))] += 1
-            base[((), 8, ())] += 1
+        if fmt != "none" and names in kernels:  # stored transposed: (out, in) split as such
+            codes, scales, s_global, k = quant_base.packed_shapes(tuple(leaf.shape), fmt)
+            s_in, s_out = per_dim
+            for a in (codes, scales):
+                base[(a.shape, a.dtype.itemsize, (s_out, s_in))] += 1
+            base[((), s_global.dtype.itemsize + k.dtype.itemsize, ())] += 1
             deq[(tuple(leaf.shape), itemsize, per_dim)] += 1
         else:
             base[(tuple(leaf.shape), np.dtype(leaf.dtype).itemsize, per_dim)] += 1

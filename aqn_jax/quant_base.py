@@ -27,10 +27,10 @@ import numpy as np
 from jax import lax
 
 from aqn_jax.faults import formats
+from aqn_jax.faults.sites import LINEAR_KINDS
 
 WEIGHT_FORMATS = ("none", "nvfp4", "mxfp4")
 _BLOCK = {"nvfp4": formats.NVFP4_BLOCK_SIZE, "mxfp4": formats.MX_BLOCK_SIZE}
-LINEAR_KINDS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 @flax.struct.dataclass
@@ -123,6 +123,14 @@ def _dequantize(p: Packed) -> jax.Array:
     else:
         out = formats.mx_decode(q, negative, p.scales.astype(jnp.int32)[..., None])
     return out.reshape(O, I).T.astype(p.dtype)
+
+
+@functools.lru_cache(maxsize=64)
+def packed_shapes(shape_IO: tuple[int, int], fmt: str) -> tuple[jax.ShapeDtypeStruct, ...]:
+    """(codes, scales, s_global, k) of an `[in, out]` kernel packed in `fmt`, as shapes and
+    dtypes (traced, nothing computed): the memory planner's layout of a packed base."""
+    x = jax.ShapeDtypeStruct(tuple(shape_IO), jnp.float32)
+    return tuple(jax.eval_shape(lambda k: _pack(k, fmt)[:4], x))
 
 
 def pack_kernel(kernel_IO, fmt: str, name: str = "kernel") -> Packed:

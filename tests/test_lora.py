@@ -175,6 +175,35 @@ def test_export_matches_transformers(tmp_path):
     assert np.max(np.abs(unmerged - ours)) > 1e-2
 
 
+def test_plain_policy_merges_over_the_warm_start_it_is_given(tmp_path):
+    """The train job's export goes through `export.plain_policy` with the warm start it holds
+    (`warm`, not loaded again): the adapters merged into that base packed in the run's format,
+    as `lora.merged`; full fine-tuning's params as they are. Negative control: another base
+    gives other weights."""
+    from aqn_jax.export import plain_policy
+
+    config = load_config("targeted", "smoke")
+    config.lora.rank, config.lora.alpha, config.model.weight_format = 4, 16.0, "nvfp4"
+    params = random_params(CFG)
+    spec = _spec(rank=4, alpha=16.0)
+    assert lora_lib.lora_spec(config.lora) == spec
+    tr = _adapters(spec, params, 0.05)
+    cfg, plain = plain_policy(config, tr, str(tmp_path / "none"), warm=(CFG, params))
+    expect = lora_lib.merged(spec, quant_base.pack(params, "nvfp4", SITE_OF), tr)
+    assert cfg is CFG and not (tmp_path / "none").exists()  # nothing loaded, nothing written
+    leaves = jax.tree_util.tree_leaves
+    for a, b in zip(leaves(plain), leaves(expect), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert plain_policy(config, params, "", warm=(CFG, params))[1] is params
+    other = random_params(CFG, seed=7)
+    _, moved = plain_policy(config, tr, "", warm=(CFG, other))
+    diffs = [
+        np.max(np.abs(np.asarray(a) - np.asarray(b)))
+        for a, b in zip(leaves(moved), leaves(plain), strict=True)
+    ]
+    assert max(diffs) > 1e-3
+
+
 def test_qerl_config_errors():
     from aqn_jax.checks import check_qerl
 

@@ -274,13 +274,13 @@ def test_a_gradient_bit_flip_that_diverges_is_named(tmp_path, sft_cache):
 
 SLOW_COMPILE = """
 import pathlib, sys, time
-from aqn_jax import training
+from aqn_jax.rl.trainer import Trainer
 
 def slow(*args, **kwargs):  # the compile ahead, made long (a 0.5B model's takes minutes)
     pathlib.Path(sys.argv[1]).write_text("compiling")
     time.sleep(300)
 
-training.compile_step_programs = slow
+Trainer.compile_step = slow
 from aqn_jax import launch
 
 launch.main(["launch", *sys.argv[2:]])

@@ -2,6 +2,7 @@
 
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -70,20 +71,77 @@ def test_policy_loss_hand_computed():
     logp = jnp.log(jnp.array([[1.5, 0.5, 5.0, 1.0]]))
     adv = jnp.array([[1.0, 1.0, -1.0, -2.0]])
     mask = jnp.ones((1, 4))
-    loss, m = L.policy_loss(logp, old, adv, mask)
+    loss, m = L.ppo_loss(logp, old, adv, mask)
     assert float(loss) == pytest.approx(0.825, rel=1e-6)
     assert float(m["pg_clipfrac"]) == pytest.approx(0.25)
     assert float(m["pg_clipfrac_lower"]) == pytest.approx(0.25)
     expect_kl = -(math.log(1.5) + math.log(0.5) + math.log(5.0)) / 4
     assert float(m["ppo_kl"]) == pytest.approx(expect_kl, rel=1e-6)
     # Masked tokens do not count: masking token 3 -> (-1.2 - 0.5 + 2) / 3.
-    loss, _ = L.policy_loss(logp, old, adv, jnp.array([[1, 1, 0, 1]]))
+    loss, _ = L.ppo_loss(logp, old, adv, jnp.array([[1, 1, 0, 1]]))
     assert float(loss) == pytest.approx(0.3 / 3, rel=1e-5)
     # clip_high 0.28 (DAPO's clip-higher): token 1 -> -1.28.
-    loss, _ = L.policy_loss(logp, old, adv, mask, clip_high=0.28)
+    loss, _ = L.ppo_loss(logp, old, adv, mask, clip_high=0.28)
     assert float(loss) == pytest.approx((-1.28 - 0.5 + 3 + 2) / 4, rel=1e-6)
     with pytest.raises(ValueError, match="clip_ratio_c"):
-        L.policy_loss(logp, old, adv, mask, clip_ratio_c=1.0)
+        L.ppo_loss(logp, old, adv, mask, clip_ratio_c=1.0)
+
+
+def test_gspo_loss_hand_computed():
+    # Two sequences, old log-probs 0, GSPO's clip range [1 - 3e-4, 1 + 4e-4]:
+    #  row 0 (A +1): token ratios 1.2, 0.9 and a masked slot (log-prob 5, left out of the mean):
+    #    log s_0 = (ln 1.2 + ln 0.9) / 2 -> s_0 = sqrt(1.08) = 1.03923; l1 = -1.03923,
+    #    l2 = -1.0004 -> max -1.0004 on both tokens (clipped);
+    #  row 1 (A -2): token log-ratios 0.5, -0.5, 0 -> log s_1 = 0, s_1 = 1: l1 = l2 = 2 on all 3.
+    # token-mean: (2 * -1.0004 + 3 * 2) / 5 = 0.79984; seq-mean-token-mean: (-1.0004 + 2) / 2.
+    # clipfrac: row 0's 2 tokens of 5; ppo_kl: -(ln 1.2 + ln 0.9) / 5 (token means, as PPO's).
+    # Gradient in logp: row 0 clipped -> 0; row 1: d(-A * s_1t)/d logp_t = -A * s_1 = 2 per token
+    # (the stop-gradient keeps the sequence mean's 1/|y| out), over 5 tokens -> 0.4 each.
+    old = jnp.zeros((2, 3))
+    logp = jnp.array([[math.log(1.2), math.log(0.9), 5.0], [0.5, -0.5, 0.0]])
+    adv = jnp.array([[1.0, 1.0, 1.0], [-2.0, -2.0, -2.0]])
+    mask = jnp.array([[1, 1, 0], [1, 1, 1]])
+    loss, m = L.gspo_loss(logp, old, adv, mask)
+    assert float(loss) == pytest.approx((2 * -1.0004 + 6) / 5, rel=1e-6)
+    assert float(m["pg_clipfrac"]) == pytest.approx(0.4)
+    assert float(m["pg_clipfrac_lower"]) == 0.0
+    assert float(m["ppo_kl"]) == pytest.approx(-math.log(1.08) / 5, rel=1e-6)
+    seq, _ = L.gspo_loss(logp, old, adv, mask, agg="seq-mean-token-mean")
+    assert float(seq) == pytest.approx((-1.0004 + 2) / 2, rel=1e-6)
+    grad = jax.grad(lambda lp: L.gspo_loss(lp, old, adv, mask)[0])(logp)
+    np.testing.assert_allclose(np.asarray(grad), [[0, 0, 0], [0.4, 0.4, 0.4]], atol=1e-7)
+    # Through the registry with config.algo's default settings: the same numbers.
+    spec = L.policy_loss_from({"policy_loss": "gspo", "gspo": dict(L.GSPO_CLIP)})
+    assert spec.settings == (("clip_high", 4e-4), ("clip_low", 3e-4))
+    assert float(spec(logp, old, adv, mask)[0]) == float(loss)
+    # Negative controls: the token-level ratio at the same clip range (PPO's loss) gives
+    # (-1.0004 - 0.9 + 2 e^0.5 + 2 * 0.9997 + 2) / 5 = 1.0793, and a wider range leaves row 0
+    # unclipped: (2 * -1.03923 + 6) / 5.
+    token, _ = L.ppo_loss(logp, old, adv, mask, clip_low=3e-4, clip_high=4e-4)
+    expect = (-1.0004 - 0.9 + 2 * math.exp(0.5) + 2 * 0.9997 + 2) / 5
+    assert float(token) == pytest.approx(expect, rel=1e-6)
+    assert float(token) != pytest.approx(float(loss), rel=1e-2)
+    wide, _ = L.gspo_loss(logp, old, adv, mask, clip_high=0.2)
+    assert float(wide) == pytest.approx((2 * -math.sqrt(1.08) + 6) / 5, rel=1e-6)
+
+
+def test_policy_loss_registry():
+    """config.algo.policy_loss picks the entry; ppo (the default) reads PPO's fields as before;
+    a bad name or setting is one line naming the field."""
+    algo = {"clip_ratio_low": 0.2, "clip_ratio_high": 0.28, "clip_ratio_c": 3.0}
+    spec = L.policy_loss_from(algo)
+    settings = (("clip_high", 0.28), ("clip_low", 0.2), ("clip_ratio_c", 3.0))
+    assert spec == L.PolicyLoss("ppo", settings)
+    logp = jnp.log(jnp.array([[1.5, 0.5, 5.0, 1.0]]))
+    args = (logp, jnp.zeros((1, 4)), jnp.array([[1.0, 1.0, -1.0, -2.0]]), jnp.ones((1, 4)))
+    assert float(spec(*args)[0]) == float(L.ppo_loss(*args, clip_high=0.28)[0])
+    with pytest.raises(ValueError) as e:
+        L.policy_loss_from({**algo, "policy_loss": "grpo"})
+    assert str(e.value) == "config.algo.policy_loss='grpo'; allowed: ('ppo', 'gspo')"
+    with pytest.raises(ValueError, match=r"^config.algo.clip_ratio_c=1.0; must be > 1"):
+        L.policy_loss_from({**algo, "clip_ratio_c": 1.0})
+    with pytest.raises(ValueError, match=r"^config.algo.gspo.clip_ratio_high=1.5; must be in"):
+        L.policy_loss_from({"policy_loss": "gspo", "gspo": {"clip_ratio_high": 1.5}})
 
 
 def test_kl_estimators_hand_computed():

@@ -173,7 +173,7 @@ def test_identical_log_probs_correct_nothing_bit_for_bit():
     adv = rng.normal(size=logp.shape).astype(np.float32)
 
     def loss(lp, w):
-        return losses.policy_loss(lp, old, adv, mask, weights_NT=w)[0]
+        return losses.ppo_loss(lp, old, adv, mask, weights_NT=w)[0]
 
     plain = jax.value_and_grad(loss)(jnp.asarray(logp), None)
     corrected = jax.value_and_grad(loss)(jnp.asarray(logp), jnp.asarray(weights))
@@ -191,8 +191,8 @@ def test_a_shifted_rollout_log_prob_changes_its_weight_exactly():
     np.testing.assert_array_equal(out.is_weights, expect)
     # The weight scales that token's loss term: the loss moves by exactly its share.
     adv = np.ones((2, 3), np.float32)
-    base = losses.policy_loss(logp, logp, adv, np.ones((2, 3)))[0]
-    weighted = losses.policy_loss(logp, logp, adv, np.ones((2, 3)), weights_NT=expect)[0]
+    base = losses.ppo_loss(logp, logp, adv, np.ones((2, 3)))[0]
+    weighted = losses.ppo_loss(logp, logp, adv, np.ones((2, 3)), weights_NT=expect)[0]
     # per-token loss -A * ratio = -1; token mean over 6 tokens
     assert float(base) == pytest.approx(-1.0)
     assert float(weighted) == pytest.approx(-(5 + expect[0, 1]) / 6, rel=1e-6)

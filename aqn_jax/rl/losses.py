@@ -7,9 +7,17 @@ by a constant, the max response length).
 
 For gradient accumulation the caller passes `denom`: the token (or sequence) count of the
 whole mini-batch, so that the sum over micro-batches equals the mini-batch loss exactly.
+
+Policy losses (`POLICY_LOSSES`, chosen by config.algo.policy_loss): `ppo`, verl's clipped
+dual-clip surrogate (the default), and `gspo`, GSPO's sequence-level ratio (Zheng et al. 2025,
+arXiv 2507.18071; verl `policy_loss.loss_mode=gspo`, TRL `importance_sampling_level="sequence"`).
+Each entry is its function and the reader of its own config fields: adding one is writing both.
 """
 
 from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -54,7 +62,78 @@ def _masked_mean(x, mask):
     return jnp.sum(x * mask) / jnp.maximum(jnp.sum(mask), 1.0)
 
 
-def policy_loss(
+# -- policy losses: name -> one signature ----------------------------------------------------------
+# `loss(logp_NT, old_logp_NT, advantages_NT, mask_NT, *, agg, denom, weights_NT, **settings)
+# -> (loss, {pg_clipfrac, pg_clipfrac_lower, ppo_kl})`, with `settings` what the entry's
+# `settings` reader returns of config.algo (checked there, before anything compiles: one line
+# naming the field).
+@dataclasses.dataclass(frozen=True)
+class PolicyLossEntry:
+    loss: Callable
+    settings: Callable  # config.algo -> {keyword of `loss`: value}
+
+
+POLICY_LOSSES: dict[str, PolicyLossEntry] = {}
+
+
+def register_policy_loss(name: str, settings: Callable):
+    def wrap(fn):
+        POLICY_LOSSES[name] = PolicyLossEntry(fn, settings)
+        return fn
+
+    return wrap
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyLoss:
+    """config.algo.policy_loss with its entry's settings, typed (`policy_loss_from`); calling it
+    calls the entry's loss with them."""
+
+    name: str
+    settings: tuple  # (keyword, value) pairs, sorted
+
+    def __call__(self, logp_NT, old_logp_NT, advantages_NT, mask_NT, **kw):
+        entry = POLICY_LOSSES[self.name]
+        return entry.loss(logp_NT, old_logp_NT, advantages_NT, mask_NT, **dict(self.settings), **kw)
+
+
+# GSPO's clip range: the paper's (section 5.1: "the left and right clipping ranges ... 3e-4 and
+# 4e-4"), which verl's GSPO recipe (clip_ratio_low=0.0003, clip_ratio_high=0.0004) and TRL's GSPO
+# example (epsilon=3e-4, epsilon_high=4e-4) use too. A sequence ratio is a geometric mean of the
+# token ratios, so it stays within a few 1e-4 of 1 where PPO's token ratios spread by 0.1s.
+GSPO_CLIP = {"clip_ratio_low": 3e-4, "clip_ratio_high": 4e-4}
+
+
+def policy_loss_config(algo) -> None:
+    """The policy-loss fields of `config.algo`: the choice and each entry's settings."""
+    algo.policy_loss = "ppo"  # ppo | gspo (rl/losses.POLICY_LOSSES)
+    algo.clip_ratio_low = 0.2  # PPO ratio clip below 1 (0.2)
+    algo.clip_ratio_high = 0.2  # PPO ratio clip above 1 (0.2; DAPO 0.28)
+    algo.clip_ratio_c = 3.0  # dual-clip
+    algo.gspo = dict(GSPO_CLIP)  # GSPO's sequence-ratio clip range (policy_loss='gspo')
+
+
+def policy_loss_from(algo) -> PolicyLoss:
+    """`config.algo.policy_loss` and its entry's settings, checked (one line naming the field)."""
+    name = algo.get("policy_loss", "ppo")
+    if name not in POLICY_LOSSES:
+        raise ValueError(f"config.algo.policy_loss={name!r}; allowed: {tuple(POLICY_LOSSES)}")
+    return PolicyLoss(name, tuple(sorted(POLICY_LOSSES[name].settings(algo).items())))
+
+
+def _ppo_settings(algo) -> dict:
+    c = float(algo["clip_ratio_c"])
+    if c <= 1.0:
+        raise ValueError(f"config.algo.clip_ratio_c={c}; must be > 1 (dual-clip)")
+    return {
+        "clip_low": float(algo["clip_ratio_low"]),
+        "clip_high": float(algo["clip_ratio_high"]),
+        "clip_ratio_c": c,
+    }
+
+
+@register_policy_loss("ppo", _ppo_settings)
+def ppo_loss(
     logp_NT,
     old_logp_NT,
     advantages_NT,
@@ -98,6 +177,63 @@ def policy_loss(
         losses = losses * jax.lax.stop_gradient(weights_NT)
     loss = agg_loss(losses, mask_NT, agg, denom)
     return loss, {"pg_clipfrac": clipfrac, "pg_clipfrac_lower": clipfrac_lower, "ppo_kl": ppo_kl}
+
+
+def _gspo_settings(algo) -> dict:
+    section = algo.get("gspo") or GSPO_CLIP
+    out = {}
+    for field, key in (("clip_ratio_low", "clip_low"), ("clip_ratio_high", "clip_high")):
+        value = float(section.get(field, GSPO_CLIP[field]))
+        if not 0.0 <= value < 1.0:
+            raise ValueError(f"config.algo.gspo.{field}={value}; must be in [0, 1)")
+        out[key] = value
+    return out
+
+
+@register_policy_loss("gspo", _gspo_settings)
+def gspo_loss(
+    logp_NT,
+    old_logp_NT,
+    advantages_NT,
+    mask_NT,
+    *,
+    clip_low: float = GSPO_CLIP["clip_ratio_low"],
+    clip_high: float = GSPO_CLIP["clip_ratio_high"],
+    agg: str = "token-mean",
+    denom=None,
+    weights_NT=None,
+):
+    """GSPO-token (arXiv 2507.18071 eq. 7-8; verl `compute_policy_loss_gspo`): one importance
+    ratio per sequence, the geometric mean of its token ratios,
+
+        log s_i = sum_t m_it (logp_it - old_it) / max(sum_t m_it, 1)
+        log s_it = sg[log s_i] + logp_it - sg[logp_it]   (clamped above at 10, as verl)
+        l1 = -A * s_it;  l2 = -A * clip(s_it, 1 - clip_low, 1 + clip_high);  loss = max(l1, l2)
+
+    so every token of a sequence carries s_i's value and its own log-prob's gradient. No
+    dual-clip (GSPO has none; pg_clipfrac_lower is 0). `weights_NT` as PPO's (verl multiplies
+    them in the same place). The aggregation is config.algo.loss_agg_mode, as the entropy and KL
+    terms' (TRL keeps its loss_type with GSPO); verl's GSPO always takes seq-mean-token-mean,
+    the paper's 1/G sum_i 1/|y_i| sum_t: set loss_agg_mode='seq-mean-token-mean' for theirs.
+
+    Returns (loss, {pg_clipfrac, pg_clipfrac_lower, ppo_kl}), token means as PPO's."""
+    mask = mask_NT.astype(jnp.float32)
+    neg_kl = logp_NT - old_logp_NT
+    seq = jnp.sum(neg_kl * mask, axis=1) / jnp.maximum(jnp.sum(mask, axis=1), 1.0)
+    sg = jax.lax.stop_gradient
+    log_ratio = jnp.minimum(sg(seq)[:, None] + logp_NT - sg(logp_NT), 10.0)
+    ratio = jnp.exp(log_ratio)
+    l1 = -advantages_NT * ratio
+    l2 = -advantages_NT * jnp.clip(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    losses = jnp.maximum(l1, l2)
+    if weights_NT is not None:
+        losses = losses * sg(weights_NT)
+    loss = agg_loss(losses, mask_NT, agg, denom)
+    return loss, {
+        "pg_clipfrac": _masked_mean((l2 > l1).astype(jnp.float32), mask_NT),
+        "pg_clipfrac_lower": jnp.zeros((), jnp.float32),
+        "ppo_kl": _masked_mean(-neg_kl, mask_NT),
+    }
 
 
 def _low_var_kl(logp_NT, ref_logp_NT):

@@ -198,18 +198,8 @@ class Sampler:
         input_ids = np.repeat(input_ids, self.sampling.n, axis=0)
         attention_mask = np.repeat(attention_mask, self.sampling.n, axis=0)
         rows = B * self.sampling.n
-        cache = self._caches.pop((rows, bucket), None)
-        if cache is None:
-            length = bucket + self.sampling.max_new_tokens
-            make = lambda: init_cache(self.model.config, rows, length)
-            if self.mesh is None:
-                cache = make()
-            else:  # created in place on the mesh (no host copy; works across processes)
-                shardings = _cache_sharding(self.mesh, jax.eval_shape(make))
-                cache = jax.jit(make, out_shardings=shardings)()
-        dev_ids, dev_mask = input_ids, attention_mask
-        if self.mesh is not None:
-            dev_ids, dev_mask = parallel.put_batch((input_ids, attention_mask), self.mesh)
+        cache = self._take_cache(rows, bucket)
+        dev_ids, dev_mask = self._place(input_ids, attention_mask)
         fault_key = key if fault_key is None else fault_key
         tokens, logprobs, mask, stats, cache = self._program(
             weights, dev_ids, dev_mask, (key, fault_key), cache, dict(values or {})
@@ -224,6 +214,32 @@ class Sampler:
             response_mask=parallel.to_host(mask),
             fault_stats=jax.tree_util.tree_map(parallel.to_host, stats),
         )
+
+    def compile(self, weights, rows: int, bucket: int, keys, values: dict[str, Any]) -> None:
+        """Lower and compile the program for `rows` rows of prompts `bucket` wide, as a call
+        with them runs it (`keys`: the (sampling, fault) keys; only their types matter), and
+        leave the KV cache it made in the pool for that call."""
+        ids = np.zeros((rows, bucket), np.int32)
+        cache = self._take_cache(rows, bucket)
+        self._caches[(rows, bucket)] = cache
+        self._program.lower(weights, *self._place(ids, ids), keys, cache, dict(values)).compile()
+
+    def _take_cache(self, rows: int, bucket: int):
+        """The pool's KV cache for (rows, bucket), taken out of it, or a new one."""
+        cache = self._caches.pop((rows, bucket), None)
+        if cache is None:
+            length = bucket + self.sampling.max_new_tokens
+            make = lambda: init_cache(self.model.config, rows, length)
+            if self.mesh is None:
+                cache = make()
+            else:  # created in place on the mesh (no host copy; works across processes)
+                shardings = _cache_sharding(self.mesh, jax.eval_shape(make))
+                cache = jax.jit(make, out_shardings=shardings)()
+        return cache
+
+    def _place(self, ids, mask):
+        """Prompts and their mask with the rows split over the mesh (as they are without one)."""
+        return (ids, mask) if self.mesh is None else parallel.put_batch((ids, mask), self.mesh)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

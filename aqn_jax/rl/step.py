@@ -109,9 +109,7 @@ class Hyper:
     estimator: str
     n: int
     temperature: float
-    clip_low: float
-    clip_high: float
-    clip_ratio_c: float
+    policy_loss: losses.PolicyLoss  # config.algo.policy_loss and its entry's settings
     agg: str
     use_kl_loss: bool
     kl_loss_coef: float
@@ -128,6 +126,11 @@ class Hyper:
     critic_warmup: int
     correction: RolloutCorrection = RolloutCorrection()  # config.algo.rollout_* / bypass_mode
     old_logp_pass: str = "auto"  # config.actor.old_logp_pass (OLD_LOGP_PASS)
+
+    @property
+    def use_ref(self) -> bool:
+        """A reference policy (its params and passes): the KL loss or the KL in the reward."""
+        return self.use_kl_loss or self.use_kl_in_reward
 
     @property
     def on_policy(self) -> bool:
@@ -191,9 +194,7 @@ def hyper_from(config) -> Hyper:
         estimator=algo.estimator,
         n=int(config.rollout.n),
         temperature=float(config.rollout.temperature) or 1.0,
-        clip_low=float(algo.clip_ratio_low),
-        clip_high=float(algo.clip_ratio_high),
-        clip_ratio_c=float(algo.clip_ratio_c),
+        policy_loss=losses.policy_loss_from(algo),
         agg=algo.loss_agg_mode,
         use_kl_loss=bool(algo.use_kl_loss),
         kl_loss_coef=float(algo.kl_loss_coef),
@@ -239,7 +240,7 @@ class Static:
 
     @property
     def use_ref(self) -> bool:
-        return self.h.use_kl_loss or self.h.use_kl_in_reward
+        return self.h.use_ref
 
     @property
     def fused_old_logp(self) -> bool:
@@ -624,20 +625,17 @@ def prepare_step(static: Static, state: RLState, ref_params, batch, scores, key,
 
 # -- update: PPO epochs over mini-batches, accumulation over micro-batches -------------------------
 def actor_loss(static: Static, params, mic, denom, key, values):
-    """Clipped (dual-clip) policy loss - entropy bonus (+ KL loss) of one micro-batch."""
+    """Policy loss (config.algo.policy_loss) - entropy bonus (+ KL loss) of one micro-batch."""
     h = static.h
     (logp, entropy), fstate = policy_logprobs(static, params, mic, key, values)
     mask = mic["rmask"]
     # On-policy (static.fused_old_logp): the old policy is this pass's, detached: ratio 1.
     old_logp = jax.lax.stop_gradient(logp) if static.fused_old_logp else mic["old_logp"]
-    pg, aux = losses.policy_loss(
+    pg, aux = h.policy_loss(
         logp,
         old_logp,
         mic["advantages"],
         mask,
-        clip_low=h.clip_low,
-        clip_high=h.clip_high,
-        clip_ratio_c=h.clip_ratio_c,
         agg=h.agg,
         denom=denom,
         weights_NT=mic.get("is_weights"),  # the rollout correction's IS weights, when on

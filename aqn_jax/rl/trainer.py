@@ -38,7 +38,7 @@ from aqn_jax.rl.scoring import eval_scores
 
 from .guard import Guard, RollbackNeeded
 from .rollout_correction import correct
-from .sampler import Sampler, SamplingParams
+from .sampler import SampleOutput, Sampler, SamplingParams
 from .step import (
     FAULT_STATS,
     OLD_LOGP,
@@ -201,8 +201,12 @@ class Trainer:
             batch["attention_mask"],
             jax.random.fold_in(key, 0),
             fault_key=fault_key,
-            values={AQN_SIGMA: np.float32(sigma), **self.sdc_values(step, attempt)},
+            values=self.step_values(step, sigma, attempt),
         )
+
+    def step_values(self, step: int, sigma: float, attempt: int = 0) -> dict[str, np.ndarray]:
+        """The traced per-step values the programs read: AQN's sigma and `sdc_values`."""
+        return {AQN_SIGMA: np.float32(sigma), **self.sdc_values(step, attempt)}
 
     def sdc_values(self, step: int, attempt: int) -> dict[str, np.ndarray]:
         """The RL step and attempt as traced values, for bit faults planted at given steps
@@ -322,35 +326,23 @@ class Trainer:
         """Prepare, rollout correction and update of one attempt at a step (the rollout `tb` is
         the step's, whatever the attempt)."""
         t0 = time.perf_counter()
-        dev = parallel.put_batch({k: v for k, v in tb.items() if k != "scores"}, self.mesh)
+        dev, scores_dev = self._device_rows(tb)
         train_key = step_key(self.seed, step, "train")
         if attempt:  # a recomputed step draws its faults anew: (seed, step, attempt, phase)
             train_key = jax.random.fold_in(train_key, ATTEMPT_TAG + attempt)
-        scores_dev = parallel.put_batch(tb["scores"], self.mesh)
-        values = {AQN_SIGMA: np.float32(sigma), **self.sdc_values(step, attempt)}
+        values = self.step_values(step, sigma, attempt)
         prep, train_stats = self.prepare(state, self.ref_params, dev, scores_dev, train_key, values)
         prep = jax.block_until_ready(prep)
         t_prep = time.perf_counter() - t0
-        upd = {k: dev[k] for k in ("ids", "mask", "tokens", "rmask")}
         fused = self.static.fused_old_logp  # the update's own log-probs are the old ones
-        upd.update({k: prep[k] for k in ("old_logp", "advantages") if k in prep})
-        if "ref_logp" in prep:
-            upd["ref_logp"] = prep["ref_logp"]
-        if self.static.use_critic:
-            upd.update(values=prep["values"], returns=prep["returns"])
         # Rollout correction (rl/rollout_correction.py): the sampler's log-probs against the
         # trainer's; IS weights, the loss mask without rejected tokens, bypass's old policy.
         t0 = time.perf_counter()
+        corr = None
         if not fused:
             old_logp = parallel.to_host(prep["old_logp"])
             corr = correct(old_logp, tb["sampler_logp"], tb["rmask"], self.static.h.correction)
-            for key, value in (
-                ("is_weights", corr.is_weights),
-                ("rmask", corr.loss_mask),
-                ("old_logp", corr.old_logp),
-            ):
-                if value is not None:
-                    upd[key] = parallel.put_batch(value, self.mesh)
+        upd = self._update_rows(dev, prep, corr)
         t_corr = time.perf_counter() - t0
         t0 = time.perf_counter()
         state, mets = self.update(state, upd, train_key, values)
@@ -370,6 +362,58 @@ class Trainer:
                 float(counts["abft"]) * passes + mets["sdc/detected_abft_update"]
             )
         return _Train(state, prep, train_stats, corr, mets, old_logp, t_prep, t_corr, t_upd)
+
+    def _device_rows(self, tb):
+        """(the rollout's train rows, its scores) on the mesh, as `prepare` takes them."""
+        dev = parallel.put_batch({k: v for k, v in tb.items() if k != "scores"}, self.mesh)
+        return dev, parallel.put_batch(tb["scores"], self.mesh)
+
+    def _update_rows(self, dev, prep, corr=None) -> dict:
+        """The update's rows: the rollout's (`dev`), prepare's outputs (`prep`) and the rollout
+        correction's (`corr`, None when the update's own pass gives the old log-probs): its IS
+        weights, its loss mask and bypass's old policy, where they act."""
+        upd = {k: dev[k] for k in ("ids", "mask", "tokens", "rmask")}
+        upd.update({k: prep[k] for k in ("old_logp", "advantages", "ref_logp") if k in prep})
+        if self.static.use_critic:
+            upd.update(values=prep["values"], returns=prep["returns"])
+        if corr is not None:
+            for key, value in (
+                ("is_weights", corr.is_weights),
+                ("rmask", corr.loss_mask),
+                ("old_logp", corr.old_logp),
+            ):
+                if value is not None:
+                    upd[key] = parallel.put_batch(value, self.mesh)
+        return upd
+
+    def compile_step(self, state: RLState, prompt_shape: tuple[int, int], step: int) -> None:
+        """Lower and compile generate, prepare and update for a batch of prompts of
+        `prompt_shape` ([prompts, length]) as `step(state, step)` will call them: its inputs
+        built by the step's own builders from zeros of those shapes (the values do not matter,
+        only shapes, dtypes and shardings), so that the step runs compiled (the jits' caches)."""
+        static = self.static
+        sampler, rows = self.rollout_sampler, prompt_shape[0] * static.h.n
+        bucket = sampler.bucket(prompt_shape[1])
+        values = self.step_values(step, self.spec.aqn.sigma(step, static.total_steps))
+        key = step_key(self.seed, step, "rollout")  # any key: only its type and shape matter
+        weights = self.generation_weights(policy_weights(static, state))
+        sampler.compile(weights, rows, bucket, (key, key), values)
+        ids, tokens = np.zeros((rows, bucket), np.int32), np.zeros((rows, static.max_new), np.int32)
+        out = SampleOutput(ids, ids, tokens, tokens.astype(np.float32), tokens + 1, {})
+        tb = train_batch(out, np.zeros(rows, np.float32))
+        dev, scores = self._device_rows(tb)
+        train_key = step_key(self.seed, step, "train")
+        prepared = self.prepare.lower(state, self.ref_params, dev, scores, train_key, values)
+        prep = jax.tree_util.tree_map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+            prepared.compile().out_info[0],
+        )
+        corr = None
+        if not static.fused_old_logp:
+            rmask = tb["rmask"]
+            corr = correct(tb["sampler_logp"], tb["sampler_logp"], rmask, static.h.correction)
+        upd = self._update_rows(dev, prep, corr)
+        self.update.lower(state, upd, train_key, values).compile()
 
     def _guarded(
         self,
