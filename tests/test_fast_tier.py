@@ -2,10 +2,10 @@
 coverage for real: a module whose function ran passes; one only imported, one never imported
 are named; a module of constants needs only its import, an empty one nothing."""
 
-import importlib
+import os
+import subprocess
 import sys
 
-import coverage
 import fast_tier
 
 MODULES = {
@@ -20,27 +20,28 @@ MODULES = {
 }
 
 
-def test_fast_tier_check_names_modules_only_imported_or_never(tmp_path, monkeypatch):
+def test_fast_tier_check_names_modules_only_imported_or_never(tmp_path):
     pkg = tmp_path / "fasttier_pkg"
     pkg.mkdir()
     for name, text in MODULES.items():
         (pkg / name).write_text(text)
-    monkeypatch.syspath_prepend(str(tmp_path))
     data = str(tmp_path / ".coverage")
-    # config_file=False: not pyproject.toml's [tool.coverage.run] (parallel data files, measured
-    # subprocesses), which tests/fast_tier.py's own run uses; this one is a plain measurement.
-    cov = coverage.Coverage(data_file=data, source=[str(pkg)], config_file=False)
-    cov.start()
-    try:
-        assert importlib.import_module("fasttier_pkg.ran").f(1) == 2
-        importlib.import_module("fasttier_pkg.imported")
-        importlib.import_module("fasttier_pkg.constants")
-        importlib.import_module("fasttier_pkg.empty")
-    finally:
-        cov.stop()
-        for name in [m for m in sys.modules if m.startswith("fasttier_pkg")]:
-            sys.modules.pop(name)
-    cov.save()
+    # Measured in a process of its own: a second Coverage started inside a test would stop the
+    # measurement of tests/fast_tier.py's own run in this worker. config_file=False: not
+    # pyproject.toml's [tool.coverage.run] (parallel data files); no COVERAGE_* variables, so
+    # the outer run's subprocess hook stays out of it.
+    script = (
+        "import importlib, coverage\n"
+        f"cov = coverage.Coverage(data_file={data!r}, source=[{str(pkg)!r}], config_file=False)\n"
+        "cov.start()\n"
+        "assert importlib.import_module('fasttier_pkg.ran').f(1) == 2\n"
+        "for name in ('imported', 'constants', 'empty'):\n"
+        "    importlib.import_module('fasttier_pkg.' + name)\n"
+        "cov.stop()\n"
+        "cov.save()\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("COVERAGE_")}
+    subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, check=True)
     executed = fast_tier.executed_lines(data)
     assert executed[str((pkg / "ran.py").resolve())] >= {1, 4, 5, 6}
     assert fast_tier.untouched(executed, pkg) == [
