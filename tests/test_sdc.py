@@ -510,7 +510,10 @@ def test_guard_recomputes_a_planted_gradient_flip_and_the_control_diverges(
         "faults.bitflip.rate": 1.0,
         "faults.bitflip.steps": "(1,)",
     }
-    with pytest.raises(FloatingPointError, match=r"RL step 1: non-finite .*bitflip"):
+    with pytest.raises(
+        FloatingPointError,
+        match=r"RL step 1: a bit fault fired in this step .*non-finite .*bitflip",
+    ):
         run(config(**planted), str(tmp_path / "control"))
     run(config(**planted, **{"sdc.guard": "recompute"}), str(tmp_path / "guarded"))
     # The clean run: config() with nothing planted, run once for the session (conftest).
