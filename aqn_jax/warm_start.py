@@ -131,6 +131,9 @@ def warm_start_spec(config: Any) -> WarmStartSpec:
             "train_path": d.train_path,
             "task": d.task.to_dict(),
             "train_size": d.train_size,
+            # The prompt's form (data.config.with_prompt_format) when it is not verl's: keys
+            # made before these fields existed stay what they were.
+            **{k: d.get(k) for k in ("shots", "instruction") if d.get(k)},
         },
         "sft": {k: v for k, v in config.sft.to_dict().items() if k not in ("cache_dir", "seed")},
         "seed": seed,

@@ -597,3 +597,20 @@ def test_prompt_format_shows_worked_problems_and_the_instruction(tmp_path):
     data.train_size, data.shots = 6, 7
     with pytest.raises(ValueError, match=r"config\.data\.shots=7 but the train split has 6"):
         load_split(data, "test")
+
+
+def test_prompt_format_is_part_of_the_warm_start_key():
+    """An SFT warm start trained on one prompt form is not reused for another; at the defaults
+    the key is the one made before config.data.shots / instruction existed (the shipped one)."""
+    from aqn_jax.experiment import base_config
+    from aqn_jax.warm_start import warm_start_spec
+
+    config = base_config()
+    plain = warm_start_spec(config).key
+    config.data.shots = 1
+    shots = warm_start_spec(config).key
+    config.data.shots, config.data.instruction = 0, " Be brief."
+    instruction = warm_start_spec(config).key
+    config.data.instruction = ""
+    assert warm_start_spec(config).key == plain  # negative control: back to the defaults
+    assert len({plain, shots, instruction}) == 3
