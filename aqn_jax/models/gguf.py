@@ -363,6 +363,17 @@ def check_inputs(paths: list[str], out: str) -> None:
             )
 
 
+def check_sha256_arg(sha256: str | None, source: str | None) -> None:
+    """--sha256 is 64 lowercase hex digits, and never beside a --source that pins its own: one
+    line, before any package is looked up or any byte read."""
+    pinned = SOURCES[source].sha256 if source in SOURCES else None
+    if sha256 is not None and (pinned or not re.fullmatch("[0-9a-f]{64}", sha256)):
+        raise ValueError(
+            f"--sha256={sha256!r}; allowed: 64 lowercase hex digits, and not with"
+            f" --source={source} (it pins its own)"
+        )
+
+
 def gguf_to_hf(
     gguf: str | list[str], out: str, source: str | None = None, sha256: str | None = None
 ) -> dict:
@@ -370,12 +381,7 @@ def gguf_to_hf(
     the provenance record. `source` (a key of SOURCES) pins the parts' sizes and sha256;
     `sha256` pins the whole file's (any file or set: bench/device/parts.py's manifest)."""
     paths = [gguf] if isinstance(gguf, str) else list(gguf)
-    pinned = SOURCES[source].sha256 if source in SOURCES else None
-    if sha256 is not None and (pinned or not re.fullmatch("[0-9a-f]{64}", sha256)):
-        raise ValueError(
-            f"--sha256={sha256!r}; allowed: 64 lowercase hex digits, and not with"
-            f" --source={source} (it pins its own)"
-        )
+    check_sha256_arg(sha256, source)
     check_inputs(paths, out)
     t0 = time.perf_counter()
     tmp = os.path.abspath(out).rstrip("/") + f".tmp-{os.getpid()}"
@@ -503,6 +509,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.gguf and args.source:
             raise ValueError(f"--gguf={args.gguf!r} and --source={args.source!r}: give one")
         source = args.source or (None if args.gguf else DEFAULT_SOURCE)
+        check_sha256_arg(args.sha256, source)
         paths = args.gguf.split(",") if args.gguf else source_paths(source)
         record = gguf_to_hf(paths, args.out, source=source, sha256=args.sha256)
     except (ValueError, FileNotFoundError, PermissionError, ModuleNotFoundError) as e:
