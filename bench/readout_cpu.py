@@ -6,6 +6,7 @@ micro-batch (the readout alone).
 
   python bench/readout_cpu.py --before=/path/to/tree@8ff6bec --hf-path=/models/qwen05 \
       --gsm8k=../shared/datasets/gsm8k [--steps 2] [--out /tmp/readout_cpu] [--record]
+      [--order before,after,after_old_mb,before]
 
 Method:
   * each arm is one `python -m aqn_jax.launch` run in its source tree, under
@@ -27,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 
@@ -74,7 +76,9 @@ def run_arm(name, tree, micro_batch, a) -> dict:
     with open(os.path.join(workdir, "metrics.jsonl")) as f:
         steps = [row for row in map(json.loads, f) if "timing_s/step" in row]
     if r["returncode"] != 0 or len(steps) != a.steps:
-        raise SystemExit(f"[{name}] failed: rc {r['returncode']}, {len(steps)} steps; {r['log_tail']}")
+        raise SystemExit(
+            f"[{name}] failed: rc {r['returncode']}, {len(steps)} steps; {r['log_tail']}"
+        )
     last = steps[-1]
     out = {
         "arm": name,
@@ -100,11 +104,29 @@ def main() -> None:
     ap.add_argument("--out", default="/tmp/readout_cpu")
     ap.add_argument("--old-micro-batch", type=int, default=2, help="the before tree's config")
     ap.add_argument("--record", action="store_true")
+    ap.add_argument(
+        "--order",
+        default="before,after,after_old_mb,before",
+        help="the arms in the order run; an arm given twice is run twice and its mean reported"
+        " (before first and last brackets the load's drift)",
+    )
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
-    before = run_arm("before", os.path.abspath(a.before), None, a)
-    after = run_arm("after", ROOT, None, a)
-    same = run_arm("after_old_mb", ROOT, a.old_micro_batch, a)
+    trees = {"before": (os.path.abspath(a.before), None), "after": (ROOT, None)}
+    trees["after_old_mb"] = (ROOT, a.old_micro_batch)
+    runs: dict[str, list[dict]] = {}
+    for i, arm in enumerate(a.order.split(",")):
+        if arm not in trees:
+            raise SystemExit(f"--order: {arm!r}; allowed: {sorted(trees)}")
+        runs.setdefault(arm, []).append(run_arm(f"{arm}{i}", *trees[arm], a))
+    mean = {
+        arm: {
+            k: (statistics.mean(r[k] for r in rs) if isinstance(rs[0][k], float) else rs[0][k])
+            for k in rs[0]
+        }
+        for arm, rs in runs.items()
+    }
+    before, after, same = mean["before"], mean["after"], mean["after_old_mb"]
     flags = ""
     if os.path.exists("/proc/cpuinfo"):
         with open("/proc/cpuinfo") as f:
@@ -122,7 +144,7 @@ def main() -> None:
         f" after_old_mb_gib={same['peak_gib']:.2f}"
     )
     if a.record:
-        rows = [before, after, same]
+        rows = [r for rs in runs.values() for r in rs]
         lines = [
             f"### bench/readout_cpu.py — the 0.5B step at 2x8x256, {a.steps} steps (flags {flags})",
             "",
