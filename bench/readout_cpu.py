@@ -15,6 +15,7 @@ Method:
     allowed), so the peak is the step's;
   * step time: the last step's `timing_s/step` (the first holds no compile, since the step
     programs are compiled ahead, but the last is the steadier); `gen` and `update` split;
+  * every arm in one compute dtype (`--dtype`, bf16 by default), not the config's 'auto';
   * the arms run one after another, never side by side (each needs most of the RAM); the load
     average before each is printed.
 
@@ -50,6 +51,7 @@ def run_arm(name, tree, micro_batch, a) -> dict:
         "--config.trainer.val_size=1",
         "--config.trainer.val_batch_size=1",
         "--config.checkpoint.final=none",
+        f"--config.model.dtype={a.dtype}",
         f"--workdir={workdir}",
     ]
     if micro_batch:
@@ -103,6 +105,12 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("--out", default="/tmp/readout_cpu")
     ap.add_argument("--old-micro-batch", type=int, default=2, help="the before tree's config")
+    ap.add_argument(
+        "--dtype",
+        default="bfloat16",
+        help="the compute dtype of every arm: the config's 'auto' times a product at start-up,"
+        " and under load that choice flips between runs (f32 in one arm, bf16 in another)",
+    )
     ap.add_argument("--record", action="store_true")
     ap.add_argument(
         "--order",
