@@ -5,9 +5,9 @@ rate): 'auto' is bfloat16. On a CPU it depends on the chip: on an Intel Xeon wit
 product of the 0.5B model's shapes ran ~5x f32 (issue 43's table), on an AMD EPYC with
 AVX512-BF16 1.1-1.5x, and on one with AVX2 alone bf16 was 1.39x *slower* (issue 30). So on a CPU
 'auto' times the decoder's widest product (M=256 rows x 896 x 4864, f32 accumulation) in both
-dtypes, best of a few calls after a warm-up (~1 s), and takes bfloat16 only when it is at least
-`MIN_SPEEDUP` faster. The choice and its measurement are printed with the run's log and written
-into config.json as the resolved dtype (a run resumes with what it chose).
+dtypes, the best of 15 alternating rounds after a warm-up (~1 s), and takes bfloat16 only when it
+is at least `MIN_SPEEDUP` faster. The choice and its measurement are printed with the run's log
+and written into config.json as the resolved dtype (a run resumes with what it chose).
 
 The master weights and the optimizer state stay `config.model.param_dtype` (float32); bf16 changes
 the forward's numerics (WORKSPACE.md, issue 30: the loss within 0.3% at 0.5B), which is why the
@@ -26,6 +26,11 @@ import numpy as np
 AUTO = "auto"
 MIN_SPEEDUP = 1.15  # below this, bf16's different numerics are not worth it
 SHAPE = (256, 896, 4864)  # M x K x N: the 0.5B MLP's up projection over 256 rows
+# Alternating rounds of the probe (~0.5 s on 2 cores). Five calls of one dtype and then five of
+# the other let a load change between the two decide: on a 2-core AMD EPYC with AVX512-BF16
+# under load 4-5, the same commit chose float32 (bf16 12 ms, f32 12 ms) in three runs and
+# bfloat16 (6 ms, 12-14 ms) in two (WORKSPACE.md, issue 51's CPU bench).
+ROUNDS = 15
 
 
 # The CPU flags that decide bf16 and f32 matmul speed (`avx512_bf16`: native bf16 dot
@@ -46,18 +51,24 @@ def cpu_flags() -> tuple[str, ...] | None:
     return None
 
 
-def _best_time(dtype, reps: int = 5) -> float:
+def _best_times(dtypes, rounds: int = ROUNDS) -> list[float]:
+    """The best time of the product in each of `dtypes`, timed in alternating rounds (each round
+    times every dtype once, in turn) so that a change of the machine's load during the probe
+    falls on all of them alike; the best of many calls is what the chip can do."""
     m, k, n = SHAPE
     rng = np.random.default_rng(0)
-    a = jnp.asarray(rng.standard_normal((m, k)), dtype)
-    b = jnp.asarray(rng.standard_normal((k, n)), dtype)
+    a = rng.standard_normal((m, k))
+    b = rng.standard_normal((k, n))
     dot = jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32))
-    dot(a, b).block_until_ready()
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        dot(a, b).block_until_ready()
-        best = min(best, time.perf_counter() - t0)
+    args = [(jnp.asarray(a, dt), jnp.asarray(b, dt)) for dt in dtypes]
+    for x, y in args:
+        dot(x, y).block_until_ready()
+    best = [float("inf")] * len(dtypes)
+    for _ in range(rounds):
+        for i, (x, y) in enumerate(args):
+            t0 = time.perf_counter()
+            dot(x, y).block_until_ready()
+            best[i] = min(best[i], time.perf_counter() - t0)
     return best
 
 
@@ -70,7 +81,7 @@ def choose(backend: str | None = None) -> tuple[str, str]:
 def _choose(backend: str) -> tuple[str, str]:
     if backend != "cpu":
         return "bfloat16", f"on {backend}: bf16 products are the accelerator's fast path"
-    t32, t16 = _best_time(jnp.float32), _best_time(jnp.bfloat16)
+    t32, t16 = _best_times((jnp.float32, jnp.bfloat16))
     speedup = t32 / t16
     flags = ",".join(cpu_flags() or ()) or "unknown"
     m, k, n = SHAPE
