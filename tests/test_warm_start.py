@@ -12,7 +12,8 @@ from conftest import load_config
 @pytest.mark.slow
 def test_shipped_warm_start_reads_its_prompt(tmp_path):
     from aqn_jax.data.config import task_of
-    from aqn_jax.evaluation import decode_spec, prompt_dependence
+    from aqn_jax.evaluation import prompt_dependence
+    from aqn_jax.spec import decode_spec
     from aqn_jax.warm_start import (
         SHIPPED_DIR,
         cache_dir,
