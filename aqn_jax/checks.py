@@ -4,6 +4,7 @@ before anything is trained or written (`check_train`), and the prompt-length che
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -41,7 +42,7 @@ from aqn_jax.spec import (
     summary_spec,
     trainer_spec,
 )
-from aqn_jax.warm_start import check_sft_cache, tokenizer_for, warm_start_spec
+from aqn_jax.warm_start import SftSpec, WarmStartSpec, check_sft_cache, sft_seed, tokenizer_for
 
 
 def check_prompt_lengths(rollout, val_size: int, tokenizer, test_examples) -> None:
@@ -233,6 +234,47 @@ def check_block_widths(faults, model_cfg) -> None:
                 f" {bad[1]} lanes of {bad[0]}'s {sec.point} (the last axis); allowed: a block"
                 f" size dividing {math.gcd(*widths)} (the widths hit: {widths})"
             )
+
+
+def warm_start_spec(config) -> WarmStartSpec:
+    """The warm start's spec: config.model, tokenizer_path, data and sft, frozen (config.sft
+    checked when enabled), and the cache key computed from them (the raw sections' `to_dict`:
+    the job boundary keeps it)."""
+    d = config.data
+    seed = sft_seed(config.sft, config.seed)
+    # num_layers at its default (0, the preset's depth) is left out: the keys of warm starts
+    # made before the field existed, the shipped one included, stay what they were. The base's
+    # weight_format is applied to the warm start after it is made (QeRL mode): not part of it;
+    # logprob_chunk only regroups the log-probs' sums (issue 51): not part of it either.
+    model = {
+        k: v
+        for k, v in config.model.to_dict().items()
+        if (k != "num_layers" or v) and k not in ("weight_format", "logprob_chunk")
+    }
+    parts = {
+        "model": model,
+        "tokenizer": config.tokenizer_path,
+        "data": {
+            "train_path": d.train_path,
+            "task": d.task.to_dict(),
+            "train_size": d.train_size,
+            # The prompt's form (data.config.with_prompt_format) when it is not verl's: keys
+            # made before these fields existed stay what they were.
+            **{k: d.get(k) for k in ("shots", "instruction") if d.get(k)},
+        },
+        "sft": {k: v for k, v in config.sft.to_dict().items() if k not in ("cache_dir", "seed")},
+        "seed": seed,
+    }
+    blob = json.dumps(parts, sort_keys=True, default=str)
+    return WarmStartSpec(
+        model=ml_collections.FrozenConfigDict(config.model),
+        tokenizer_path=str(config.tokenizer_path or ""),
+        data=ml_collections.FrozenConfigDict(d),
+        sft=SftSpec.of(config.sft) if config.sft.enabled else None,
+        seed=seed,
+        cache_dir=str(config.sft.cache_dir or ""),
+        key=hashlib.sha256(blob.encode()).hexdigest()[:16],
+    )
 
 
 def check_train(config, workdir: str | None = None, cache: dict | None = None) -> RunSpec:

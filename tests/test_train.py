@@ -259,7 +259,8 @@ SHARDED = textwrap.dedent(
     from aqn_jax.rl import step as rl_step
     from aqn_jax.rl.trainer import Trainer, prompt_batcher, train_batch
     from aqn_jax.spec import loop_spec, step_spec
-    from aqn_jax.warm_start import tokenizer_for, warm_start, warm_start_spec
+    from aqn_jax.checks import warm_start_spec
+    from aqn_jax.warm_start import tokenizer_for, warm_start
 
     # The shipped warm start (not a random init, whose rewards are all 0: its gradient is ~1e-10
     # and any two meshes agree on it), so the step's gradient is a real one.

@@ -225,6 +225,7 @@ def test_a_failed_sft_cache_write_keeps_the_trained_warm_start(tmp_path, monkeyp
     """The cache checked writable, then the write fails anyway (a full disk): the run goes on
     with the SFT it trained, warning once, and leaves no half-written entry behind."""
     from aqn_jax import warm_start as pretrain
+    from aqn_jax.checks import warm_start_spec
 
     from conftest import load_config
 
@@ -240,7 +241,7 @@ def test_a_failed_sft_cache_write_keeps_the_trained_warm_start(tmp_path, monkeyp
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(pretrain, "save_hf_checkpoint", full_disk)
-    _, params, info = pretrain.warm_start(pretrain.warm_start_spec(config), str(tmp_path / "run"))
+    _, params, info = pretrain.warm_start(warm_start_spec(config), str(tmp_path / "run"))
     assert params is trained and info["cache"] == "unsaved"
     assert "warning: the SFT warm start could not be cached" in capsys.readouterr().err
     assert os.listdir(tmp_path / "cache") == []  # the temporary directory removed

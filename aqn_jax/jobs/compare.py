@@ -51,7 +51,7 @@ import numpy as np
 
 from aqn_jax import parallel, training
 from aqn_jax.checkpoint import Checkpointer
-from aqn_jax.checks import check_train
+from aqn_jax.checks import check_train, warm_start_spec
 from aqn_jax.data.config import load_split
 from aqn_jax.diagnosis import srdd
 from aqn_jax.evaluation import conditions, robustness
@@ -65,7 +65,7 @@ from aqn_jax.spec import eval_spec, srdd_spec
 from aqn_jax.study import report as study_report
 from aqn_jax.study.config import check_compare
 from aqn_jax.study.report import write_report
-from aqn_jax.warm_start import sft_seed, tokenizer_for, warm_start, warm_start_spec
+from aqn_jax.warm_start import sft_seed, tokenizer_for, warm_start
 
 # The curves results.json keeps per run: those the study report plots.
 CURVE_KEYS = (*study_report.CURVE_KEYS, *study_report.MISMATCH_KEYS)

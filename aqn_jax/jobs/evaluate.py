@@ -23,7 +23,7 @@ import numpy as np
 
 from aqn_jax import parallel
 from aqn_jax.checkpoint import Checkpointer
-from aqn_jax.checks import check_block_widths, check_prompt_lengths
+from aqn_jax.checks import check_block_widths, check_prompt_lengths, warm_start_spec
 from aqn_jax.data.config import check_data, load_split
 from aqn_jax.evaluation import check_evaluate, robustness
 from aqn_jax.faults.config import fault_plan
@@ -31,7 +31,7 @@ from aqn_jax.jobs import run_policy
 from aqn_jax.models.factory import logical_axes, model_config
 from aqn_jax.models.hf import abstract_params
 from aqn_jax.spec import eval_spec
-from aqn_jax.warm_start import tokenizer_for, warm_start, warm_start_spec
+from aqn_jax.warm_start import tokenizer_for, warm_start
 
 
 def check_config(config):
