@@ -4,15 +4,17 @@ before anything is trained or written (`check_train`), and the prompt-length che
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
 
 import jax
+import ml_collections
 import numpy as np
 
 from aqn_jax import parallel, planner, quant_base
-from aqn_jax.aqn.plan import build_plan
+from aqn_jax.aqn.plan import place_aqn
 from aqn_jax.checkpoint import check_final
 from aqn_jax.data.config import check_data, load_split
 from aqn_jax.data.gsm8k import tokenize_prompts
@@ -20,7 +22,7 @@ from aqn_jax.diagnosis.srdd import check_config as check_diagnosis
 from aqn_jax.faults import formats
 from aqn_jax.faults.config import check_bit_dtypes, fault_plan
 from aqn_jax.faults.sites import expand_kinds
-from aqn_jax.lora import check_ranks, lora_spec
+from aqn_jax.lora import LoraSpec, check_ranks, lora_spec
 from aqn_jax.models.factory import model_config
 from aqn_jax.models.hf import abstract_params
 from aqn_jax.models.registry import family_of
@@ -28,8 +30,19 @@ from aqn_jax.rl.advantages import ESTIMATORS
 from aqn_jax.rl.guard import guard_spec
 from aqn_jax.rl.optim import check_optimizer
 from aqn_jax.rl.sampler import check_rollout
-from aqn_jax.rl.step import hyper_from
-from aqn_jax.warm_start import WarmStartSpec, check_sft_cache, tokenizer_for, warm_start_spec
+from aqn_jax.spec import (
+    RunSpec,
+    checkpoint_spec,
+    hyper_from,
+    job_spec,
+    loop_spec,
+    run_diagnosis,
+    srdd_spec,
+    step_spec,
+    summary_spec,
+    trainer_spec,
+)
+from aqn_jax.warm_start import SftSpec, WarmStartSpec, check_sft_cache, sft_seed, tokenizer_for
 
 
 def check_prompt_lengths(rollout, val_size: int, tokenizer, test_examples) -> None:
@@ -164,13 +177,11 @@ def check_train_dtypes(model) -> None:
             )
 
 
-def check_qerl(config, model_cfg, training: bool) -> None:
-    """config.lora, config.model.weight_format and config.checkpoint.export, against the
-    model's shapes (from `jax.eval_shape`: nothing compiles)."""
-    spec = lora_spec(config.get("lora"))
-    fmt = config.model.get("weight_format", "none")
+def check_qerl(spec: LoraSpec, fmt: str, export: str, model_cfg, training: bool) -> None:
+    """config.lora (`spec`, parsed), config.model.weight_format (`fmt`) and
+    config.checkpoint.export (`export`), against the model's shapes (from `jax.eval_shape`:
+    nothing compiles)."""
     quant_base.check_format(fmt)
-    export = config.get("checkpoint", {}).get("export", "none")
     if export not in EXPORTS:
         raise ValueError(f"config.checkpoint.export={export!r}; allowed: {EXPORTS}")
     if fmt == "none" and not spec.enabled:
@@ -225,39 +236,65 @@ def check_block_widths(faults, model_cfg) -> None:
             )
 
 
-class Checked(tuple):
-    """`check_train`'s result: unpacks as (model config, tokenizer, hardware plan, memory plan);
-    `train_prompts` / `train_prompts_dropped` count the train split and the prompts the batcher
-    will drop as longer than config.rollout.max_prompt_len; `warm_start` is the run's
-    `WarmStartSpec`."""
+def warm_start_spec(config) -> WarmStartSpec:
+    """The warm start's spec: config.model, tokenizer_path, data and sft, frozen (config.sft
+    checked when enabled), and the cache key computed from them (the raw sections' `to_dict`:
+    the job boundary keeps it)."""
+    d = config.data
+    seed = sft_seed(config.sft, config.seed)
+    # num_layers at its default (0, the preset's depth) is left out: the keys of warm starts
+    # made before the field existed, the shipped one included, stay what they were. The base's
+    # weight_format is applied to the warm start after it is made (QeRL mode): not part of it;
+    # logprob_chunk only regroups the log-probs' sums (issue 51): not part of it either.
+    model = {
+        k: v
+        for k, v in config.model.to_dict().items()
+        if (k != "num_layers" or v) and k not in ("weight_format", "logprob_chunk")
+    }
+    parts = {
+        "model": model,
+        "tokenizer": config.tokenizer_path,
+        "data": {
+            "train_path": d.train_path,
+            "task": d.task.to_dict(),
+            "train_size": d.train_size,
+            # The prompt's form (data.config.with_prompt_format) when it is not verl's: keys
+            # made before these fields existed stay what they were.
+            **{k: d.get(k) for k in ("shots", "instruction") if d.get(k)},
+        },
+        "sft": {k: v for k, v in config.sft.to_dict().items() if k not in ("cache_dir", "seed")},
+        "seed": seed,
+    }
+    blob = json.dumps(parts, sort_keys=True, default=str)
+    return WarmStartSpec(
+        model=ml_collections.FrozenConfigDict(config.model),
+        tokenizer_path=str(config.tokenizer_path or ""),
+        data=ml_collections.FrozenConfigDict(d),
+        sft=SftSpec.of(config.sft) if config.sft.enabled else None,
+        seed=seed,
+        cache_dir=str(config.sft.cache_dir or ""),
+        key=hashlib.sha256(blob.encode()).hexdigest()[:16],
+    )
 
-    train_prompts: int
-    train_prompts_dropped: int
-    warm_start: WarmStartSpec
 
-    def __new__(
-        cls, model_cfg, tokenizer, hw, memory, *, train_prompts: int, dropped: int, warm_start
-    ):
-        self = super().__new__(cls, (model_cfg, tokenizer, hw, memory))
-        self.train_prompts, self.train_prompts_dropped = train_prompts, dropped
-        self.warm_start = warm_start
-        return self
-
-
-def check_train(config, workdir: str | None = None, cache: dict | None = None) -> Checked:
+def check_train(config, workdir: str | None = None, cache: dict | None = None) -> RunSpec:
     """Every check that needs no compile; raises ValueError naming the field. Nothing is
-    written. `workdir` locates the default SFT cache (<workdir>/../cache) for its check;
-    `cache` keeps the prompt lengths between calls (`prompt_lengths`)."""
+    written. The config parsed once: the run's `RunSpec`. `workdir` locates the default SFT
+    cache (<workdir>/../cache) for its check; `cache` keeps the prompt lengths between calls
+    (`prompt_lengths`)."""
     # The config's own values first (no file read): a typo fails in well under a second.
     check_rollout(config.rollout)
-    hyper_from(config)  # data_batch / rollout.n / actor batch sizes, algo
+    h = hyper_from(config)  # data_batch / rollout.n / actor batch sizes, algo
     check_optimizer(config.actor, "warmup_steps", "config.actor")
     if ESTIMATORS[config.algo.estimator].critic:
         check_optimizer(config.critic, "lr_warmup_steps", "config.critic")
     check_trainer(config.trainer, config.checkpoint)
     model_cfg = model_config(config.model)
     check_train_dtypes(config.model)
-    check_qerl(config, model_cfg, training=True)
+    lora = lora_spec(config.get("lora"))
+    fmt = str(config.model.get("weight_format", "none"))
+    export = config.get("checkpoint", {}).get("export", "none")
+    check_qerl(lora, fmt, export, model_cfg, training=True)
     n = model_cfg.num_hidden_layers
     tokenizer = tokenizer_for(config.tokenizer_path, config.model)
     check_data(config.data)
@@ -266,15 +303,15 @@ def check_train(config, workdir: str | None = None, cache: dict | None = None) -
     hw = fault_plan(config.faults, n)  # fault layers within the model, fields valid
     check_block_widths(config.faults, model_cfg)
     check_bit_dtypes(config.faults, model_cfg.dtype, model_cfg.param_dtype)
-    if guard_spec(config.get("sdc")).abft_backward and lora_spec(config.get("lora")).enabled:
+    sdc = guard_spec(config.get("sdc"))
+    if sdc.abft_backward and lora.enabled:
         raise ValueError(
             "config.sdc.abft_backward=True with config.lora.rank > 0: the backward checks cover"
             " a plain linear's dX and dW, not the adapter's terms; turn one of them off"
         )
     # The AQN arm parses now; 'located' / 'srdd' get their layers from the diagnosis later.
-    build_plan(
-        config.faults, config.aqn, n, srdd_sigmas=dict.fromkeys(range(n), 0.05), srdd_layers=[0]
-    )
+    aqn = ml_collections.FrozenConfigDict(config.aqn)
+    place_aqn(hw.injections, aqn, n, srdd_sigmas=dict.fromkeys(range(n), 0.05), srdd_layers=[0])
     rows = int(config.data_batch.prompts) * int(config.rollout.n)
     parallel.check_splits(
         config.mesh,
@@ -290,7 +327,8 @@ def check_train(config, workdir: str | None = None, cache: dict | None = None) -
         },
     )
     # Per-device memory from shapes alone; refuses (suggesting a mesh) when it cannot fit.
-    memory = planner.check(planner.job_spec(config, model_cfg), jax.device_count())
+    job = job_spec(config, model_cfg, h=h, lora=lora, device=hw)
+    memory = planner.check(job, jax.device_count())
     # The data as the run will batch it: every train prompt tokenized, the validation prompts.
     tok_path = config.tokenizer_path or config.model.hf_path
     train = prompt_lengths(config.data, tokenizer, tok_path, "train", cache)
@@ -299,12 +337,27 @@ def check_train(config, workdir: str | None = None, cache: dict | None = None) -
     val_size = config.trainer.val_size
     _check_val_lengths(config.rollout, val_size, test[: int(val_size)], len(test))
     check_sft_cache(warm, workdir)  # last: the SFT would train, then fail to be cached
-    return Checked(
-        model_cfg,
-        tokenizer,
-        hw,
-        memory,
-        train_prompts=len(train),
-        dropped=dropped,
+    return RunSpec(
+        model=model_cfg,
+        weight_format=fmt,
+        lora=lora,
+        tokenizer=tokenizer,
+        tokenizer_path=tok_path,
+        data=warm.data,
+        device=hw,
+        aqn=aqn,
+        sdc=sdc,
+        step=step_spec(config, h=h, lora=lora, sdc=sdc),
+        loop=loop_spec(config),
+        trainer=trainer_spec(config.trainer),
+        checkpoint=checkpoint_spec(config.checkpoint),
+        mesh=job.mesh,
+        seed=int(config.seed),
         warm_start=warm,
+        srdd=srdd_spec(config),
+        diagnose=run_diagnosis(config),
+        summary=summary_spec(config, hw, n),
+        memory=memory,
+        train_prompts=len(train),
+        train_prompts_dropped=dropped,
     )

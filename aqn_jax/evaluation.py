@@ -16,7 +16,7 @@ A caller that evaluates one run after another (the `compare` job) passes a cache
 the plan's injections, the mesh), so the matrix is traced and compiled once.
 
 What the evaluation reads of an experiment config is converted once, at the job, into an
-`EvalSpec` (`eval_spec(config)`, which validates it); the library functions take that.
+`EvalSpec` (`spec.eval_spec(config)`, which validates it); the library functions take that.
 
 Decoding: greedy (`samples=1`, the accuracy verl reports as mean@1), or `samples=n` completions
 per prompt at `config.rollout.temperature` with their mean accuracy (mean@n).
@@ -111,26 +111,6 @@ class EvalSpec:
     max_prompt_len: int
     seed: int
     reward_method: str
-
-
-def eval_spec(config: Any) -> EvalSpec:
-    """`config.evaluate` with the rollout, trainer and data fields it reads, checked and typed
-    (the job boundary: nothing below reads the ConfigDict)."""
-    ev = config.evaluate
-    check_evaluate(ev)
-    faults = (ev.fault,) if isinstance(ev.fault, bool) else tuple(ev.fault)
-    return EvalSpec(
-        conditions=tuple(conditions(ev)),
-        samples=int(ev.samples),
-        batch_size=int(ev.batch_size or config.trainer.val_batch_size),
-        loss_faults=faults if ev.loss else (),
-        max_new_tokens=int(config.rollout.max_new_tokens),
-        temperature=float(config.rollout.temperature),
-        buckets=tuple(int(b) for b in config.rollout.prompt_buckets),
-        max_prompt_len=int(config.rollout.max_prompt_len),
-        seed=int(config.seed),
-        reward_method=str(config.data.reward_method),
-    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -306,17 +286,6 @@ class DecodeSpec:
     batch_size: int
     max_prompt_len: int
     reward_method: str
-
-
-def decode_spec(config: Any) -> DecodeSpec:
-    """The rollout, trainer and data fields greedy validation reads (the job boundary)."""
-    return DecodeSpec(
-        max_new_tokens=int(config.rollout.max_new_tokens),
-        buckets=tuple(int(b) for b in config.rollout.prompt_buckets),
-        batch_size=int(config.trainer.val_batch_size),
-        max_prompt_len=int(config.rollout.max_prompt_len),
-        reward_method=str(config.data.reward_method),
-    )
 
 
 def prompt_dependence(

@@ -20,10 +20,9 @@ import jax
 
 from aqn_jax import quant_base
 from aqn_jax.data.tokenizers import CHAR_TOKENIZER_FILE, HF_TOKENIZER_FILE, load_tokenizer
-from aqn_jax.lora import fingerprint, lora_spec, merged
+from aqn_jax.lora import LoraSpec, fingerprint, merged
 from aqn_jax.models.hf import save_hf_checkpoint
 from aqn_jax.models.registry import family_of
-from aqn_jax.warm_start import warm_start, warm_start_spec
 
 EXPORT_DIR = "export"
 # The file every export holds: an existing directory is replaced only when it has one.
@@ -137,20 +136,16 @@ def _replace(tmp: str, out: str) -> None:
     shutil.rmtree(aside)
 
 
-def plain_policy(
-    config, trained, workdir: str, base_print: str | None = None, warm: tuple | None = None
-):
+def plain_policy(lora: LoraSpec, fmt: str, trained, warm: tuple, base_print: str | None = None):
     """(model config, a plain param tree) of a run's trained params: as they are for full
-    fine-tuning; for a LoRA run (`{"lora": ...}`) the adapters merged into its base, the warm
-    start of `config` (the run's own config) in config.model.weight_format. `base_print`: the
-    checkpoint's fingerprint of its base; a different base is refused (one line). `warm`:
-    (model config, float params) of that warm start where the caller holds it (the train job),
-    so it is not loaded again."""
-    model_cfg, base = warm or warm_start(warm_start_spec(config), workdir)[:2]
+    fine-tuning; for a LoRA run (`{"lora": ...}`, `lora`: its config.lora) the adapters merged
+    into its base, the run's warm start `warm` (model config, float params: `warm_start`'s) in
+    `fmt` (its config.model.weight_format). `base_print`: the checkpoint's fingerprint of its
+    base; a different base is refused (one line)."""
+    model_cfg, base = warm
     if "lora" not in trained:
         return model_cfg, trained
     base = jax.device_get(base)
-    fmt = config.model.get("weight_format", "none")
     if base_print is not None and base_print != f"{fmt}:{fingerprint(base)}":
         raise ValueError(
             f"the checkpoint's adapters were trained over base {base_print}, but config.model /"
@@ -158,4 +153,4 @@ def plain_policy(
             " own config"
         )
     packed = quant_base.pack(base, fmt, family_of(model_cfg).site_of)
-    return model_cfg, merged(lora_spec(config.get("lora")), packed, trained)
+    return model_cfg, merged(lora, packed, trained)

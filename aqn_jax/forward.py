@@ -224,6 +224,38 @@ def _with_weight_faults(weight_transform, faults, key, values, flips: list):
     return transform
 
 
+def trace_manifest(
+    plan: FaultPlan, model: nn.Module, params, phase: str, seq_len: int = 2
+) -> dict[str, list[str]]:
+    """The hits of `plan` in `phase`, {injection name: [site:point]}, from one `forward` of
+    `params` traced abstractly (`jax.eval_shape`: nothing runs): the plan's interceptor around
+    it, on the weights the device reads (`params`: a param tree, or the `Weights` of a LoRA run:
+    the packed base and its adapters); a tree-level injection's hits are the param paths it
+    selects in those weights as the forward reads them (`variables`). An injection that hits
+    nothing raises."""
+    ids = jax.ShapeDtypeStruct((1, seq_len), jnp.int32)
+    values = {name: jnp.float32(1.0) for name in plan.value_names()}
+    trees = [inj for _, inj in plan.active(phase) if inj.transform.level == "tree"]
+    traced: dict[str, list[str]] = {}
+
+    def run(params, ids):
+        with plan.apply(phase, key=jax.random.key(0), values=values) as hits:
+            out = forward(model, params, ids)  # no plan of its own: the one around it
+        traced.update(hits)
+        read = variables(params)["params"]
+        for inj in trees:
+            traced[inj.name] = inj.transform.paths(read, inj.sites)
+        return out
+
+    jax.eval_shape(run, params, ids)
+    for inj in trees:
+        if not traced[inj.name]:
+            raise ValueError(
+                f"phase {phase!r}: fault injection matched no parameter: {inj.describe()}"
+            )
+    return traced
+
+
 def token_nll(model: nn.Module, params, ids_BT, mask_BT, loss_mask_BT, **kwargs):
     """(sum, count) of the next-token cross-entropy of `ids` where `loss_mask` is 1 (the
     prediction of token t+1 from position t, in float32, through `forward`'s readout: the head a

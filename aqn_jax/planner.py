@@ -116,12 +116,9 @@ from jax.sharding import PartitionSpec as P
 
 from aqn_jax import lora as lora_lib
 from aqn_jax import parallel, quant_base
-from aqn_jax.faults.config import fault_plan
-from aqn_jax.lora import LoraSpec, lora_spec
+from aqn_jax.lora import LoraSpec
 from aqn_jax.models.registry import ModelConfig, causal_lm, family_of, init_cache
-from aqn_jax.rl.advantages import ESTIMATORS
 from aqn_jax.rl.optim import OptimizerSpec
-from aqn_jax.rl.step import hyper_from
 
 GIB = 2**30
 # What a CPU run's process holds besides the arrays of the plan: jax/XLA and the compiled
@@ -424,40 +421,6 @@ class JobSpec:
     refuse: bool  # config.planner.enabled: refuse a plan that does not fit
     lora: LoraSpec | None = None  # config.lora (QeRL mode when its rank > 0)
     weight_format: str = "none"  # config.model.weight_format: the frozen base's storage
-
-
-def job_spec(config: Any, model_cfg: ModelConfig) -> JobSpec:
-    """The job boundary: the fields of `config` the plan reads, for the model `model_cfg`;
-    raises naming a `config.planner` field out of range."""
-    section = config.get("planner") if hasattr(config, "get") else None
-    section = planner_config() if section is None else section
-    check_planner(section)
-    ro, actor = config.rollout, config.actor
-    estimator = ESTIMATORS.get(config.algo.estimator)  # validated by rl.step.hyper_from
-    critic = None
-    if estimator is not None and estimator.critic:
-        critic = OptimizerSpec.of(config.critic, "lr_warmup_steps", "config.critic")
-    eval_faults = fault_plan(config.faults, model_cfg.num_hidden_layers).active("eval")
-    return JobSpec(
-        model=model_cfg,
-        mesh=tuple(int(config.mesh[a]) for a in parallel.AXES),
-        total_steps=int(config.trainer.total_steps),
-        actor=OptimizerSpec.of(actor, "warmup_steps", "config.actor"),
-        critic=critic,
-        rows=int(config.data_batch.prompts) * int(ro.n),
-        val_rows=int(config.trainer.val_batch_size),
-        mini_batch_rows=int(actor.mini_batch_prompts) * int(ro.n),
-        micro_batch_rows=int(actor.micro_batch_rows),
-        max_new=int(ro.max_new_tokens),
-        buckets=reachable_buckets(ro),
-        val_samplers=2 if eval_faults else 1,
-        use_ref=hyper_from(config).use_ref,
-        headroom=float(section.headroom),
-        device_memory_gb=float(section.device_memory_gb),
-        refuse=bool(section.enabled),
-        lora=lora_spec(config.get("lora")),
-        weight_format=str(config.model.get("weight_format", "none")),
-    )
 
 
 @dataclasses.dataclass(frozen=True)

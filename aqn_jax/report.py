@@ -13,10 +13,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from aqn_jax import parallel
 from aqn_jax.diagnosis.srdd import sigmas_of
-from aqn_jax.faults.config import BUILDERS
-from aqn_jax.faults.fields import parse_layers
 
 
 def _series(rows: Sequence[Mapping[str, Any]], key: str):
@@ -135,17 +132,6 @@ def mismatch_summary(history: Sequence[Mapping[str, Any]]) -> dict[str, float]:
     return out
 
 
-# config.algo's rollout-correction fields, as summary.json records them.
-CORRECTION_FIELDS = (
-    "rollout_is",
-    "rollout_is_threshold",
-    "rollout_rs",
-    "rollout_rs_threshold",
-    "rollout_rs_threshold_lower",
-    "bypass_mode",
-)
-
-
 @dataclasses.dataclass(frozen=True)
 class SummarySpec:
     """What a train run's summary.json says of its config (`summary_spec`)."""
@@ -155,18 +141,6 @@ class SummarySpec:
     srdd_sigmas: bool  # config.aqn.layers == 'srdd': the summary lists the per-layer sigmas
     rollout_correction: tuple[tuple[str, Any], ...]  # config.algo's CORRECTION_FIELDS
     mesh: tuple[tuple[str, int], ...]  # the mesh's axis sizes (config.mesh over the devices)
-
-
-def summary_spec(config: Any, n_layers: int) -> SummarySpec:
-    """The job boundary: config.faults, aqn, algo and mesh as the summary reports them."""
-    shape = parallel.mesh_shape(config.mesh, jax.device_count())
-    return SummarySpec(
-        n_layers=int(n_layers),
-        fault_layers=tuple(fault_layers(config.faults, n_layers)),
-        srdd_sigmas=config.aqn.layers == "srdd",
-        rollout_correction=tuple((k, config.algo.get(k)) for k in CORRECTION_FIELDS),
-        mesh=tuple(zip(parallel.AXES, shape, strict=True)),
-    )
 
 
 def run_summary(
@@ -239,14 +213,3 @@ def recovered(start: Mapping[str, float], end: Mapping[str, float]) -> float | N
     """The share of the fault's cost at the start that RL won back on the faulty device."""
     gap = start["val-clean/acc"] - start["val-core/acc"]
     return (end["val-core/acc"] - start["val-core/acc"]) / gap if gap > 0 else None
-
-
-def fault_layers(faults, n_layers: int) -> list[int]:
-    """The layers of the run's hardware fault (`faults`: config.faults): those of the first
-    enabled kind in the fault table's order (deadzone, noise, quant, the bit-level kinds)."""
-    for name in BUILDERS:
-        section = faults.get(name)
-        if section is not None and section.enabled:
-            layers = parse_layers(section.layers, f"config.faults.{name}.layers", n_layers)
-            return list(range(n_layers)) if layers == "all" else list(layers)
-    return []

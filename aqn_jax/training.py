@@ -17,12 +17,10 @@ import json
 import os
 import threading
 import time
-from typing import Any
 
 import jax
 
 from aqn_jax import parallel, quant_base
-from aqn_jax.aqn.plan import build_plan, needs_srdd
 from aqn_jax.checkpoint import (
     ABANDONED,
     Checkpointer,
@@ -34,25 +32,21 @@ from aqn_jax.checkpoint import (
     check_sane,
     record_override,
 )
-from aqn_jax.checks import Checked, check_train
+from aqn_jax.checks import check_train
 from aqn_jax.data.config import load_split
 from aqn_jax.diagnosis import srdd
 from aqn_jax.export import EXPORT_DIR, check_target, export_policy, plain_policy
 from aqn_jax.faults.config import with_abft
 from aqn_jax.faults.intercept import FaultPlan
+from aqn_jax.forward import trace_manifest
 from aqn_jax.lora import fingerprint as lora_fingerprint
 from aqn_jax.metrics import open_run, progress
 from aqn_jax.models.registry import causal_lm, family_of
-from aqn_jax.report import print_summary, run_summary, summary_spec, write_run_report
+from aqn_jax.report import print_summary, run_summary, write_run_report
 from aqn_jax.rl import step as rl_step
-from aqn_jax.rl.guard import RollbackNeeded, guard_spec
-from aqn_jax.rl.trainer import (
-    Trainer,
-    fault_fired,
-    guard_hint,
-    loop_spec,
-    prompt_batcher,
-)
+from aqn_jax.rl.guard import RollbackNeeded
+from aqn_jax.rl.trainer import Trainer, fault_fired, guard_hint, prompt_batcher
+from aqn_jax.spec import RunSpec
 from aqn_jax.warm_start import warm_start
 
 EXPORT_FIELD = "the export of config.checkpoint.export='hf'"  # what its refusals name
@@ -60,7 +54,9 @@ EXPORT_FIELD = "the export of config.checkpoint.export='hf'"  # what its refusal
 
 def run(config, workdir: str) -> None:
     """The run's stages: set up (check, warm start, diagnose, fault plan, programs), begin
-    (restore or validate at step 0), the loop, finish (export, summary)."""
+    (restore or validate at step 0), the loop, finish (export, summary). `config` is read here
+    once (`check_train`: the `RunSpec` every stage takes), and only for config.json and the
+    resume comparison after that."""
     t_start = time.perf_counter()
     r, state = _set_up(config, workdir)
     state, start, writer, history = _begin(r, state)
@@ -72,9 +68,8 @@ def run(config, workdir: str) -> None:
 class _Run:
     """What the stages of one run share (`_set_up`)."""
 
-    config: Any
+    spec: RunSpec
     workdir: str
-    checked: Checked
     warm: tuple  # (model config, the warm start's float params: the manifest's, the export's)
     sft_info: dict
     base_print: str | None  # a LoRA run's frozen base (weight format: fingerprint)
@@ -93,12 +88,12 @@ class _Run:
 
     @property
     def val_size(self) -> int:
-        return min(int(self.config.trainer.val_size), len(self.test_examples))
+        return min(self.spec.trainer.val_size, len(self.test_examples))
 
     def validate(self, state, step: int) -> dict[str, float]:
         t0 = time.perf_counter()
         params = rl_step.policy_weights(self.static, state)
-        val_bs = int(self.config.trainer.val_batch_size)
+        val_bs = self.spec.trainer.val_batch_size
         v = self.loop.eval_accuracy(params, step, self.val_size, val_bs)
         v["timing_s/testing"] = time.perf_counter() - t0
         return v
@@ -108,86 +103,83 @@ def _set_up(config, workdir: str) -> tuple[_Run, rl_step.RLState]:
     """Check the config (every field, no compile), warm start (then the config is recorded: a
     refused resume writes nothing), diagnose, the fault plan, the step programs; (the run, the
     initial train state)."""
-    checked = check_train(config, workdir)
-    model_cfg, tokenizer, hw_plan, memory = checked
-    if config.checkpoint.get("export", "none") == "hf":  # an existing one must be an export
+    spec = check_train(config, workdir)
+    if spec.checkpoint.export == "hf":  # an existing one must be an export
         check_target(os.path.join(workdir, EXPORT_DIR), EXPORT_FIELD, workdir)
-    print(memory.table())
-    train_examples = load_split(config.data, "train")
-    test_examples = load_split(config.data, "test")
+    print(spec.memory.table())
+    train_examples = load_split(spec.data, "train")
+    test_examples = load_split(spec.data, "test")
     changes = check_resume_config(config, workdir)  # a layout change named, even overridden
     check_resumable(workdir)  # a finished params-only run: refused before anything is written
-    model_cfg, params, sft_info = warm_start(checked.warm_start, workdir)
-    float_params, lora_spec = params, rl_step.lora_spec_of(config)
-    weight_format = config.model.get("weight_format", "none")
+    model_cfg, params, sft_info = warm_start(spec.warm_start, workdir)
+    float_params, weight_format = params, spec.weight_format
     base_print = None
-    if lora_spec.enabled:
+    if spec.lora.enabled:
         # QeRL mode: the warm start is the frozen base (its decoder linears packed in the
         # format), and a checkpoint holds its fingerprint instead of its bytes.
         base_print = f"{weight_format}:{lora_fingerprint(params)}"
         params = quant_base.pack(params, weight_format, family_of(model_cfg).site_of)
     check_resume_base(workdir, base_print)  # another base (overridden fields): refused here
-    r = _Run(
-        config, workdir, checked, (model_cfg, float_params), sft_info, base_print, test_examples
-    )
+    r = _Run(spec, workdir, (model_cfg, float_params), sft_info, base_print, test_examples)
     if r.primary:
         if changes:
             record_override(workdir, changes)
         with open(os.path.join(workdir, "config.json"), "w") as f:
             f.write(config.to_json_best_effort(indent=2))
     _fault_plan(r, train_examples, params)
-    return r, _programs(r, train_examples, params)
+    state = _programs(r, train_examples, params)
+    _manifest(r, state)
+    return r, state
 
 
 def _fault_plan(r: _Run, train_examples, params) -> None:
-    """SRDD where the AQN arm needs it, then the fault plan (hardware faults + AQN, ABFT) and
-    its manifest."""
-    config, workdir = r.config, r.workdir
-    model_cfg, tokenizer, hw_plan, _ = r.checked
-    if needs_srdd(config.aqn) or config.diagnosis.always:
+    """SRDD where the AQN arm needs it, then the fault plan (hardware faults + AQN, ABFT)."""
+    spec, workdir = r.spec, r.workdir
+    if spec.diagnose:
         r.diagnosis = srdd.run_srdd(
-            srdd.srdd_spec(config), model_cfg, params, hw_plan, train_examples, tokenizer, workdir
+            spec.srdd, spec.model, params, spec.device, train_examples, spec.tokenizer, workdir
         )
         verdict = r.diagnosis["verdict"]
         print(
             f"SRDD: {verdict['message']} (confidence {verdict['confidence']:.3f}); srdd.json"
             f" in {workdir}"
         )
-    plan = build_plan(
-        config.faults,
-        config.aqn,
-        model_cfg.num_hidden_layers,
+    plan = spec.plan(
         srdd_sigmas=None if r.diagnosis is None else srdd.sigmas_of(r.diagnosis),
         srdd_layers=None if r.diagnosis is None else r.diagnosis["verdict"]["layers"],
     )
-    sdc = guard_spec(config.get("sdc"))  # SDC detection: ABFT checks after the faults
+    sdc = spec.sdc  # SDC detection: ABFT checks after the faults
     if sdc.abft or sdc.abft_backward:
         plan = with_abft(plan, forward=sdc.abft, backward=sdc.abft_backward)
     print(plan.describe())
-    model_cfg, float_params = r.warm
+    r.plan = plan
+
+
+def _manifest(r: _Run, state) -> None:
+    """manifest.json: the plan's hits in each phase, traced on the policy's weights as the
+    device reads them (a LoRA run's packed base with its adapters)."""
+    plan, weights = r.plan, rl_step.policy_weights(r.static, state)
+    model = causal_lm(r.warm[0])
     manifest = {
-        phase: plan.trace_manifest(causal_lm(model_cfg), float_params, phase)
+        phase: trace_manifest(plan, model, weights, phase)
         for phase in ("rollout", "train", "eval")
         if plan.active(phase)
     }
     if r.primary:
-        with open(os.path.join(workdir, "manifest.json"), "w") as f:
+        with open(os.path.join(r.workdir, "manifest.json"), "w") as f:
             f.write(plan.manifest_json(manifest))
-    r.plan = plan
 
 
 def _programs(r: _Run, train_examples, params) -> rl_step.RLState:
     """Shard and initialise the state by logical axes (returned), jit the step programs once,
     and the loop (`Trainer`) and checkpointer over them."""
-    config = r.config
-    model_cfg, tokenizer, hw_plan, _ = r.checked
-    mesh = parallel.make_mesh(config.mesh)
-    spec = loop_spec(config)
-    batcher = prompt_batcher(spec, train_examples, tokenizer)
-    r.total = rl_step.total_steps_of(config.trainer, batcher.batches_per_epoch)
-    static = rl_step.static_from(rl_step.step_spec(config), model_cfg, r.plan, hw_plan, r.total)
+    spec = r.spec
+    mesh = parallel.make_mesh(spec.mesh_axes)
+    batcher = prompt_batcher(spec.loop, train_examples, spec.tokenizer)
+    r.total = spec.trainer.steps(batcher.batches_per_epoch)
+    static = rl_step.static_from(spec.step, spec.model, r.plan, spec.device, r.total)
     sh = rl_step.shardings(static, mesh)
-    lora_key = jax.random.fold_in(jax.random.key(int(config.seed)), 0x10AA)
+    lora_key = jax.random.fold_in(jax.random.key(spec.seed), 0x10AA)
     state, ref_params = rl_step.init_state(static, params, sh, lora_key)
     rep, ref_sh = sh.replicated, sh.replicated if ref_params is None else sh.params
     prepare = jax.jit(
@@ -204,10 +196,19 @@ def _programs(r: _Run, train_examples, params) -> rl_step.RLState:
     )
     r.static = static
     r.loop = Trainer(
-        spec, static, sh, prepare, update, ref_params, batcher, tokenizer, r.test_examples, hw_plan
+        spec.loop,
+        static,
+        sh,
+        prepare,
+        update,
+        ref_params,
+        batcher,
+        spec.tokenizer,
+        r.test_examples,
+        spec.device,
     )
-    ck = config.checkpoint
-    r.ckpt = Checkpointer(r.workdir, int(ck.every), int(ck.keep), ck.get("final", "state"))
+    ck = spec.checkpoint
+    r.ckpt = Checkpointer(r.workdir, ck.every, ck.keep, ck.final)
     return state
 
 
@@ -275,7 +276,7 @@ def _loop(r: _Run, state, start: int, writer, history: list):
             m["timing_s/step"] += wait
             if fault_fired(m):
                 fired[step] = fault_fired(m)
-            every = r.config.trainer.val_every
+            every = r.spec.trainer.val_every
             if step == total or (every and step % every == 0):
                 m.update(r.validate(state, step))
                 bar.write(val_line(step, m))
@@ -321,7 +322,7 @@ def _save(r: _Run, step: int, state, m: dict, fired: dict[int, str]) -> None:
     saved = rl_step.saveable(state)
     cause = "; ".join(f"a bit fault fired in RL step {t} ({f})" for t, f in fired.items())
     hint = guard_hint(r.loop.sdc_note)
-    check_sane(step, saved, m, r.config.trainer, cause, hint)  # else nothing is saved
+    check_sane(step, saved, m, r.spec.trainer.bounds, cause, hint)  # else nothing is saved
     fired.clear()
     meta = {"step": step, "data": r.loop.batcher.state(), "base": r.base_print}
     r.ckpt.save(step, saved, meta, step == r.total)
@@ -339,26 +340,20 @@ def _last_val(history: list) -> dict:
 def _finish(r: _Run, state, history: list, t_start: float) -> None:
     """The export (an HF snapshot of the trained policy, LoRA merged, `export.plain_policy`)
     and summary.json / report.md."""
-    config, workdir = r.config, r.workdir
-    if config.checkpoint.get("export", "none") == "hf" and r.primary:
+    spec, workdir = r.spec, r.workdir
+    if spec.checkpoint.export == "hf" and r.primary:
         trained = jax.device_get(state.params)
-        model_cfg, plain = plain_policy(config, trained, workdir, warm=r.warm)  # LoRA merged
+        model_cfg, plain = plain_policy(spec.lora, spec.weight_format, trained, r.warm)  # merged
         out = export_policy(
-            os.path.join(workdir, EXPORT_DIR),
-            model_cfg,
-            plain,
-            config.tokenizer_path or config.model.hf_path,
-            EXPORT_FIELD,
+            os.path.join(workdir, EXPORT_DIR), model_cfg, plain, spec.tokenizer_path, EXPORT_FIELD
         )
         print(f"export: {out} (transformers loads it; evaluate with --config.model.hf_path={out})")
     val0 = {k: v for k, v in history[0].items() if k != "step"}
     val = (val0, _last_val(history), r.val_size)
-    n_layers = r.checked[0].num_hidden_layers
-    described = summary_spec(config, n_layers)  # what summary.json says of the config
     summary = run_summary(
-        described, workdir, r.plan, r.diagnosis, history, val, r.total, r.sft_info, t_start
+        spec.summary, workdir, r.plan, r.diagnosis, history, val, r.total, r.sft_info, t_start
     )
-    summary["train_prompts_dropped"] = r.checked.train_prompts_dropped  # longer than the bucket
+    summary["train_prompts_dropped"] = spec.train_prompts_dropped  # longer than the bucket
     if r.primary:
         with open(os.path.join(workdir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2)

@@ -6,13 +6,13 @@ safetensors, loadable by `transformers` too) under `config.sft.cache_dir` (defau
 next to the workdir, so every run under one parent shares it), keyed by a hash of everything
 that determines it (model, tokenizer, data, SFT settings, seed). A later run with the same key
 loads it instead of training. The jobs `pretrain`, `train`, `evaluate`, `severity` and
-`compare` call `warm_start` with the `WarmStartSpec` they build once (`warm_start_spec`).
+`compare` call `warm_start` with the `WarmStartSpec` they build once (`checks.warm_start_spec`,
+from the ConfigDict: the job boundary).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 import shutil
@@ -99,7 +99,7 @@ class SftSpec:
 
 @dataclasses.dataclass(frozen=True)
 class WarmStartSpec:
-    """What the warm start reads of an experiment config (`warm_start_spec`)."""
+    """What the warm start reads of an experiment config (`checks.warm_start_spec`)."""
 
     model: ml_collections.FrozenConfigDict  # config.model (`load_model` / `model_config`)
     tokenizer_path: str  # config.tokenizer_path ('' = the model's, `tokenizer_for`)
@@ -108,46 +108,6 @@ class WarmStartSpec:
     seed: int  # init + SFT seed (`sft_seed`)
     cache_dir: str  # config.sft.cache_dir; '' = <workdir>/../cache
     key: str  # the cache key: a hash of the model, tokenizer, data, SFT settings and seed
-
-
-def warm_start_spec(config: Any) -> WarmStartSpec:
-    """The job boundary: config.model, tokenizer_path, data and sft, frozen (config.sft checked
-    when enabled), and the cache key computed from them."""
-    d = config.data
-    seed = sft_seed(config.sft, config.seed)
-    # num_layers at its default (0, the preset's depth) is left out: the keys of warm starts
-    # made before the field existed, the shipped one included, stay what they were. The base's
-    # weight_format is applied to the warm start after it is made (QeRL mode): not part of it;
-    # logprob_chunk only regroups the log-probs' sums (issue 51): not part of it either.
-    model = {
-        k: v
-        for k, v in config.model.to_dict().items()
-        if (k != "num_layers" or v) and k not in ("weight_format", "logprob_chunk")
-    }
-    parts = {
-        "model": model,
-        "tokenizer": config.tokenizer_path,
-        "data": {
-            "train_path": d.train_path,
-            "task": d.task.to_dict(),
-            "train_size": d.train_size,
-            # The prompt's form (data.config.with_prompt_format) when it is not verl's: keys
-            # made before these fields existed stay what they were.
-            **{k: d.get(k) for k in ("shots", "instruction") if d.get(k)},
-        },
-        "sft": {k: v for k, v in config.sft.to_dict().items() if k not in ("cache_dir", "seed")},
-        "seed": seed,
-    }
-    blob = json.dumps(parts, sort_keys=True, default=str)
-    return WarmStartSpec(
-        model=ml_collections.FrozenConfigDict(config.model),
-        tokenizer_path=str(config.tokenizer_path or ""),
-        data=ml_collections.FrozenConfigDict(d),
-        sft=SftSpec.of(config.sft) if config.sft.enabled else None,
-        seed=seed,
-        cache_dir=str(config.sft.cache_dir or ""),
-        key=hashlib.sha256(blob.encode()).hexdigest()[:16],
-    )
 
 
 def cached_sft(spec: WarmStartSpec, workdir: str) -> str | None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
+from aqn_jax.checks import warm_start_spec
 from aqn_jax.data.config import load_split
 from aqn_jax.diagnosis.srdd import calibration_batch
 from aqn_jax.experiment import arm_config
@@ -27,7 +28,7 @@ from aqn_jax.faults.sites import SiteSelector
 from aqn_jax.faults.transforms import Deadzone
 from aqn_jax.models.qwen2 import Qwen2ForCausalLM
 from aqn_jax.rl.sampler import Sampler, SamplingParams
-from aqn_jax.warm_start import tokenizer_for, warm_start, warm_start_spec
+from aqn_jax.warm_start import tokenizer_for, warm_start
 
 LAYER = 4
 SETTINGS = (

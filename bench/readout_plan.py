@@ -63,8 +63,9 @@ def _set(config, flags: dict):
 def _plan(config, devices: int = 1):
     from aqn_jax import planner
     from aqn_jax.models.factory import model_config
+    from aqn_jax.spec import job_spec
 
-    return planner.estimate(planner.job_spec(config, model_config(config.model)), devices)
+    return planner.estimate(job_spec(config, model_config(config.model)), devices)
 
 
 def _largest_micro(config, capacity: int, devices: int = 1) -> tuple[int, float]:

@@ -20,6 +20,7 @@ from aqn_jax.faults.config import fault_plan
 from aqn_jax.models.qwen2 import Qwen2Config, Qwen2ForCausalLM, init_cache
 from aqn_jax.rl import step as rl_step
 from aqn_jax.rl.sampler import Sampler, SamplingParams
+from aqn_jax.spec import step_spec
 
 from conftest import load_config, random_params, shallow
 
@@ -243,7 +244,7 @@ def _step_static(model_cfg, arm):
     n = model_cfg.num_hidden_layers
     plan = build_plan(config.faults, config.aqn, n)
     hw = fault_plan(config.faults, n)
-    return rl_step.static_from(rl_step.step_spec(config), model_cfg, plan, hw, 4)
+    return rl_step.static_from(step_spec(config), model_cfg, plan, hw, 4)
 
 
 # Bounds on the cosine between the bf16 and the f32 actor gradient of one mini-batch. Clean

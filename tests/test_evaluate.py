@@ -14,7 +14,6 @@ from aqn_jax.evaluation import (
     check_evaluate,
     condition_plan,
     conditions,
-    eval_spec,
     heldout_loss,
     robustness,
 )
@@ -25,6 +24,7 @@ from aqn_jax.models.qwen2 import Qwen2ForCausalLM
 from aqn_jax.rl.sampler import Sampler, SamplingParams
 from aqn_jax.rl.scoring import eval_scores
 from aqn_jax.rl.sft import sft_loss, sft_sequences
+from aqn_jax.spec import eval_spec
 
 from conftest import SHALLOW_FLAGS, launch_cli, load_config
 from tolerance import bound, forward_path, logit_bound

@@ -13,6 +13,7 @@ from aqn_jax.aqn.schedules import qerl_sigmas, sigma_at
 from aqn_jax.faults.config import faults_config
 from aqn_jax.faults.fields import parse_layers
 from aqn_jax.faults.transforms import Deadzone, Noise, NoisyLinear, NormWeightNoise, Quantize
+from aqn_jax.forward import trace_manifest
 from aqn_jax.models.hf import abstract_params
 from aqn_jax.models.qwen2 import Qwen2Config, Qwen2ForCausalLM
 
@@ -287,12 +288,12 @@ def test_every_default_arm_matches_modules_on_the_tiny_model():
         aqn__layers="healthy",
     )
     plan = build_plan(cfg.faults, cfg.aqn, NUM_LAYERS)
-    rollout = plan.trace_manifest(model, params, "rollout")
+    rollout = trace_manifest(plan, model, params, "rollout")
     assert rollout["deadzone"] == ["layers_5/layer:output"]
     assert rollout["deadzone_after_aqn"] == ["layers_5/layer:output"]
     assert len(rollout["aqn"]) == 7 and "layers_5/layer:output" not in rollout["aqn"]
     assert len(rollout["noise"]) == 7 * 8 and len(rollout["quant"]) == 7 * 8
-    train = plan.trace_manifest(model, params, "train")
+    train = trace_manifest(plan, model, params, "train")
     assert set(train) == {"deadzone", "noise", "quant"}  # AQN is rollout-only by default
     manifest = json.loads(plan.manifest_json({"rollout": rollout, "train": train}))
     assert manifest["hits"]["rollout"]["deadzone"] == ["layers_5/layer:output"]

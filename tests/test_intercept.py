@@ -20,6 +20,7 @@ from aqn_jax.faults.transforms import (
     Scale,
     TransformBase,
 )
+from aqn_jax.forward import trace_manifest
 from aqn_jax.models.qwen2 import Qwen2Config, Qwen2ForCausalLM
 
 from conftest import random_params
@@ -125,7 +126,7 @@ def inj(name, kinds, transform, layers="all", point="output", phases=("train",))
 @pytest.mark.slow
 def test_manifest_lists_exactly_the_selected_paths(kinds, layers, point, expected):
     plan = FaultPlan([inj("n", kinds, Noise("absolute_gaussian", Scale(0.0)), layers, point)])
-    hits = plan.trace_manifest(MODEL, PARAMS, "train")
+    hits = trace_manifest(plan, MODEL, PARAMS, "train")
     assert sorted(hits["n"]) == sorted(expected)
     # Running it yields the same manifest.
     manifest = {}
@@ -135,7 +136,7 @@ def test_manifest_lists_exactly_the_selected_paths(kinds, layers, point, expecte
 
 def test_all_layers_never_selects_embeddings_or_head_implicitly():
     plan = FaultPlan([inj("n", ("linear",), Noise("absolute_gaussian", Scale(0.0)))])
-    hits = plan.trace_manifest(MODEL, PARAMS, "train")["n"]
+    hits = trace_manifest(plan, MODEL, PARAMS, "train")["n"]
     assert len(hits) == 7 * 4 and not any(h.startswith(("lm_head", "embed")) for h in hits)
 
 
@@ -143,7 +144,7 @@ def test_injection_that_matches_nothing_raises_before_running():
     # Layer 7 does not exist in a 4-layer model (validate() would say so; here the trace does).
     plan = FaultPlan([inj("ghost", ("layer",), Deadzone(0.1), layers=(7,))])
     with pytest.raises(ValueError, match="matched no module: ghost"):
-        plan.trace_manifest(MODEL, PARAMS, "train")
+        trace_manifest(plan, MODEL, PARAMS, "train")
     with pytest.raises(ValueError, match="injection 'ghost' layers=\\(7,\\) but the model has 4"):
         plan.validate(4)
 

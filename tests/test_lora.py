@@ -175,11 +175,11 @@ def test_export_matches_transformers(tmp_path):
     assert np.max(np.abs(unmerged - ours)) > 1e-2
 
 
-def test_plain_policy_merges_over_the_warm_start_it_is_given(tmp_path):
+def test_plain_policy_merges_over_the_warm_start_it_is_given():
     """The train job's export goes through `export.plain_policy` with the warm start it holds
-    (`warm`, not loaded again): the adapters merged into that base packed in the run's format,
-    as `lora.merged`; full fine-tuning's params as they are. Negative control: another base
-    gives other weights."""
+    (`warm`; the other jobs load theirs, `jobs.run_policy`): the adapters merged into that base
+    packed in the run's format, as `lora.merged`; full fine-tuning's params as they are.
+    Negative control: another base gives other weights."""
     from aqn_jax.export import plain_policy
 
     config = load_config("targeted", "smoke")
@@ -188,15 +188,15 @@ def test_plain_policy_merges_over_the_warm_start_it_is_given(tmp_path):
     spec = _spec(rank=4, alpha=16.0)
     assert lora_lib.lora_spec(config.lora) == spec
     tr = _adapters(spec, params, 0.05)
-    cfg, plain = plain_policy(config, tr, str(tmp_path / "none"), warm=(CFG, params))
+    cfg, plain = plain_policy(spec, "nvfp4", tr, (CFG, params))
     expect = lora_lib.merged(spec, quant_base.pack(params, "nvfp4", SITE_OF), tr)
-    assert cfg is CFG and not (tmp_path / "none").exists()  # nothing loaded, nothing written
+    assert cfg is CFG
     leaves = jax.tree_util.tree_leaves
     for a, b in zip(leaves(plain), leaves(expect), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    assert plain_policy(config, params, "", warm=(CFG, params))[1] is params
+    assert plain_policy(spec, "nvfp4", params, (CFG, params))[1] is params
     other = random_params(CFG, seed=7)
-    _, moved = plain_policy(config, tr, "", warm=(CFG, other))
+    _, moved = plain_policy(spec, "nvfp4", tr, (CFG, other))
     diffs = [
         np.max(np.abs(np.asarray(a) - np.asarray(b)))
         for a, b in zip(leaves(moved), leaves(plain), strict=True)
@@ -207,6 +207,10 @@ def test_plain_policy_merges_over_the_warm_start_it_is_given(tmp_path):
 def test_qerl_config_errors():
     from aqn_jax.checks import check_qerl
 
+    def qerl(config):  # as check_train parses the sections it takes
+        lora, fmt = lora_lib.lora_spec(config.lora), config.model.weight_format
+        check_qerl(lora, fmt, config.checkpoint.export, CFG, training=True)
+
     def err(**over):
         config = load_config("targeted", "smoke")
         for k, v in over.items():
@@ -216,7 +220,7 @@ def test_qerl_config_errors():
                 target = target[p]
             target[path[-1]] = v
         with pytest.raises(ValueError) as e:
-            check_qerl(config, CFG, training=True)
+            qerl(config)
         return str(e.value)
 
     assert "config.lora.rank=-1" in err(**{"lora.rank": -1})
@@ -232,7 +236,7 @@ def test_qerl_config_errors():
     # Valid: nothing raised.
     config = load_config("targeted", "smoke")
     config.lora.rank, config.model.weight_format = 64, "mxfp4"
-    check_qerl(config, CFG, training=True)
+    qerl(config)
 
 
 def test_export_job_refuses_a_run_without_checkpoint(tmp_path):

@@ -21,7 +21,7 @@ from aqn_jax.diagnosis.scans import scan_layers
 from aqn_jax.faults.intercept import FaultPlan, Injection, step_key
 from aqn_jax.faults.sites import SiteSelector, classify
 from aqn_jax.faults.transforms import Deadzone, Noise, NormWeightNoise, Scale
-from aqn_jax.forward import Readout, forward
+from aqn_jax.forward import Readout, forward, trace_manifest
 from aqn_jax.logprobs import logprobs_from_logits
 from aqn_jax.models import registry
 from aqn_jax.rl.sampler import Sampler, SamplingParams
@@ -186,7 +186,7 @@ def test_fault_sites_of_a_registered_family(toy):
         Injection("dz", SiteSelector(("layer",), (1,)), Deadzone(0.5), phases=("train",)),
         Injection("n", SiteSelector(("linear",)), Noise("absolute_gaussian", Scale(0.0))),
     )
-    hits = plan.trace_manifest(model, params, "train")
+    hits = trace_manifest(plan, model, params, "train")
     assert hits["dz"] == ["layers_1/layer:output"]
     # The linear kinds this family has, every layer; its lm_head only when named.
     expected = [f"layers_{i}/{k}:output" for i in range(3) for k in ("up_proj", "down_proj")]
@@ -215,7 +215,7 @@ def test_an_unregistered_family_has_no_sites(toy, monkeypatch):
     assert classify(("block1",), ToyBlock(CONFIG, parent=None)) is None
     plan = plan_of(Injection("dz", SiteSelector(("layer",), (1,)), Deadzone(0.5)))
     with pytest.raises(ValueError, match="matched no module: dz"):
-        plan.trace_manifest(model, params, "train")
+        trace_manifest(plan, model, params, "train")
     with pytest.raises(ValueError, match="model_type='toy'; allowed: .*qwen2"):
         registry.causal_lm(CONFIG)
 

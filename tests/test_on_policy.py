@@ -18,6 +18,7 @@ from aqn_jax.faults.config import fault_plan
 from aqn_jax.forward import forward
 from aqn_jax.models.qwen2 import Qwen2Config
 from aqn_jax.rl import step as rl_step
+from aqn_jax.spec import step_spec
 
 from conftest import load_config, random_params, shallow
 from tolerance import bound, forward_path
@@ -39,7 +40,7 @@ def _static(old_logp_pass: str, mini_batch_prompts: int = 2):
     config.algo.use_kl_loss = False  # no reference pass (it is the same either way)
     n = CFG.num_hidden_layers
     plan, hw = build_plan(config.faults, config.aqn, n), fault_plan(config.faults, n)
-    return rl_step.static_from(rl_step.step_spec(config), CFG, plan, hw, 4)
+    return rl_step.static_from(step_spec(config), CFG, plan, hw, 4)
 
 
 def _state(static, params):

@@ -23,6 +23,7 @@ from aqn_jax.models.factory import logical_axes, model_config
 from aqn_jax.models.hf import abstract_params
 from aqn_jax.models.qwen2 import Qwen2Config, Qwen2ForCausalLM, init_cache
 from aqn_jax.rl.optim import adamw, lr_schedule
+from aqn_jax.spec import job_spec
 
 from conftest import load_config
 
@@ -43,8 +44,8 @@ def make_config(arm="targeted", preset="tiny", *, data=-1, fsdp=1, tensor=1, **m
 
 
 def job(config, model_cfg=None):
-    """The plan's view of `config` (`planner.job_spec`), for its own model unless `model_cfg`."""
-    return planner.job_spec(config, model_cfg or model_config(config.model))
+    """The plan's view of `config` (`spec.job_spec`), for its own model unless `model_cfg`."""
+    return job_spec(config, model_cfg or model_config(config.model))
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import pytest
 
 from aqn_jax.data.gsm8k import load_examples
 from aqn_jax.jobs import check_required
-from aqn_jax.rl import step as rl_step
+from aqn_jax.spec import hyper_from
 
 from conftest import load_config, make_qwen_snapshot
 
@@ -58,7 +58,7 @@ def test_settings_the_issue_asks_for():
     # QeRL mode by default (issue 43): LoRA r32, and an on-policy update with no old-log-prob
     # pass; the compute dtype chosen on the machine at hand.
     assert (config.lora.rank, config.model.dtype) == (32, "auto")
-    assert rl_step.hyper_from(config).on_policy
+    assert hyper_from(config).on_policy
     nvfp4, full = load_config(CONFIG, "nvfp4_lora"), load_config(CONFIG, "full")
     assert (nvfp4.lora.rank, nvfp4.actor.lr, nvfp4.model.weight_format) == (32, 2e-5, "nvfp4")
     assert (full.lora.rank, full.actor.lr) == (0, 1e-6)
@@ -80,13 +80,13 @@ def test_train_smoke_validates_on_real_gsm8k(snapshot, arg, tmp_path):
 
     config = filled(arg, snapshot)
     check_required(config)
-    model_cfg, tokenizer, hw, memory = checked = check_train(config, str(tmp_path / "w"))
+    spec = check_train(config, str(tmp_path / "w"))
     check_final(config.checkpoint.final)
-    assert model_cfg.num_hidden_layers == 24 and hw.active("rollout")
+    assert spec.model.num_hidden_layers == 24 and spec.device.active("rollout")
     # Qwen2.5's tokenizer drops none (longest prompt 256 tokens, WORKSPACE.md); this 2k-token
     # BPE writes a few prompts longer.
-    assert checked.train_prompts == 7473 and 0 < checked.train_prompts_dropped < 75
-    assert memory.fits and memory.total > 0
+    assert spec.train_prompts == 7473 and 0 < spec.train_prompts_dropped < 75
+    assert spec.memory.fits and spec.memory.total > 0
     assert not (tmp_path / "w").exists()  # nothing written
     # Negative controls: the same config with a path missing, or a reward it cannot read.
     config.data.test_path = ""
@@ -145,7 +145,7 @@ def test_arith_track_holds_its_settings(snapshot):
     assert (config.data.train_path, config.data.shots, config.rollout.max_new_tokens) == ("", 1, 64)
     assert config.rollout.prompt_buckets == (config.rollout.max_prompt_len,) == (192,)
     assert config.faults.deadzone.layers == "15" and config.faults.deadzone.granularity == "token"
-    assert config.trainer.val_size >= 128 and rl_step.hyper_from(config).on_policy
+    assert config.trainer.val_size >= 128 and hyper_from(config).on_policy
     config.model.hf_path = snapshot
     check_required(config)
     check_data(config.data)

@@ -105,7 +105,8 @@ def test_generation_weights_are_bf16_and_match_the_traced_cast(snapshot):
     from aqn_jax.models.qwen2 import Qwen2ForCausalLM
     from aqn_jax.parallel import make_mesh
     from aqn_jax.rl import step as rl_step
-    from aqn_jax.rl.trainer import Trainer, loop_spec, prompt_batcher
+    from aqn_jax.rl.trainer import Trainer, prompt_batcher
+    from aqn_jax.spec import loop_spec, step_spec, trainer_spec
     from aqn_jax.warm_start import tokenizer_for
 
     config = load_config("gsm8k_qwen2p5_1p5b", "clean")
@@ -116,11 +117,9 @@ def test_generation_weights_are_bf16_and_match_the_traced_cast(snapshot):
     model_cfg, params = load_model(config.model, 0)
     tok = tokenizer_for(config.tokenizer_path, config.model)
     batcher = prompt_batcher(loop_spec(config), load_split(config.data, "train"), tok)
-    total = rl_step.total_steps_of(config.trainer, batcher.batches_per_epoch)
+    total = trainer_spec(config.trainer).steps(batcher.batches_per_epoch)
     assert total == 4  # total_epochs=2 over 2 batches per epoch
-    static = rl_step.static_from(
-        rl_step.step_spec(config), model_cfg, FaultPlan(), FaultPlan(), total
-    )
+    static = rl_step.static_from(step_spec(config), model_cfg, FaultPlan(), FaultPlan(), total)
     sh = rl_step.shardings(static, make_mesh(config.mesh))
     state, ref = rl_step.init_state(static, params, sh)
     test = load_split(config.data, "test")

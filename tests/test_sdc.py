@@ -25,6 +25,7 @@ from aqn_jax.faults.bitfaults import (
 from aqn_jax.faults.config import check_bit_dtypes, fault_plan, faults_config
 from aqn_jax.faults.intercept import FaultPlan, Injection, step_key, summarize_stats
 from aqn_jax.faults.sites import SiteSelector
+from aqn_jax.forward import trace_manifest
 from aqn_jax.models.qwen2 import Qwen2Config, Qwen2ForCausalLM
 
 from conftest import random_params
@@ -149,7 +150,7 @@ def forward(plan, **kw):
 def test_bitflip_count_at_one_site_manifest_and_telemetry():
     fault = BitFault("flip", bits=(30,), count=3)
     plan = FaultPlan([Injection("bitflip", SiteSelector(("down_proj",), (1,)), Bits(fault))])
-    hits = plan.trace_manifest(MODEL, PARAMS, "train")
+    hits = trace_manifest(plan, MODEL, PARAMS, "train")
     assert hits == {"bitflip": ["layers_1/down_proj:output"]}
     clean, _ = forward(FaultPlan())
     out, stats = forward(plan)
@@ -629,7 +630,7 @@ def test_weight_fault_on_the_forward_seam():
 
     sel = SiteSelector(("down_proj",), (0,))
     plan = FaultPlan([Injection("bitflip", sel, TreeBits(BitFault(bits="sign", count=2)))])
-    assert plan.trace_manifest(MODEL, PARAMS, "eval") == {
+    assert trace_manifest(plan, MODEL, PARAMS, "eval") == {
         "bitflip": ["layers_0/mlp/down_proj/kernel"]
     }
     before = jax.tree_util.tree_map(np.array, PARAMS)

@@ -257,8 +257,10 @@ SHARDED = textwrap.dedent(
     from aqn_jax.faults.config import fault_plan
     from aqn_jax.rewards import score_batch
     from aqn_jax.rl import step as rl_step
-    from aqn_jax.rl.trainer import Trainer, loop_spec, prompt_batcher, train_batch
-    from aqn_jax.warm_start import tokenizer_for, warm_start, warm_start_spec
+    from aqn_jax.rl.trainer import Trainer, prompt_batcher, train_batch
+    from aqn_jax.spec import loop_spec, step_spec
+    from aqn_jax.checks import warm_start_spec
+    from aqn_jax.warm_start import tokenizer_for, warm_start
 
     # The shipped warm start (not a random init, whose rewards are all 0: its gradient is ~1e-10
     # and any two meshes agree on it), so the step's gradient is a real one.
@@ -274,7 +276,7 @@ SHARDED = textwrap.dedent(
     params = jax.device_get(params)
     tok = tokenizer_for(config.tokenizer_path, config.model)
     plan, hw = build_plan(config.faults, config.aqn, 8), fault_plan(config.faults, 8)
-    static = rl_step.static_from(rl_step.step_spec(config), model_cfg, plan, hw, 4)
+    static = rl_step.static_from(step_spec(config), model_cfg, plan, hw, 4)
     sigma, key = np.float32(0.05), jax.random.key(7)
     values = {{"aqn_sigma": sigma}}
 

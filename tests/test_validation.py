@@ -204,7 +204,6 @@ def test_long_train_prompts_are_counted_and_dropped_or_refused(launch, tmp_path,
     config.sft.cache_dir = str(tmp_path / "cache")
     result = check_train(config)
     assert (result.train_prompts, result.train_prompts_dropped) == (21, 5)
-    qcfg, tokenizer, hw, memory = result  # unpacks as before
     out = capsys.readouterr().out
     assert "5 of 21 train prompts are longer than config.rollout.max_prompt_len=72" in out
     assert "dropped (config.data.drop_long_prompts=True); 16 train prompts left" in out
@@ -226,6 +225,7 @@ def test_a_failed_sft_cache_write_keeps_the_trained_warm_start(tmp_path, monkeyp
     """The cache checked writable, then the write fails anyway (a full disk): the run goes on
     with the SFT it trained, warning once, and leaves no half-written entry behind."""
     from aqn_jax import warm_start as pretrain
+    from aqn_jax.checks import warm_start_spec
 
     from conftest import load_config
 
@@ -241,7 +241,7 @@ def test_a_failed_sft_cache_write_keeps_the_trained_warm_start(tmp_path, monkeyp
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(pretrain, "save_hf_checkpoint", full_disk)
-    _, params, info = pretrain.warm_start(pretrain.warm_start_spec(config), str(tmp_path / "run"))
+    _, params, info = pretrain.warm_start(warm_start_spec(config), str(tmp_path / "run"))
     assert params is trained and info["cache"] == "unsaved"
     assert "warning: the SFT warm start could not be cached" in capsys.readouterr().err
     assert os.listdir(tmp_path / "cache") == []  # the temporary directory removed
@@ -319,3 +319,59 @@ def test_a_refused_resume_changes_nothing(launch, tmp_path):
     code, _, err = launch(cache, "--config.trainer.total_steps=1", workdir=work)
     assert code == 2 and "config.trainer.total_steps: 2 -> 1" in err, err
     assert snapshot() == before
+
+
+def test_check_train_parses_the_config_once_into_a_frozen_run_spec(monkeypatch, tmp_path):
+    """`check_train` returns the run's `RunSpec`: each part equal to its builder's on the same
+    config, config.lora and config.faults parsed once (the builders called without the parsed
+    parts parse them again: the negative control), and the spec frozen (a later change of the
+    config changes nothing in it)."""
+    import dataclasses
+
+    from aqn_jax import checks
+    from aqn_jax import spec as spec_lib
+    from aqn_jax.aqn.plan import build_plan
+    from aqn_jax.faults.config import fault_plan
+    from aqn_jax.lora import lora_spec
+
+    from conftest import load_config
+
+    config = load_config("targeted", "smoke")
+    config.sft.cache_dir = str(tmp_path / "cache")
+    calls = {"lora": 0, "faults": 0}
+
+    def counted(name, fn):
+        def wrapper(*a, **k):
+            calls[name] += 1
+            return fn(*a, **k)
+
+        return wrapper
+
+    for module in (checks, spec_lib):
+        monkeypatch.setattr(module, "lora_spec", counted("lora", lora_spec))
+        monkeypatch.setattr(module, "fault_plan", counted("faults", fault_plan))
+    run = checks.check_train(config)
+    assert calls == {"lora": 1, "faults": 1}
+    spec_lib.step_spec(config)  # negative control: without the parsed parts, parsed again
+    spec_lib.job_spec(config, run.model)
+    assert calls == {"lora": 3, "faults": 2}
+
+    n = run.model.num_hidden_layers
+    assert isinstance(run, spec_lib.RunSpec) and n == 8
+    assert run.step == spec_lib.step_spec(config) and run.loop == spec_lib.loop_spec(config)
+    assert run.lora == lora_spec(config.lora) and run.weight_format == "none"
+    assert run.device.describe() == fault_plan(config.faults, n).describe()
+    assert run.srdd == spec_lib.srdd_spec(config) and run.diagnose  # targeted: aqn 'located'
+    located = {"srdd_sigmas": {3: 0.05}, "srdd_layers": [3]}
+    want = build_plan(config.faults, config.aqn, n, **located)
+    assert run.plan(**located).describe() == want.describe()
+    assert run.summary.fault_layers == (int(config.faults.deadzone.layers),)
+    assert run.trainer.steps(5) == int(config.trainer.total_steps)
+    assert dataclasses.replace(run.trainer, total_epochs=2).steps(5) == 10
+    assert run.mesh_axes == {a: int(config.mesh[a]) for a in ("data", "fsdp", "tensor")}
+    # Frozen: the config changed afterwards leaves the spec as it was.
+    steps, sigma = run.trainer.total_steps, run.aqn.sigma_start
+    config.trainer.total_steps, config.aqn.sigma_start = steps + 7, sigma * 3
+    assert (run.trainer.total_steps, run.aqn.sigma_start) == (steps, sigma)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        run.seed = 1

@@ -11,15 +11,11 @@ from conftest import load_config
 
 @pytest.mark.slow
 def test_shipped_warm_start_reads_its_prompt(tmp_path):
+    from aqn_jax.checks import warm_start_spec
     from aqn_jax.data.config import task_of
-    from aqn_jax.evaluation import decode_spec, prompt_dependence
-    from aqn_jax.warm_start import (
-        SHIPPED_DIR,
-        cache_dir,
-        tokenizer_for,
-        warm_start,
-        warm_start_spec,
-    )
+    from aqn_jax.evaluation import prompt_dependence
+    from aqn_jax.spec import decode_spec
+    from aqn_jax.warm_start import SHIPPED_DIR, cache_dir, tokenizer_for, warm_start
 
     config = load_config("targeted")
     config.sft.cache_dir = str(tmp_path / "cache")
@@ -43,7 +39,8 @@ def test_shipped_warm_start_reads_its_prompt(tmp_path):
 
 
 def test_a_changed_sft_setting_does_not_load_the_shipped_warm_start():
-    from aqn_jax.warm_start import SHIPPED_DIR, cache_dir, warm_start_spec
+    from aqn_jax.checks import warm_start_spec
+    from aqn_jax.warm_start import SHIPPED_DIR, cache_dir
 
     config = load_config("targeted")
     shipped = cache_dir(warm_start_spec(config), "x").rsplit("/", 1)[1]
@@ -56,6 +53,7 @@ def test_a_changed_sft_setting_does_not_load_the_shipped_warm_start():
 def test_a_damaged_sft_cache_entry_is_set_aside_and_recomputed(tmp_path, monkeypatch, capsys):
     """A truncated cache entry used to block every later run with a bare SafetensorError."""
     from aqn_jax import warm_start as pretrain
+    from aqn_jax.checks import warm_start_spec
 
     calls = []
 
@@ -66,7 +64,7 @@ def test_a_damaged_sft_cache_entry_is_set_aside_and_recomputed(tmp_path, monkeyp
     monkeypatch.setattr(pretrain, "sft_train", fake_sft)
     config = load_config("deadzone", "smoke")
     config.sft.cache_dir = str(tmp_path / "cache")
-    ws = pretrain.warm_start_spec(config)
+    ws = warm_start_spec(config)
     pretrain.warm_start(ws, str(tmp_path))
     entry = pretrain.cache_dir(ws, str(tmp_path))
     weights = os.path.join(entry, "model.safetensors")
@@ -118,6 +116,7 @@ def test_pretrain_job_loads_the_shipped_warm_start_and_trains_nothing(
     assets byte-identical; a changed SFT setting is a miss and would train (the negative
     control: the same tripwire fires)."""
     from aqn_jax import warm_start as pretrain
+    from aqn_jax.checks import warm_start_spec
     from aqn_jax.launch import run
 
     from conftest import tree_state
@@ -131,7 +130,7 @@ def test_pretrain_job_loads_the_shipped_warm_start_and_trains_nothing(
     monkeypatch.setattr(pretrain, "sft_train", tripwire)
     config = load_config("warm_start")
     assert config.job == "pretrain" and config.sft.cache_dir == pretrain.SHIPPED_DIR
-    entry = pretrain.cache_dir(pretrain.warm_start_spec(config), str(tmp_path))
+    entry = pretrain.cache_dir(warm_start_spec(config), str(tmp_path))
     before = tree_state(pretrain.SHIPPED_DIR)
     run(config, str(tmp_path / "run"))
     assert f"SFT warm start: cached {entry}" in capsys.readouterr().out

@@ -47,7 +47,20 @@ def build_plan(
       config.aqn.layer_sigmas is empty.
     srdd_layers: the layers the diagnosis located, required by aqn.layers='located'.
     """
-    device = fault_injections(faults, num_layers)
+    return place_aqn(
+        fault_injections(faults, num_layers), aqn, num_layers, srdd_sigmas, srdd_layers
+    )
+
+
+def place_aqn(
+    device: Sequence[Injection],
+    aqn: Any,
+    num_layers: int,
+    srdd_sigmas: Mapping[int, float] | None = None,
+    srdd_layers: Sequence[int] | None = None,
+) -> FaultPlan:
+    """`build_plan` over the device's injections already parsed (`device`: a
+    `faults.config.fault_plan`'s, the run spec's), so config.faults is not read again."""
     deadzone = [i for i in device if i.name == "deadzone"]
     others = [i for i in device if i.name != "deadzone"]
     fault_layers = deadzone[0].sites.layers if deadzone else ()

@@ -13,11 +13,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from aqn_jax.forward import forward
 from aqn_jax.models import registry
 
 
 def layer_outputs(model: nn.Module, params, ids, mask=None) -> list[jax.Array]:
-    """Every decoder layer's output (the residual stream after it), [B, T, D] each, in order."""
+    """Every decoder layer's output (the residual stream after it), [B, T, D] each, in order,
+    of `forward` (no faults) on `params` (a param tree or `forward.Weights`)."""
 
     def only_layers(mdl: nn.Module, method: str) -> bool:
         if method != "__call__":
@@ -25,8 +27,8 @@ def layer_outputs(model: nn.Module, params, ids, mask=None) -> list[jax.Array]:
         site = registry.site_of(mdl.path, mdl)
         return site is not None and site[0] == "layer"
 
-    _, state = model.apply(
-        {"params": params}, ids, mask, capture_intermediates=only_layers, mutable=["intermediates"]
+    _, state = forward(
+        model, params, ids, mask, mutable=["intermediates"], capture_intermediates=only_layers
     )
     inter = state["intermediates"]
     n = model.config.num_hidden_layers

@@ -84,12 +84,6 @@ class SrddSpec:
         )
 
 
-def srdd_spec(config: Any) -> SrddSpec:
-    """`config.diagnosis`, with the base sigma `diagnosis.base_sigma` (0: `aqn.sigma_start`)."""
-    diag = config.diagnosis
-    return SrddSpec.of(diag, float(diag.base_sigma or config.aqn.sigma_start))
-
-
 def settings_from(diag: Any) -> ScanSettings:
     return ScanSettings(
         trials=int(diag.trials), gain_scale=float(diag.gain_scale), dc_scale=float(diag.dc_scale)

@@ -30,7 +30,7 @@ in with the params and make it mutable (`rl/sampler.py` keeps it next to the KV 
 cached decoding equals teacher forcing.
 
 At trace time `plan.apply` yields which module paths each injection hit (the manifest, also
-`plan.trace_manifest`); an active injection that hit nothing raises ValueError when the context
+`forward.trace_manifest`); an active injection that hit nothing raises ValueError when the context
 exits, before anything runs. Telemetry is `sow`n into the `fault_stats` collection (returned
 when the caller makes it mutable; otherwise the statistics are dead code that XLA removes).
 
@@ -241,29 +241,6 @@ class FaultPlan:
                     f"phase {phase!r}: fault injection(s) matched no module: "
                     + "; ".join(inj.describe() for inj in missing)
                 )
-
-    def trace_manifest(self, model: nn.Module, params, phase: str, seq_len: int = 2) -> dict:
-        """Trace one forward abstractly (`jax.eval_shape`, nothing runs) and return the hits of
-        `phase`, {injection name: [site:point]}; an injection that hits nothing raises."""
-        ids = jax.ShapeDtypeStruct((1, seq_len), jnp.int32)
-        values = {name: jnp.float32(1.0) for name in self.value_names()}
-        traced: dict[str, list[str]] = {}
-
-        def forward(params, ids):
-            with self.apply(phase, key=jax.random.key(0), values=values) as hits:
-                out = model.apply({"params": params}, ids)
-            traced.update(hits)
-            return out
-
-        jax.eval_shape(forward, params, ids)
-        for _, inj in self.active(phase):
-            if inj.transform.level == "tree":  # the param paths it selects
-                traced[inj.name] = inj.transform.paths(params, inj.sites)
-                if not traced[inj.name]:
-                    raise ValueError(
-                        f"phase {phase!r}: fault injection matched no parameter: {inj.describe()}"
-                    )
-        return traced
 
     def value_names(self) -> set[str]:
         """The traced values the plan's transforms read (`plan.apply(values=...)`)."""

@@ -51,20 +51,21 @@ import numpy as np
 
 from aqn_jax import parallel, training
 from aqn_jax.checkpoint import Checkpointer
-from aqn_jax.checks import check_train
+from aqn_jax.checks import check_train, warm_start_spec
 from aqn_jax.data.config import load_split
 from aqn_jax.diagnosis import srdd
-from aqn_jax.evaluation import conditions, eval_spec, robustness
+from aqn_jax.evaluation import conditions, robustness
 from aqn_jax.experiment import apply_arm
-from aqn_jax.export import plain_policy
 from aqn_jax.faults.config import fault_plan
 from aqn_jax.files import write_json
+from aqn_jax.jobs import run_policy
 from aqn_jax.metrics import read_metrics
 from aqn_jax.models.factory import logical_axes, model_config
+from aqn_jax.spec import eval_spec, srdd_spec
 from aqn_jax.study import report as study_report
 from aqn_jax.study.config import check_compare
 from aqn_jax.study.report import write_report
-from aqn_jax.warm_start import sft_seed, tokenizer_for, warm_start, warm_start_spec
+from aqn_jax.warm_start import sft_seed, tokenizer_for, warm_start
 
 # The curves results.json keeps per run: those the study report plots.
 CURVE_KEYS = (*study_report.CURVE_KEYS, *study_report.MISMATCH_KEYS)
@@ -141,7 +142,7 @@ def run(config, workdir: str) -> None:
         else:
             t0 = time.perf_counter()
             diagnosis = srdd.run_srdd(
-                srdd.srdd_spec(base),
+                srdd_spec(base),
                 model_cfg,
                 params,
                 fault_plan(base.faults, model_cfg.num_hidden_layers),
@@ -409,7 +410,7 @@ def _evaluate(config, run_dir: str, programs: dict | None, policy=None) -> dict:
     model_cfg = model_config(config.model)
     trained = state["params"]
     if "lora" in trained:  # a QeRL-mode arm: its adapters merged into its (quantised) base
-        model_cfg, trained = plain_policy(policy or config, trained, run_dir, meta.get("base"))
+        model_cfg, trained = run_policy(policy or config, trained, run_dir, meta.get("base"))
     tokenizer = tokenizer_for(config.tokenizer_path, config.model)
     size = int(config.evaluate.size or config.trainer.val_size)
     test = load_split(config.data, "test")[:size]

@@ -14,13 +14,14 @@ from aqn_jax.data.config import check_data, load_split
 from aqn_jax.diagnosis import srdd
 from aqn_jax.faults.config import fault_plan
 from aqn_jax.models.factory import load_model, model_config
+from aqn_jax.spec import srdd_spec
 from aqn_jax.warm_start import tokenizer_for
 
 
 def run(config, workdir: str) -> None:
     # -- Check the config (nothing compiled or written before this passes) ----------------
     model_cfg = model_config(config.model)
-    spec = srdd.srdd_spec(config)
+    spec = srdd_spec(config)
     check_data(config.data)
     tokenizer = tokenizer_for(config.tokenizer_path, config.model)
     plan = fault_plan(config.faults, model_cfg.num_hidden_layers)

@@ -23,14 +23,15 @@ import numpy as np
 
 from aqn_jax import parallel
 from aqn_jax.checkpoint import Checkpointer
-from aqn_jax.checks import check_block_widths, check_prompt_lengths
+from aqn_jax.checks import check_block_widths, check_prompt_lengths, warm_start_spec
 from aqn_jax.data.config import check_data, load_split
-from aqn_jax.evaluation import check_evaluate, eval_spec, robustness
-from aqn_jax.export import plain_policy
+from aqn_jax.evaluation import check_evaluate, robustness
 from aqn_jax.faults.config import fault_plan
+from aqn_jax.jobs import run_policy
 from aqn_jax.models.factory import logical_axes, model_config
 from aqn_jax.models.hf import abstract_params
-from aqn_jax.warm_start import tokenizer_for, warm_start, warm_start_spec
+from aqn_jax.spec import eval_spec
+from aqn_jax.warm_start import tokenizer_for, warm_start
 
 
 def check_config(config):
@@ -89,7 +90,7 @@ def load_policy(config, workdir: str):
     ckpt.close()
     params = state["params"]
     if "lora" in params:  # a QeRL-mode run: its adapters merged into its (quantised) base
-        model_cfg, params = plain_policy(config, params, workdir, meta.get("base"))
+        model_cfg, params = run_policy(config, params, workdir, meta.get("base"))
     want = jax.tree_util.tree_map(lambda a: a.shape, abstract_params(model_cfg))
     if jax.tree_util.tree_map(np.shape, params) != want:
         raise ValueError(

@@ -20,7 +20,8 @@ import os
 import ml_collections
 
 from aqn_jax.checkpoint import Checkpointer
-from aqn_jax.export import EXPORT_DIR, check_target, export_policy, plain_policy
+from aqn_jax.export import EXPORT_DIR, check_target, export_policy
+from aqn_jax.jobs import run_policy
 
 
 def check_config(config) -> tuple[str, ml_collections.ConfigDict, int, str]:
@@ -63,7 +64,7 @@ def run(config, workdir: str) -> None:
         state, meta = ckpt.restore_host(step, "config.export.step")
     finally:
         ckpt.close()
-    model_cfg, params = plain_policy(run_config, state["params"], run_dir, meta.get("base"))
+    model_cfg, params = run_policy(run_config, state["params"], run_dir, meta.get("base"))
     tokenizer = run_config.get("tokenizer_path") or run_config.model.get("hf_path", "")
     export_policy(out, model_cfg, params, tokenizer)
     what = "LoRA merged into its base" if "lora" in state["params"] else "full fine-tuning"

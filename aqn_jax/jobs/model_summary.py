@@ -24,7 +24,7 @@ from aqn_jax.aqn.config import AQN_SIGMA, aqn_sigma
 from aqn_jax.aqn.plan import build_plan
 from aqn_jax.diagnosis.profile import format_profile, residual_profile
 from aqn_jax.faults.intercept import step_key, summarize_stats
-from aqn_jax.forward import forward
+from aqn_jax.forward import forward, trace_manifest
 from aqn_jax.models.factory import load_model, logical_axes, model_config
 from aqn_jax.models.registry import causal_lm, layer_name
 from aqn_jax.warm_start import tokenizer_for
@@ -78,7 +78,7 @@ def run(config, workdir: str) -> None:
     manifest = {}
     for phase in ("rollout", "train", "eval"):
         if plan.active(phase):
-            hits = manifest[phase] = plan.trace_manifest(model, params, phase)
+            hits = manifest[phase] = trace_manifest(plan, model, params, phase)
             for name, paths in hits.items():
                 shown = ", ".join(paths[:4]) + (
                     f", ... ({len(paths)} sites)" if len(paths) > 4 else ""

@@ -5,7 +5,8 @@ python -m aqn_jax.launch --config=configs/base.py --config.job=pretrain
 
 from __future__ import annotations
 
-from aqn_jax.warm_start import tokenizer_for, warm_start, warm_start_spec
+from aqn_jax.checks import warm_start_spec
+from aqn_jax.warm_start import tokenizer_for, warm_start
 
 
 def run(config, workdir: str) -> None:

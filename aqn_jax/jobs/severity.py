@@ -26,8 +26,9 @@ import time
 import jax
 import numpy as np
 
+from aqn_jax.checks import warm_start_spec
 from aqn_jax.data.config import check_data, load_split, task_of, with_prompt_format
-from aqn_jax.evaluation import decode_spec, greedy_sampling, heldout_loss, prompt_dependence
+from aqn_jax.evaluation import greedy_sampling, heldout_loss, prompt_dependence
 from aqn_jax.faults.config import POINTS
 from aqn_jax.faults.intercept import FaultPlan, Injection, step_key, summarize_stats
 from aqn_jax.faults.sites import SiteSelector, expand_kinds
@@ -39,8 +40,9 @@ from aqn_jax.models.registry import causal_lm, layer_name
 from aqn_jax.rl.sampler import Sampler
 from aqn_jax.rl.scoring import eval_scores
 from aqn_jax.rl.sft import sft_sequences
+from aqn_jax.spec import decode_spec
 from aqn_jax.study.config import check_severity
-from aqn_jax.warm_start import tokenizer_for, warm_start, warm_start_spec
+from aqn_jax.warm_start import tokenizer_for, warm_start
 
 FACTOR = "severity_layer_factor"  # the traced per-layer factor of the swept deadzone
 BASE = 0.5  # the Deadzone's own threshold; a point's value v is the factor v / BASE

@@ -1,6 +1,6 @@
 """The RL step as pure functions over a frozen static description.
 
-`static_from(step_spec(config), ...)` builds `Static` once: the hyperparameters (`Hyper`), the
+`static_from(spec.step_spec(config), ...)` builds `Static` once: the hyperparameters (`Hyper`), the
 policy and critic modules, the fault plans and the optimizers. The job then jits, with explicit
 `NamedSharding`s (`shardings`) and the state donated to the update:
 
@@ -61,9 +61,9 @@ from aqn_jax.models.registry import ModelConfig, causal_lm, family_of
 from . import advantages as adv_lib
 from . import losses
 from . import optim as optim_lib
-from .guard import GuardSpec, guard_spec
+from .guard import GuardSpec
 from .optim import OptimizerSpec
-from .rollout_correction import RolloutCorrection, correction_from
+from .rollout_correction import RolloutCorrection
 
 
 @flax.struct.dataclass
@@ -146,72 +146,6 @@ class Hyper:
 
 
 OLD_LOGP_PASS = ("auto", "always")
-
-
-def hyper_from(config) -> Hyper:
-    algo, actor = config.algo, config.actor
-    for field, value in (
-        ("data_batch.prompts", config.data_batch.prompts),
-        ("rollout.n", config.rollout.n),
-        ("actor.ppo_epochs", actor.ppo_epochs),
-        ("actor.mini_batch_prompts", actor.mini_batch_prompts),
-        ("actor.micro_batch_rows", actor.micro_batch_rows),
-    ):
-        if value < 1:
-            raise ValueError(f"config.{field}={value}; must be a positive int")
-    if algo.estimator not in adv_lib.ESTIMATORS:
-        raise ValueError(
-            f"config.algo.estimator={algo.estimator!r}; allowed: {tuple(adv_lib.ESTIMATORS)}"
-        )
-    if adv_lib.ESTIMATORS[algo.estimator].grouped and int(config.rollout.n) < 2:
-        raise ValueError(
-            f"config.rollout.n={config.rollout.n}; must be >= 2 with"
-            f" config.algo.estimator={algo.estimator!r} (its advantage compares the n samples of"
-            " a prompt; n=1 needs estimator 'gae')"
-        )
-    prompts = int(config.data_batch.prompts)
-    if prompts % int(actor.mini_batch_prompts):
-        raise ValueError(
-            f"config.actor.mini_batch_prompts={actor.mini_batch_prompts} must divide"
-            f" config.data_batch.prompts={prompts}"
-        )
-    rows = int(actor.mini_batch_prompts) * int(config.rollout.n)
-    if rows % int(actor.micro_batch_rows):
-        raise ValueError(
-            f"config.actor.micro_batch_rows={actor.micro_batch_rows} must divide the mini-batch"
-            f" rows mini_batch_prompts*n = {rows}"
-        )
-    if algo.loss_agg_mode not in losses.AGG_MODES:
-        raise ValueError(
-            f"config.algo.loss_agg_mode={algo.loss_agg_mode!r}; allowed: {losses.AGG_MODES}"
-        )
-    if algo.kl_type not in losses.KL_TYPES:
-        raise ValueError(f"config.algo.kl_type={algo.kl_type!r}; allowed: {losses.KL_TYPES}")
-    old_pass = actor.get("old_logp_pass", "auto")
-    if old_pass not in OLD_LOGP_PASS:
-        raise ValueError(f"config.actor.old_logp_pass={old_pass!r}; allowed: {OLD_LOGP_PASS}")
-    return Hyper(
-        estimator=algo.estimator,
-        n=int(config.rollout.n),
-        temperature=float(config.rollout.temperature) or 1.0,
-        policy_loss=losses.policy_loss_from(algo),
-        agg=algo.loss_agg_mode,
-        use_kl_loss=bool(algo.use_kl_loss),
-        kl_loss_coef=float(algo.kl_loss_coef),
-        kl_type=algo.kl_type,
-        use_kl_in_reward=bool(algo.use_kl_in_reward),
-        kl_coef=float(algo.kl_coef),
-        entropy_coeff=float(algo.entropy_coeff),
-        gamma=float(algo.gamma),
-        lam=float(algo.lam),
-        ppo_epochs=int(actor.ppo_epochs),
-        mini_batches=prompts // int(actor.mini_batch_prompts),
-        micro_batches=rows // int(actor.micro_batch_rows),
-        vf_clip=float(config.critic.cliprange_value),
-        critic_warmup=int(config.critic.warmup_steps),
-        correction=correction_from(algo, config.rollout),
-        old_logp_pass=old_pass,
-    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -329,26 +263,6 @@ class StepSpec:
     weight_format: str = "none"  # config.model.weight_format
 
 
-def lora_spec_of(config) -> LoraSpec:
-    """config.lora, typed (off when the section is absent)."""
-    return lora_lib.lora_spec(config.get("lora"))
-
-
-def step_spec(config) -> StepSpec:
-    """The job boundary: `hyper_from` (validated) and the optimizer sections, typed."""
-    return StepSpec(
-        h=hyper_from(config),
-        actor=OptimizerSpec.of(config.actor, "warmup_steps", "config.actor"),
-        critic=OptimizerSpec.of(config.critic, "lr_warmup_steps", "config.critic"),
-        max_new=int(config.rollout.max_new_tokens),
-        critic_faults=bool(config.critic.faults),
-        seed=int(config.seed),
-        guard=guard_spec(config.get("sdc")),
-        lora=lora_spec_of(config),
-        weight_format=str(config.model.get("weight_format", "none")),
-    )
-
-
 def static_from(
     spec: StepSpec,
     model_cfg: ModelConfig,
@@ -383,13 +297,6 @@ def static_from(
         lora=spec.lora,
         weight_format=spec.weight_format,
     )
-
-
-def total_steps_of(trainer, batches_per_epoch: int) -> int:
-    """RL steps of a run (`trainer`: config.trainer): total_epochs full passes when set, else
-    total_steps."""
-    epochs = int(trainer.get("total_epochs", 0))
-    return epochs * int(batches_per_epoch) if epochs > 0 else int(trainer.total_steps)
 
 
 # -- shardings and the initial state ---------------------------------------------------------------

@@ -83,23 +83,6 @@ class LoopSpec:
     aqn: AqnSchedule
 
 
-def loop_spec(config: Any) -> LoopSpec:
-    """The job boundary: `config`'s rollout, batch, data and AQN fields the loop reads, typed
-    (validated before, by `checks.check_train`)."""
-    ro = config.rollout
-    return LoopSpec(
-        seed=int(config.seed),
-        prompts=int(config.data_batch.prompts),
-        max_prompt_len=int(ro.max_prompt_len),
-        buckets=tuple(int(b) for b in ro.prompt_buckets),
-        temperature=float(ro.temperature),
-        top_k=int(ro.top_k),
-        top_p=float(ro.top_p),
-        reward_method=str(config.data.reward_method),
-        aqn=AqnSchedule.of(config.aqn),
-    )
-
-
 def prompt_batcher(spec: LoopSpec, train_examples: Sequence[Example], tokenizer: Tokenizer):
     """The train split in RL batches of `spec.prompts` (longer prompts dropped)."""
     return PromptBatcher(

@@ -1,0 +1,376 @@
+"""The run's spec: an experiment config parsed once, at the job boundary, into frozen typed
+parts (`RunSpec`, which `checks.check_train` returns), so that every library function below the
+job takes the spec or the part of it that it needs, never the ConfigDict.
+
+The builders of the parts live here, each reading the config sections its part needs:
+`hyper_from` (config.algo / actor / rollout / data_batch / critic: the programs' `Hyper`),
+`step_spec` (the step programs' `StepSpec`), `loop_spec` (the RL loop's `LoopSpec`), `job_spec`
+(the planner's `JobSpec`), `srdd_spec` (the diagnosis's `SrddSpec`), `summary_spec` (what
+summary.json says of the config), `trainer_spec` / `checkpoint_spec`, and the evaluation's
+`eval_spec` / `decode_spec`. A section's own parser
+stays beside its defaults (`lora.lora_spec`, `faults.config.fault_plan`, `rl.guard.guard_spec`,
+`rl.optim.OptimizerSpec.of`, `aqn.config.AqnSchedule.of`). What needs the raw ConfigDict stays
+in the job layer: config.json (`training.run`), the resume comparison
+(`checkpoint.check_resume_config`) and the warm start's cache key (`warm_start_spec`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+
+from aqn_jax import parallel
+from aqn_jax.aqn.config import AqnSchedule
+from aqn_jax.aqn.plan import needs_srdd, place_aqn
+from aqn_jax.data.tokenizers import Tokenizer
+from aqn_jax.diagnosis.srdd import SrddSpec
+from aqn_jax.evaluation import DecodeSpec, EvalSpec, check_evaluate, conditions
+from aqn_jax.faults.config import fault_plan
+from aqn_jax.faults.intercept import FaultPlan
+from aqn_jax.lora import LoraSpec, lora_spec
+from aqn_jax.models.registry import ModelConfig
+from aqn_jax.planner import JobSpec, MemoryPlan, check_planner, planner_config, reachable_buckets
+from aqn_jax.report import SummarySpec
+from aqn_jax.rl import advantages as adv_lib
+from aqn_jax.rl import losses
+from aqn_jax.rl.guard import GuardSpec, guard_spec
+from aqn_jax.rl.optim import OptimizerSpec
+from aqn_jax.rl.rollout_correction import correction_from
+from aqn_jax.rl.step import OLD_LOGP_PASS, Hyper, StepSpec
+from aqn_jax.rl.trainer import LoopSpec
+from aqn_jax.warm_start import WarmStartSpec
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainerSpec:
+    """config.trainer: the loop's length, validation and the sanity bounds of a checkpoint."""
+
+    total_steps: int
+    total_epochs: int  # > 0: that many passes over the train split instead of total_steps
+    val_every: int  # 0: at the start and the end only
+    val_size: int
+    val_batch_size: int
+    max_grad_norm: float  # 0: no bound (`checkpoint.check_sane`)
+    max_param_abs: float
+
+    def steps(self, batches_per_epoch: int) -> int:
+        """RL steps of the run: total_epochs full passes when set, else total_steps."""
+        epochs = self.total_epochs
+        return epochs * int(batches_per_epoch) if epochs > 0 else self.total_steps
+
+    @property
+    def bounds(self) -> dict[str, float]:
+        """What `checkpoint.check_sane` reads."""
+        return {"max_grad_norm": self.max_grad_norm, "max_param_abs": self.max_param_abs}
+
+
+def trainer_spec(trainer: Any) -> TrainerSpec:
+    """config.trainer, typed (checked by `checks.check_trainer`)."""
+    return TrainerSpec(
+        total_steps=int(trainer.total_steps),
+        total_epochs=int(trainer.get("total_epochs", 0)),
+        val_every=int(trainer.val_every),
+        val_size=int(trainer.val_size),
+        val_batch_size=int(trainer.val_batch_size),
+        max_grad_norm=float(trainer.get("max_grad_norm", 0) or 0),
+        max_param_abs=float(trainer.get("max_param_abs", 0) or 0),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointSpec:
+    """config.checkpoint: how often, how many kept, what the last one holds, the export."""
+
+    every: int
+    keep: int
+    final: str  # checkpoint.FINAL
+    export: str  # checks.EXPORTS: 'hf' writes a transformers snapshot at the end
+
+
+def checkpoint_spec(checkpoint: Any) -> CheckpointSpec:
+    """config.checkpoint, typed (checked by `checks.check_trainer` / `checks.check_qerl`)."""
+    return CheckpointSpec(
+        every=int(checkpoint.every),
+        keep=int(checkpoint.keep),
+        final=str(checkpoint.get("final", "state")),
+        export=str(checkpoint.get("export", "none")),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSpec:
+    """One train run's config, parsed once and checked (`checks.check_train`): the parts each
+    stage of the run reads. `algo` / `actor` / `critic` are the step's (`step`)."""
+
+    model: ModelConfig  # config.model
+    weight_format: str  # config.model.weight_format: the frozen base's storage (QeRL mode)
+    lora: LoraSpec  # config.lora
+    tokenizer: Tokenizer  # config.tokenizer_path, else the model's
+    tokenizer_path: str  # where the tokenizer loads from (the export's)
+    data: Any  # config.data, frozen (`data.config.load_split` reads it; the warm start's)
+    device: FaultPlan  # config.faults: the simulated hardware, without the treatment
+    aqn: Any  # config.aqn, frozen: placed among the device's faults once SRDD ran (`plan`)
+    sdc: GuardSpec  # config.sdc
+    step: StepSpec  # config.algo / actor / critic / rollout: what the step programs read
+    loop: LoopSpec  # what the RL loop reads besides the programs
+    trainer: TrainerSpec
+    checkpoint: CheckpointSpec
+    mesh: tuple[int, int, int]  # config.mesh (data, fsdp, tensor) as given; -1 = the rest
+    seed: int  # config.seed
+    warm_start: WarmStartSpec  # config.model / tokenizer_path / data / sft and the cache key
+    srdd: SrddSpec  # config.diagnosis
+    diagnose: bool  # SRDD runs first: the AQN arm needs it, or config.diagnosis.always
+    summary: SummarySpec  # what summary.json says of the config
+    memory: MemoryPlan  # the planner's per-device plan (`planner.check`)
+    train_prompts: int  # the train split's prompts
+    train_prompts_dropped: int  # of them, longer than config.rollout.max_prompt_len
+
+    @property
+    def algo(self) -> Hyper:
+        return self.step.h
+
+    @property
+    def actor(self) -> OptimizerSpec:
+        return self.step.actor
+
+    @property
+    def critic(self) -> OptimizerSpec:
+        return self.step.critic
+
+    @property
+    def mesh_axes(self) -> dict[str, int]:
+        """config.mesh as `parallel.make_mesh` reads it."""
+        return dict(zip(parallel.AXES, self.mesh, strict=True))
+
+    def plan(self, srdd_sigmas=None, srdd_layers=None) -> FaultPlan:
+        """The device's faults with the AQN injection placed among them (`aqn.plan.place_aqn`);
+        the SRDD diagnosis's sigmas and located layers where the AQN arm takes them."""
+        n = self.model.num_hidden_layers
+        return place_aqn(self.device.injections, self.aqn, n, srdd_sigmas, srdd_layers)
+
+
+def hyper_from(config: Any) -> Hyper:
+    """The programs' static settings from config.algo / actor / critic / rollout / data_batch;
+    raises naming the field."""
+    algo, actor = config.algo, config.actor
+    for field, value in (
+        ("data_batch.prompts", config.data_batch.prompts),
+        ("rollout.n", config.rollout.n),
+        ("actor.ppo_epochs", actor.ppo_epochs),
+        ("actor.mini_batch_prompts", actor.mini_batch_prompts),
+        ("actor.micro_batch_rows", actor.micro_batch_rows),
+    ):
+        if value < 1:
+            raise ValueError(f"config.{field}={value}; must be a positive int")
+    if algo.estimator not in adv_lib.ESTIMATORS:
+        raise ValueError(
+            f"config.algo.estimator={algo.estimator!r}; allowed: {tuple(adv_lib.ESTIMATORS)}"
+        )
+    if adv_lib.ESTIMATORS[algo.estimator].grouped and int(config.rollout.n) < 2:
+        raise ValueError(
+            f"config.rollout.n={config.rollout.n}; must be >= 2 with"
+            f" config.algo.estimator={algo.estimator!r} (its advantage compares the n samples of"
+            " a prompt; n=1 needs estimator 'gae')"
+        )
+    prompts = int(config.data_batch.prompts)
+    if prompts % int(actor.mini_batch_prompts):
+        raise ValueError(
+            f"config.actor.mini_batch_prompts={actor.mini_batch_prompts} must divide"
+            f" config.data_batch.prompts={prompts}"
+        )
+    rows = int(actor.mini_batch_prompts) * int(config.rollout.n)
+    if rows % int(actor.micro_batch_rows):
+        raise ValueError(
+            f"config.actor.micro_batch_rows={actor.micro_batch_rows} must divide the mini-batch"
+            f" rows mini_batch_prompts*n = {rows}"
+        )
+    if algo.loss_agg_mode not in losses.AGG_MODES:
+        raise ValueError(
+            f"config.algo.loss_agg_mode={algo.loss_agg_mode!r}; allowed: {losses.AGG_MODES}"
+        )
+    if algo.kl_type not in losses.KL_TYPES:
+        raise ValueError(f"config.algo.kl_type={algo.kl_type!r}; allowed: {losses.KL_TYPES}")
+    old_pass = actor.get("old_logp_pass", "auto")
+    if old_pass not in OLD_LOGP_PASS:
+        raise ValueError(f"config.actor.old_logp_pass={old_pass!r}; allowed: {OLD_LOGP_PASS}")
+    return Hyper(
+        estimator=algo.estimator,
+        n=int(config.rollout.n),
+        temperature=float(config.rollout.temperature) or 1.0,
+        policy_loss=losses.policy_loss_from(algo),
+        agg=algo.loss_agg_mode,
+        use_kl_loss=bool(algo.use_kl_loss),
+        kl_loss_coef=float(algo.kl_loss_coef),
+        kl_type=algo.kl_type,
+        use_kl_in_reward=bool(algo.use_kl_in_reward),
+        kl_coef=float(algo.kl_coef),
+        entropy_coeff=float(algo.entropy_coeff),
+        gamma=float(algo.gamma),
+        lam=float(algo.lam),
+        ppo_epochs=int(actor.ppo_epochs),
+        mini_batches=prompts // int(actor.mini_batch_prompts),
+        micro_batches=rows // int(actor.micro_batch_rows),
+        vf_clip=float(config.critic.cliprange_value),
+        critic_warmup=int(config.critic.warmup_steps),
+        correction=correction_from(algo, config.rollout),
+        old_logp_pass=old_pass,
+    )
+
+
+def step_spec(
+    config: Any, *, h: Hyper | None = None, lora: LoraSpec | None = None, sdc=None
+) -> StepSpec:
+    """What the step programs read: `hyper_from` (validated) and the optimizer sections, typed.
+    The parts already parsed (`h`, `lora`, `sdc`: `checks.check_train` passes them) are not
+    parsed again."""
+    return StepSpec(
+        h=hyper_from(config) if h is None else h,
+        actor=OptimizerSpec.of(config.actor, "warmup_steps", "config.actor"),
+        critic=OptimizerSpec.of(config.critic, "lr_warmup_steps", "config.critic"),
+        max_new=int(config.rollout.max_new_tokens),
+        critic_faults=bool(config.critic.faults),
+        seed=int(config.seed),
+        guard=guard_spec(config.get("sdc")) if sdc is None else sdc,
+        lora=lora_spec(config.get("lora")) if lora is None else lora,
+        weight_format=str(config.model.get("weight_format", "none")),
+    )
+
+
+def loop_spec(config: Any) -> LoopSpec:
+    """`config`'s rollout, batch, data and AQN fields the loop reads, typed (validated before,
+    by `checks.check_train`)."""
+    ro = config.rollout
+    return LoopSpec(
+        seed=int(config.seed),
+        prompts=int(config.data_batch.prompts),
+        max_prompt_len=int(ro.max_prompt_len),
+        buckets=tuple(int(b) for b in ro.prompt_buckets),
+        temperature=float(ro.temperature),
+        top_k=int(ro.top_k),
+        top_p=float(ro.top_p),
+        reward_method=str(config.data.reward_method),
+        aqn=AqnSchedule.of(config.aqn),
+    )
+
+
+def job_spec(
+    config: Any,
+    model_cfg: ModelConfig,
+    *,
+    h: Hyper | None = None,
+    lora: LoraSpec | None = None,
+    device: FaultPlan | None = None,
+) -> JobSpec:
+    """The fields of `config` the memory plan reads, for the model `model_cfg`; raises naming
+    a `config.planner` field out of range. The parts already parsed (`h`, `lora` and the
+    `device`'s fault plan: `checks.check_train` passes them) are not parsed again."""
+    section = config.get("planner") if hasattr(config, "get") else None
+    section = planner_config() if section is None else section
+    check_planner(section)
+    ro, actor = config.rollout, config.actor
+    estimator = adv_lib.ESTIMATORS.get(config.algo.estimator)  # validated by hyper_from
+    critic = None
+    if estimator is not None and estimator.critic:
+        critic = OptimizerSpec.of(config.critic, "lr_warmup_steps", "config.critic")
+    if device is None:
+        device = fault_plan(config.faults, model_cfg.num_hidden_layers)
+    eval_faults = device.active("eval")
+    return JobSpec(
+        model=model_cfg,
+        mesh=tuple(int(config.mesh[a]) for a in parallel.AXES),
+        total_steps=int(config.trainer.total_steps),
+        actor=OptimizerSpec.of(actor, "warmup_steps", "config.actor"),
+        critic=critic,
+        rows=int(config.data_batch.prompts) * int(ro.n),
+        val_rows=int(config.trainer.val_batch_size),
+        mini_batch_rows=int(actor.mini_batch_prompts) * int(ro.n),
+        micro_batch_rows=int(actor.micro_batch_rows),
+        max_new=int(ro.max_new_tokens),
+        buckets=reachable_buckets(ro),
+        val_samplers=2 if eval_faults else 1,
+        use_ref=(hyper_from(config) if h is None else h).use_ref,
+        headroom=float(section.headroom),
+        device_memory_gb=float(section.device_memory_gb),
+        refuse=bool(section.enabled),
+        lora=lora_spec(config.get("lora")) if lora is None else lora,
+        weight_format=str(config.model.get("weight_format", "none")),
+    )
+
+
+def srdd_spec(config: Any) -> SrddSpec:
+    """`config.diagnosis`, with the base sigma `diagnosis.base_sigma` (0: `aqn.sigma_start`)."""
+    diag = config.diagnosis
+    return SrddSpec.of(diag, float(diag.base_sigma or config.aqn.sigma_start))
+
+
+# config.algo's rollout-correction fields, as summary.json records them.
+CORRECTION_FIELDS = (
+    "rollout_is",
+    "rollout_is_threshold",
+    "rollout_rs",
+    "rollout_rs_threshold",
+    "rollout_rs_threshold_lower",
+    "bypass_mode",
+)
+
+
+def summary_spec(config: Any, device: FaultPlan, n_layers: int) -> SummarySpec:
+    """config.aqn, algo and mesh as the summary reports them, and the layers of the hardware
+    fault (`fault_layers` of the `device`'s plan)."""
+    shape = parallel.mesh_shape(config.mesh, jax.device_count())
+    return SummarySpec(
+        n_layers=int(n_layers),
+        fault_layers=tuple(fault_layers(device, n_layers)),
+        srdd_sigmas=config.aqn.layers == "srdd",
+        rollout_correction=tuple((k, config.algo.get(k)) for k in CORRECTION_FIELDS),
+        mesh=tuple(zip(parallel.AXES, shape, strict=True)),
+    )
+
+
+def fault_layers(device: FaultPlan, n_layers: int) -> list[int]:
+    """The layers of the run's hardware fault (`device`: config.faults' plan): those of its
+    first injection, the first enabled kind in the fault table's order (deadzone, noise, quant,
+    the bit-level kinds; `faults.config.fault_injections`)."""
+    if not device.injections:
+        return []
+    layers = device.injections[0].sites.layers
+    return list(range(n_layers)) if layers == "all" else list(layers)
+
+
+def run_diagnosis(config: Any) -> bool:
+    """SRDD runs before the fault plan: the AQN arm needs it (aqn.layers 'located' / 'srdd'),
+    or config.diagnosis.always."""
+    return bool(needs_srdd(config.aqn) or config.diagnosis.always)
+
+
+def eval_spec(config: Any) -> EvalSpec:
+    """`config.evaluate` with the rollout, trainer and data fields it reads, checked and typed
+    (nothing below reads the ConfigDict)."""
+    ev = config.evaluate
+    check_evaluate(ev)
+    faults = (ev.fault,) if isinstance(ev.fault, bool) else tuple(ev.fault)
+    return EvalSpec(
+        conditions=tuple(conditions(ev)),
+        samples=int(ev.samples),
+        batch_size=int(ev.batch_size or config.trainer.val_batch_size),
+        loss_faults=faults if ev.loss else (),
+        max_new_tokens=int(config.rollout.max_new_tokens),
+        temperature=float(config.rollout.temperature),
+        buckets=tuple(int(b) for b in config.rollout.prompt_buckets),
+        max_prompt_len=int(config.rollout.max_prompt_len),
+        seed=int(config.seed),
+        reward_method=str(config.data.reward_method),
+    )
+
+
+def decode_spec(config: Any) -> DecodeSpec:
+    """The rollout, trainer and data fields greedy validation reads."""
+    return DecodeSpec(
+        max_new_tokens=int(config.rollout.max_new_tokens),
+        buckets=tuple(int(b) for b in config.rollout.prompt_buckets),
+        batch_size=int(config.trainer.val_batch_size),
+        max_prompt_len=int(config.rollout.max_prompt_len),
+        reward_method=str(config.data.reward_method),
+    )
