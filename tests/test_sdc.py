@@ -365,7 +365,7 @@ def test_gradient_fault_flips_one_selected_element_and_recompute_draws_anew():
     import optax
 
     from aqn_jax.faults.bitfaults import TreeBits
-    from aqn_jax.rl.optim import tree_fault_flips, with_tree_faults
+    from aqn_jax.sdc.trees import tree_fault_flips, with_tree_faults
 
     # The MLPs of both layers (a small tree keeps the compile short); layer 1's are selected.
     params = {f"layers_{i}": {"mlp": PARAMS[f"layers_{i}"]["mlp"]} for i in (0, 1)}
@@ -377,7 +377,8 @@ def test_gradient_fault_flips_one_selected_element_and_recompute_draws_anew():
     @functools.cache
     def program(fault):  # step and attempt are traced: one compile per fault
         opt = with_tree_faults(optax.identity(), [(TreeBits(fault, "gradient"), sel)], (), 0)
-        update = lambda st, step, att: opt.update(g, st, params, sdc_step=step, sdc_attempt=att)
+        values = lambda step, att: {SDC_STEP: jnp.float32(step), SDC_ATTEMPT: jnp.float32(att)}
+        update = lambda st, step, att: opt.update(g, st, params, values=values(step, att))
         return opt.init(params), jax.jit(update)
 
     def corrupted(fault, step, attempt):
@@ -408,27 +409,30 @@ def test_gradient_fault_flips_one_selected_element_and_recompute_draws_anew():
 def test_moment_fault_and_the_range_check():
     from aqn_jax.faults.bitfaults import TreeBits
     from aqn_jax.rl import optim
+    from aqn_jax.sdc import trees
 
     params = {"layers_0": {"self_attn": {"q_proj": PARAMS["layers_0"]["self_attn"]["q_proj"]}}}
     g = jax.tree_util.tree_map(lambda p: jnp.full(p.shape, 1e-3, p.dtype), params)
-    bound = optim.moment_bound(1.0, 10)
-    in_range_of = jax.jit(lambda st: optim.moments_in_range(st, bound))
+    bound = trees.moment_bound(1.0, 10)
+    in_range_of = jax.jit(lambda st: trees.moments_in_range(st, bound))
     sel = SiteSelector(("q_proj",), (0,))
     for fault, in_range in (
         (BitFault(bits=(30,), rate=0.0), True),  # negative control
         (BitFault(bits=(30,), count=1), False),  # |mu| * 2^128 > 1: out of range
         (BitFault(bits="sign", count=1), False),  # a negative nu
     ):
-        opt = optim.with_tree_faults(
+        opt = trees.with_tree_faults(
             optim.adamw(1e-3, grad_clip=1.0), (), [(TreeBits(fault, "optimizer"), sel)], 0
         )
-        _, st = jax.jit(opt.update)(g, opt.init(params), params)
+        values = {SDC_STEP: jnp.float32(0)}  # the key of step 0, attempt 0 (no `steps` fault)
+        update = jax.jit(functools.partial(opt.update, values=values))
+        _, st = update(g, opt.init(params), params)
         assert bool(in_range_of(st)) == in_range
-        assert int(optim.tree_fault_flips(st)) == (0 if in_range else 4)  # q_proj kernel + bias
+        assert int(trees.tree_fault_flips(st)) == (0 if in_range else 4)  # q_proj kernel + bias
 
 
 def test_bad_guard_config_names_the_field():
-    from aqn_jax.rl.guard import guard_spec, sdc_config
+    from aqn_jax.sdc.guard import guard_spec, sdc_config
 
     for field, value, match in (
         ("guard", "retry", r"config.sdc.guard='retry'; allowed"),
@@ -442,7 +446,7 @@ def test_bad_guard_config_names_the_field():
 
 
 def test_guard_verdicts():
-    from aqn_jax.rl.guard import Guard, GuardSpec, robust_z
+    from aqn_jax.sdc.guard import Guard, GuardSpec, robust_z
 
     rng = np.random.RandomState(0)
     history = list(1.0 + 0.01 * rng.randn(12))
@@ -702,7 +706,7 @@ def test_injected_rollout_is_the_total_over_the_rollouts_forward_calls():
     # sampler's prefill and each decode step are one call, and a step's rollout ran
     # 1 + (its longest response) calls, so sdc/injected_rollout = 2 x (1 + longest response).
     from aqn_jax.rl.sampler import Sampler, SamplingParams
-    from aqn_jax.rl.trainer import sdc_metrics
+    from aqn_jax.sdc.telemetry import sdc_kinds, sdc_metrics
 
     fault = BitFault("flip", bits=(3,), count=1)  # a low mantissa bit: decoding goes on
     plan = FaultPlan([Injection("bitflip", SiteSelector(("down_proj",), (0, 1)), Bits(fault))])
@@ -715,7 +719,7 @@ def test_injected_rollout_is_the_total_over_the_rollouts_forward_calls():
     stats = summarize_stats(out.fault_stats)
     per_call = [float(v) for k, v in stats.items() if k.startswith("bitflip.flips/layers_")]
     assert per_call == [1.0, 1.0], stats
-    m = sdc_metrics({"response_length/max": float(longest)}, out.fault_stats, {})
+    m = sdc_metrics(sdc_kinds(plan), {"response_length/max": float(longest)}, out.fault_stats, {})
     assert m["sdc/injected_rollout"] == 2 * (1 + longest)
     assert m["sdc/detected_abft_rollout"] == 0.0  # no ABFT in this plan
 
@@ -764,7 +768,7 @@ ONE_LAYER = Qwen2Config.tiny(num_hidden_layers=1)
 def _backward_abft_probe(plan, params, model, ids, step):
     """The probe's gradient ([layers, linear kinds, (dX, dW)]: rows flagged) of one
     differentiated pass of `model` under `plan` at RL step `step` (what
-    `rl/step.sdc_accumulate` does)."""
+    `sdc/telemetry.abft_accumulate` does)."""
     from aqn_jax.faults.bitfaults import abft_probe, backward_probe
 
     values = {SDC_STEP: jnp.float32(step), SDC_ATTEMPT: jnp.float32(0)}
