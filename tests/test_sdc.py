@@ -2,6 +2,7 @@
 fault kinds at module sites (manifest, telemetry, steps, permanent lanes), the backward
 products, the MX/NVFP4 scale flip, ABFT and the config's errors."""
 
+import dataclasses
 import functools
 import json
 
@@ -25,6 +26,7 @@ from aqn_jax.faults.bitfaults import (
 from aqn_jax.faults.config import check_bit_dtypes, fault_plan, faults_config
 from aqn_jax.faults.intercept import FaultPlan, Injection, step_key, summarize_stats
 from aqn_jax.faults.sites import SiteSelector
+from aqn_jax.faults.transforms import TransformBase
 from aqn_jax.models.qwen2 import Qwen2Config, Qwen2ForCausalLM
 
 from conftest import random_params
@@ -284,6 +286,144 @@ def test_bit_positions_checked_against_the_dtype_and_other_kinds():
     assert isinstance(plan.injections[0].transform, ScaleFlip)
     plan = fault_plan(bit_config(count=1, point="dx", phases=("train",)), 2)
     assert isinstance(plan.injections[0].transform, BitsLinear)
+
+
+# --- a new bit-level kind: its transform and its builder ------------------------------------
+@dataclasses.dataclass(frozen=True, eq=False)
+class LowFlip(TransformBase):
+    """A throwaway bit-level kind's transform, written from `TransformBase` (not `Bits`): the
+    bits `fault` selects flipped in the value; it says that it counts them."""
+
+    fault: BitFault
+    kind: str = "low_flip"
+    counts_flips = True
+
+    def __call__(self, x, ctx):
+        mask = self.fault.mask(lambda: ctx.key, ctx.name, x.shape, x.dtype, ctx.values, ctx.site)
+        y = bits.corrupt(x, mask, self.fault.mode)
+        ctx.sow("flips", bits.changed_bits(x, y).astype(jnp.float32))
+        return y
+
+    def value_names(self):
+        return self.fault.value_names()
+
+    def describe(self):
+        return f"{self.kind}({self.fault.describe()})"
+
+
+class QuietFlip(LowFlip):
+    """The negative control: the same flips (and the same `flips` it sows), but it says it
+    does not count them."""
+
+    counts_flips = False
+
+
+class ScaleLike(LowFlip):
+    """The negative control of the bit check: its bits are not the value's (`value_bits`)."""
+
+    value_bits = False
+
+
+@pytest.fixture
+def throwaway_kinds(monkeypatch):
+    """Kinds low_flip, quiet_flip and scale_like, each registered in the one place a new kind
+    takes besides its transform (its `@fault_kind` builder), on copies of the registries."""
+    from aqn_jax.faults import config as fconfig
+
+    for name in ("BUILDERS", "SECTIONS", "BIT_KINDS"):
+        monkeypatch.setattr(fconfig, name, dict(getattr(fconfig, name)))
+    for kind, transform in (
+        ("low_flip", LowFlip),
+        ("quiet_flip", QuietFlip),
+        ("scale_like", ScaleLike),
+    ):
+
+        @fconfig.fault_kind(kind, fconfig.bit_section, bits=transform)
+        def build(sec, num_layers, kind=kind):
+            return fconfig.bit_injection(kind, sec, num_layers, "flip")
+
+    return fconfig
+
+
+def test_a_new_bit_kind_is_checked_against_the_dtype_as_the_others(throwaway_kinds):
+    faults = faults_config()  # its section is there with the others'
+    for kind in ("low_flip", "scale_like"):
+        faults[kind].update(enabled=True, bits="(20,)", count=1)
+    plan = fault_plan(faults, 2)
+    assert [type(inj.transform) for inj in plan.injections] == [LowFlip, ScaleLike]
+    check_bit_dtypes(faults, "float32", "float32")  # f32 has bit 20
+    with pytest.raises(ValueError, match=r"config.faults.low_flip.bits=\(20,\).*bfloat16"):
+        check_bit_dtypes(faults, "bfloat16", "float32")  # as bitflip's (the test above)
+    # Negative control: scale_like's bits are not the value's; the bf16 check leaves it alone.
+    faults.low_flip.enabled = False
+    check_bit_dtypes(faults, "bfloat16", "float32")
+    # The same property picks the points: a backward product for low_flip, not for scale_like.
+    faults.low_flip.update(enabled=True, point="dx", phases=("train",))
+    assert isinstance(fault_plan(faults, 2).injections[0].transform, BitsLinear)
+    faults.low_flip.enabled = False
+    faults.scale_like.update(point="dx", phases=("train",))
+    with pytest.raises(ValueError, match=r"config.faults.scale_like.point='dx'; allowed"):
+        fault_plan(faults, 2)
+
+
+def test_the_trainer_counts_a_new_bit_kinds_flips(throwaway_kinds):
+    # One flip of bit 20 (a mantissa bit of f32: the run stays finite) per call at layer 1's
+    # down_proj (low_flip) and the same at layer 2's (quiet_flip, which does not count). The
+    # step's programs and the trainer's telemetry as `Trainer._train` and `Trainer.step`
+    # compose them: sdc/injected = one flip per policy pass = prepare's chunks + the update's
+    # passes (mini-batches x micro-batches each, ppo_epochs x mini-batches updates).
+    from aqn_jax import parallel
+    from aqn_jax.aqn.plan import build_plan
+    from aqn_jax.rl import step as rl_step
+    from aqn_jax.sdc import telemetry
+
+    from conftest import load_config, shallow
+
+    config = shallow(load_config("deadzone"))
+    config.faults.deadzone.enabled = False
+    for kind, layer in (("low_flip", "1"), ("quiet_flip", "2")):
+        config.faults[kind] = throwaway_kinds.bit_section()
+        config.faults[kind].update(
+            enabled=True, sites=("down_proj",), layers=layer, bits="(20,)", count=1
+        )
+    config.rollout.max_new_tokens, config.rollout.n, config.data_batch.prompts = 6, 2, 2
+    config.actor.mini_batch_prompts, config.actor.micro_batch_rows = 2, 2
+    config.algo.use_kl_loss = False
+    cfg = Qwen2Config.tiny(num_hidden_layers=3)
+    plan = build_plan(config.faults, config.aqn, 3)
+    hw = fault_plan(config.faults, 3)
+    static = rl_step.static_from(rl_step.step_spec(config), cfg, plan, hw, 4)
+    assert static.sdc is not None and static.sdc.sites and "low_flip" in static.sdc.kinds
+    assert "quiet_flip" not in static.sdc.kinds
+    mesh = parallel.make_mesh(config.mesh, jax.devices()[:1])
+    state, _ = rl_step.init_state(static, random_params(cfg), rl_step.shardings(static, mesh))
+    r = np.random.default_rng(0)
+    ids = r.integers(3, 200, (4, 8 + 6)).astype(np.int32)
+    batch = dict(
+        ids=ids, mask=np.ones_like(ids), tokens=ids[:, 8:], rmask=np.ones((4, 6), np.int32)
+    )
+    batch = jax.tree_util.tree_map(jnp.asarray, batch)
+    key, values = jax.random.key(3), {"aqn_sigma": np.float32(0.0)}
+    prepare = jax.jit(lambda *a: rl_step.prepare_step(static, *a))
+    prep, train_stats = prepare(state, None, batch, jnp.asarray([1.0, 0.0, 0.0, 1.0]), key, values)
+    upd = {**batch, "old_logp": prep["old_logp"], "advantages": prep["advantages"]}
+    _, mets = jax.jit(lambda *a: rl_step.update_step(static, *a))(state, upd, key, values)
+    mets = {k: float(v) for k, v in mets.items()}
+    h = static.h
+    passes = h.mini_batches * h.micro_batches
+    mets.update(telemetry.train_counts(static.sdc, train_stats, mets, passes))
+    m = {"response_length/max": 6.0, **mets}
+    m.update(telemetry.sdc_metrics(static.sdc.kinds, m, {}, {}))
+    expected = passes + static.updates * h.micro_batches  # prepare's chunks + update's passes
+    assert expected == 4  # one epoch of one mini-batch of two micro-batches, and prepare's two
+    assert m["sdc/injected_prepare"] == passes and m["sdc/injected_update"] == expected - passes
+    assert m["sdc/injected"] == expected
+    # Negative control: quiet_flip's flips were sown beside low_flip's (the same count), but
+    # the telemetry leaves them out; counted as a kind that counts, they double the total.
+    stats = summarize_stats(jax.device_get(train_stats))
+    assert stats["quiet_flip.flips/layers_2/mlp/down_proj"] == 1.0
+    both = telemetry.site_counts(train_stats, {"low_flip", "quiet_flip"})
+    assert float(both["flips"]) * passes == 2 * m["sdc/injected_prepare"]
 
 
 # --- ABFT ------------------------------------------------------------------------------------
