@@ -619,6 +619,70 @@ def test_guard_verdicts():
     assert skip.rollout_verdict(np.zeros((2, 3)), rmask, 3.0) is None
 
 
+def test_recovery_attempts_keys_skip_and_rollback():
+    # `Recovery` with a fake rollout and train function (host only): the order of the attempts,
+    # their fault keys, what a rejected attempt leaves in the counts, skip, and the rollback.
+    from types import SimpleNamespace
+
+    from aqn_jax.sdc.guard import GuardSpec, RollbackNeeded
+    from aqn_jax.sdc.recovery import ATTEMPT_TAG, Recovery
+
+    out = SimpleNamespace(fault_stats={})
+    good = {"rmask": np.ones((2, 3)), "sampler_logp": np.zeros((2, 3))}
+    nan = {"rmask": np.ones((2, 3)), "sampler_logp": np.full((2, 3), np.nan)}
+    seen = []
+
+    def fakes(bad_rollouts=(), bad_updates=()):
+        def rollout(a):
+            seen.append(("rollout", a))
+            return out, nan if a in bad_rollouts else good
+
+        def train(rows, a):
+            seen.append(("train", a))
+            loss = np.inf if a in bad_updates else 1.0
+            return SimpleNamespace(mets={"actor/pg_loss": loss, "sdc/injected_update": 2.0})
+
+        return rollout, train
+
+    # recompute: attempt 0's rollout is non-finite (generated again), attempt 1's update is
+    # non-finite (recomputed on the same rows), attempt 2 is accepted.
+    rec = Recovery(GuardSpec("recompute", max_recomputes=2), seed=0)
+    got = rec.step(5, *fakes(bad_rollouts=(0,), bad_updates=(1,)))
+    assert seen == [("rollout", 0), ("rollout", 1), ("train", 1), ("train", 2)]
+    assert got.rows is good and got.train.mets["actor/pg_loss"] == 1.0 and not got.skipped
+    assert got.counts["sdc/recomputed"] == 2.0 and got.counts["sdc/injected_rejected"] == 2.0
+    assert got.counts["sdc/rolled_back"] == 0.0
+    # The keys: attempt 0 is the step's, attempt n folds ATTEMPT_TAG + n.
+    kd = jax.random.key_data
+    np.testing.assert_array_equal(kd(rec.fault_key(5, "train")), kd(step_key(0, 5, "train")))
+    want = jax.random.fold_in(step_key(0, 5, "train"), ATTEMPT_TAG + 2)
+    np.testing.assert_array_equal(kd(rec.fault_key(5, "train", 2)), kd(want))
+    assert not np.array_equal(kd(rec.fault_key(5, "train", 1)), kd(want))
+    # skip: the bad update is dropped, nothing recomputed.
+    seen.clear()
+    got = Recovery(GuardSpec("skip"), seed=0).step(5, *fakes(bad_updates=(0,)))
+    assert seen == [("rollout", 0), ("train", 0)] and got.skipped
+    assert got.counts["sdc/guard_skipped"] == 1.0 and got.counts["sdc/recomputed"] == 0.0
+    # No guard (negative control): one rollout, one train, no counts, whatever the metrics.
+    seen.clear()
+    got = Recovery(GuardSpec(), seed=0).step(5, *fakes(bad_updates=(0,)))
+    assert seen == [("rollout", 0), ("train", 0)] and got.counts == {} and not got.skipped
+    # Rollback: past max_recomputes; without a checkpoint the loop's first state; the step
+    # then starts past the failed attempts; failing again raises naming the bit faults.
+    rec = Recovery(GuardSpec("recompute", max_recomputes=1), seed=0, note="bitflip(bits=(30,))")
+    with pytest.raises(RollbackNeeded) as e:
+        rec.step(3, *fakes(bad_updates=(0, 1)))
+    assert rec.rollback(e.value, lambda: None, ("s0", "d0", 1)) == ("s0", "d0", 1)
+    assert rec.rollback(RollbackNeeded(4, "x"), lambda: ("s2", "d2", 3), ()) == ("s2", "d2", 3)
+    seen.clear()
+    got = rec.step(3, *fakes())
+    assert seen == [("rollout", 2), ("train", 2)] and got.counts["sdc/rolled_back"] == 1.0
+    with pytest.raises(RollbackNeeded) as e:
+        rec.step(3, *fakes(bad_updates=(2, 3)))
+    with pytest.raises(FloatingPointError, match=r"RL step 3: .*again.*bitflip\(bits=\(30,\)\)"):
+        rec.rollback(e.value, lambda: None, ())
+
+
 # --- the guard, end to end ---------------------------------------------------------------------
 @pytest.mark.slow  # two smoke runs of the shallow model, and the session's clean one
 @pytest.mark.xdist_group("clean_smoke")  # conftest.clean_smoke, with test_train's clean arm
