@@ -27,9 +27,9 @@ from aqn_jax.models.factory import model_config
 from aqn_jax.models.hf import abstract_params
 from aqn_jax.models.registry import family_of
 from aqn_jax.rl.advantages import ESTIMATORS
-from aqn_jax.rl.guard import guard_spec
 from aqn_jax.rl.optim import check_optimizer
 from aqn_jax.rl.sampler import check_rollout
+from aqn_jax.sdc.guard import guard_spec
 from aqn_jax.spec import (
     RunSpec,
     checkpoint_spec,

@@ -44,9 +44,9 @@ from aqn_jax.lora import lora_section
 from aqn_jax.models.factory import model_section
 from aqn_jax.parallel import distributed_config, mesh_config
 from aqn_jax.planner import planner_config
-from aqn_jax.rl.guard import sdc_config
 from aqn_jax.rl.losses import policy_loss_config
 from aqn_jax.rl.rollout_correction import PRESETS, correction_config
+from aqn_jax.sdc.guard import sdc_config
 from aqn_jax.warm_start import sft_config
 
 FAULT_LAYER = 4  # the middle of the tiny model's 8 layers
@@ -180,7 +180,7 @@ def base_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # RL can win back from (0.9 leaves 0.105; the seed's 0.01 of the max flushes 5%, no cost).
     config.faults.deadzone.severity = "quantile"  # amax | quantile
     config.faults.deadzone.quantile = 0.75  # fraction of |h| flushed
-    config.sdc = sdc_config()  # SDC detection and recovery: ABFT, step guards (rl/guard.py)
+    config.sdc = sdc_config()  # SDC detection and recovery: ABFT, step guards (sdc/guard.py)
     config.aqn = aqn_config()  # the treatment: AQN noise (aqn_jax/aqn/config.py)
     config.aqn.schedule = "epoch_aware"  # qerl | epoch_aware | constant | linear | cosine
     config.aqn.num_epochs = 2  # epochs of the epoch-aware decay

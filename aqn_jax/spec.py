@@ -8,7 +8,7 @@ The builders of the parts live here, each reading the config sections its part n
 (the planner's `JobSpec`), `srdd_spec` (the diagnosis's `SrddSpec`), `summary_spec` (what
 summary.json says of the config), `trainer_spec` / `checkpoint_spec`, and the evaluation's
 `eval_spec` / `decode_spec`. A section's own parser
-stays beside its defaults (`lora.lora_spec`, `faults.config.fault_plan`, `rl.guard.guard_spec`,
+stays beside its defaults (`lora.lora_spec`, `faults.config.fault_plan`, `sdc.guard.guard_spec`,
 `rl.optim.OptimizerSpec.of`, `aqn.config.AqnSchedule.of`). What needs the raw ConfigDict stays
 in the job layer: config.json (`training.run`), the resume comparison
 (`checkpoint.check_resume_config`) and the warm start's cache key (`warm_start_spec`).
@@ -35,11 +35,11 @@ from aqn_jax.planner import JobSpec, MemoryPlan, check_planner, planner_config, 
 from aqn_jax.report import SummarySpec
 from aqn_jax.rl import advantages as adv_lib
 from aqn_jax.rl import losses
-from aqn_jax.rl.guard import GuardSpec, guard_spec
 from aqn_jax.rl.optim import OptimizerSpec
 from aqn_jax.rl.rollout_correction import correction_from
 from aqn_jax.rl.step import OLD_LOGP_PASS, Hyper, StepSpec
 from aqn_jax.rl.trainer import LoopSpec
+from aqn_jax.sdc.guard import GuardSpec, guard_spec
 from aqn_jax.warm_start import WarmStartSpec
 
 

@@ -44,8 +44,9 @@ from aqn_jax.metrics import open_run, progress
 from aqn_jax.models.registry import causal_lm, family_of
 from aqn_jax.report import print_summary, run_summary, write_run_report
 from aqn_jax.rl import step as rl_step
-from aqn_jax.rl.guard import RollbackNeeded
-from aqn_jax.rl.trainer import Trainer, fault_fired, guard_hint, prompt_batcher
+from aqn_jax.rl.trainer import Trainer, prompt_batcher
+from aqn_jax.sdc.guard import RollbackNeeded
+from aqn_jax.sdc.telemetry import fault_fired, guard_hint
 from aqn_jax.spec import RunSpec
 from aqn_jax.warm_start import warm_start
 
@@ -267,7 +268,10 @@ def _loop(r: _Run, state, start: int, writer, history: list):
             try:
                 state, m = loop.step(state, step)
             except RollbackNeeded as e:  # the guard's last resort (config.sdc.guard)
-                state, step = _rollback(r, e, state, first)
+                state, data, step = loop.recovery.rollback(
+                    e, functools.partial(_latest, r, state), first
+                )
+                batcher.load_state(data)
                 for t in [t for t in fired if t >= step]:  # to be redone
                     del fired[t]
                 del history[step:]  # the rows of the steps to redo: one row a step stays
@@ -301,19 +305,14 @@ def _loop(r: _Run, state, start: int, writer, history: list):
     return state
 
 
-def _rollback(r: _Run, e: RollbackNeeded, state, first):
-    """The state and data position of the last checkpoint (the loop's `first` ones without
-    one), and the step to run next."""
-    r.loop.note_rollback(e.step)
-    print(f"{e}")
+def _latest(r: _Run, state):
+    """(the state, the data position, the step to run next) of the last checkpoint, or None
+    without one: a rollback's target (`Recovery.rollback`)."""
     got = r.ckpt.restore_latest(rl_step.saveable(state))
     if got is None:
-        state0, data0, step0 = first
-        r.loop.batcher.load_state(data0)
-        return state0, step0
+        return None
     back, restored, meta = got
-    r.loop.batcher.load_state(meta["data"])
-    return restored.replace(base=state.base), int(back) + 1
+    return restored.replace(base=state.base), meta["data"], int(back) + 1
 
 
 def _save(r: _Run, step: int, state, m: dict, fired: dict[int, str]) -> None:
@@ -321,7 +320,7 @@ def _save(r: _Run, step: int, state, m: dict, fired: dict[int, str]) -> None:
     saved), naming the bit faults that fired since the last save."""
     saved = rl_step.saveable(state)
     cause = "; ".join(f"a bit fault fired in RL step {t} ({f})" for t, f in fired.items())
-    hint = guard_hint(r.loop.sdc_note)
+    hint = guard_hint(r.loop.recovery.note)
     check_sane(step, saved, m, r.spec.trainer.bounds, cause, hint)  # else nothing is saved
     fired.clear()
     meta = {"step": step, "data": r.loop.batcher.state(), "base": r.base_print}

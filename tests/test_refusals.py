@@ -211,7 +211,8 @@ def test_divergence_names_the_bit_fault_that_fired():
     import ml_collections
 
     from aqn_jax.checkpoint import check_sane
-    from aqn_jax.rl.trainer import check_finite, fault_fired, guard_hint
+    from aqn_jax.rl.trainer import check_finite
+    from aqn_jax.sdc.telemetry import fault_fired, guard_hint
 
     note = "bitflip(count=1, bits=(30,))"
     m = {"actor/pg_loss": float("nan"), "sdc/injected": 1.0, "sdc/grad_norm": float("inf")}

@@ -2,6 +2,7 @@
 fault kinds at module sites (manifest, telemetry, steps, permanent lanes), the backward
 products, the MX/NVFP4 scale flip, ABFT and the config's errors."""
 
+import dataclasses
 import functools
 import json
 
@@ -25,6 +26,7 @@ from aqn_jax.faults.bitfaults import (
 from aqn_jax.faults.config import check_bit_dtypes, fault_plan, faults_config
 from aqn_jax.faults.intercept import FaultPlan, Injection, step_key, summarize_stats
 from aqn_jax.faults.sites import SiteSelector
+from aqn_jax.faults.transforms import TransformBase
 from aqn_jax.forward import trace_manifest
 from aqn_jax.models.qwen2 import Qwen2Config, Qwen2ForCausalLM
 
@@ -287,6 +289,144 @@ def test_bit_positions_checked_against_the_dtype_and_other_kinds():
     assert isinstance(plan.injections[0].transform, BitsLinear)
 
 
+# --- a new bit-level kind: its transform and its builder ------------------------------------
+@dataclasses.dataclass(frozen=True, eq=False)
+class LowFlip(TransformBase):
+    """A throwaway bit-level kind's transform, written from `TransformBase` (not `Bits`): the
+    bits `fault` selects flipped in the value; it says that it counts them."""
+
+    fault: BitFault
+    kind: str = "low_flip"
+    counts_flips = True
+
+    def __call__(self, x, ctx):
+        mask = self.fault.mask(lambda: ctx.key, ctx.name, x.shape, x.dtype, ctx.values, ctx.site)
+        y = bits.corrupt(x, mask, self.fault.mode)
+        ctx.sow("flips", bits.changed_bits(x, y).astype(jnp.float32))
+        return y
+
+    def value_names(self):
+        return self.fault.value_names()
+
+    def describe(self):
+        return f"{self.kind}({self.fault.describe()})"
+
+
+class QuietFlip(LowFlip):
+    """The negative control: the same flips (and the same `flips` it sows), but it says it
+    does not count them."""
+
+    counts_flips = False
+
+
+class ScaleLike(LowFlip):
+    """The negative control of the bit check: its bits are not the value's (`value_bits`)."""
+
+    value_bits = False
+
+
+@pytest.fixture
+def throwaway_kinds(monkeypatch):
+    """Kinds low_flip, quiet_flip and scale_like, each registered in the one place a new kind
+    takes besides its transform (its `@fault_kind` builder), on copies of the registries."""
+    from aqn_jax.faults import config as fconfig
+
+    for name in ("BUILDERS", "SECTIONS", "BIT_KINDS"):
+        monkeypatch.setattr(fconfig, name, dict(getattr(fconfig, name)))
+    for kind, transform in (
+        ("low_flip", LowFlip),
+        ("quiet_flip", QuietFlip),
+        ("scale_like", ScaleLike),
+    ):
+
+        @fconfig.fault_kind(kind, fconfig.bit_section, bits=transform)
+        def build(sec, num_layers, kind=kind):
+            return fconfig.bit_injection(kind, sec, num_layers, "flip")
+
+    return fconfig
+
+
+def test_a_new_bit_kind_is_checked_against_the_dtype_as_the_others(throwaway_kinds):
+    faults = faults_config()  # its section is there with the others'
+    for kind in ("low_flip", "scale_like"):
+        faults[kind].update(enabled=True, bits="(20,)", count=1)
+    plan = fault_plan(faults, 2)
+    assert [type(inj.transform) for inj in plan.injections] == [LowFlip, ScaleLike]
+    check_bit_dtypes(faults, "float32", "float32")  # f32 has bit 20
+    with pytest.raises(ValueError, match=r"config.faults.low_flip.bits=\(20,\).*bfloat16"):
+        check_bit_dtypes(faults, "bfloat16", "float32")  # as bitflip's (the test above)
+    # Negative control: scale_like's bits are not the value's; the bf16 check leaves it alone.
+    faults.low_flip.enabled = False
+    check_bit_dtypes(faults, "bfloat16", "float32")
+    # The same property picks the points: a backward product for low_flip, not for scale_like.
+    faults.low_flip.update(enabled=True, point="dx", phases=("train",))
+    assert isinstance(fault_plan(faults, 2).injections[0].transform, BitsLinear)
+    faults.low_flip.enabled = False
+    faults.scale_like.update(point="dx", phases=("train",))
+    with pytest.raises(ValueError, match=r"config.faults.scale_like.point='dx'; allowed"):
+        fault_plan(faults, 2)
+
+
+def test_the_trainer_counts_a_new_bit_kinds_flips(throwaway_kinds):
+    # One flip of bit 20 (a mantissa bit of f32: the run stays finite) per call at layer 1's
+    # down_proj (low_flip) and the same at layer 2's (quiet_flip, which does not count). The
+    # step's programs and the trainer's telemetry as `Trainer._train` and `Trainer.step`
+    # compose them: sdc/injected = one flip per policy pass = prepare's chunks + the update's
+    # passes (mini-batches x micro-batches each, ppo_epochs x mini-batches updates).
+    from aqn_jax import parallel
+    from aqn_jax.aqn.plan import build_plan
+    from aqn_jax.rl import step as rl_step
+    from aqn_jax.sdc import telemetry
+
+    from conftest import load_config, shallow
+
+    config = shallow(load_config("deadzone"))
+    config.faults.deadzone.enabled = False
+    for kind, layer in (("low_flip", "1"), ("quiet_flip", "2")):
+        config.faults[kind] = throwaway_kinds.bit_section()
+        config.faults[kind].update(
+            enabled=True, sites=("down_proj",), layers=layer, bits="(20,)", count=1
+        )
+    config.rollout.max_new_tokens, config.rollout.n, config.data_batch.prompts = 6, 2, 2
+    config.actor.mini_batch_prompts, config.actor.micro_batch_rows = 2, 2
+    config.algo.use_kl_loss = False
+    cfg = Qwen2Config.tiny(num_hidden_layers=3)
+    plan = build_plan(config.faults, config.aqn, 3)
+    hw = fault_plan(config.faults, 3)
+    static = rl_step.static_from(rl_step.step_spec(config), cfg, plan, hw, 4)
+    assert static.sdc is not None and static.sdc.sites and "low_flip" in static.sdc.kinds
+    assert "quiet_flip" not in static.sdc.kinds
+    mesh = parallel.make_mesh(config.mesh, jax.devices()[:1])
+    state, _ = rl_step.init_state(static, random_params(cfg), rl_step.shardings(static, mesh))
+    r = np.random.default_rng(0)
+    ids = r.integers(3, 200, (4, 8 + 6)).astype(np.int32)
+    batch = dict(
+        ids=ids, mask=np.ones_like(ids), tokens=ids[:, 8:], rmask=np.ones((4, 6), np.int32)
+    )
+    batch = jax.tree_util.tree_map(jnp.asarray, batch)
+    key, values = jax.random.key(3), {"aqn_sigma": np.float32(0.0)}
+    prepare = jax.jit(lambda *a: rl_step.prepare_step(static, *a))
+    prep, train_stats = prepare(state, None, batch, jnp.asarray([1.0, 0.0, 0.0, 1.0]), key, values)
+    upd = {**batch, "old_logp": prep["old_logp"], "advantages": prep["advantages"]}
+    _, mets = jax.jit(lambda *a: rl_step.update_step(static, *a))(state, upd, key, values)
+    mets = {k: float(v) for k, v in mets.items()}
+    h = static.h
+    passes = h.mini_batches * h.micro_batches
+    mets.update(telemetry.train_counts(static.sdc, train_stats, mets, passes))
+    m = {"response_length/max": 6.0, **mets}
+    m.update(telemetry.sdc_metrics(static.sdc.kinds, m, {}, {}))
+    expected = passes + static.updates * h.micro_batches  # prepare's chunks + update's passes
+    assert expected == 4  # one epoch of one mini-batch of two micro-batches, and prepare's two
+    assert m["sdc/injected_prepare"] == passes and m["sdc/injected_update"] == expected - passes
+    assert m["sdc/injected"] == expected
+    # Negative control: quiet_flip's flips were sown beside low_flip's (the same count), but
+    # the telemetry leaves them out; counted as a kind that counts, they double the total.
+    stats = summarize_stats(jax.device_get(train_stats))
+    assert stats["quiet_flip.flips/layers_2/mlp/down_proj"] == 1.0
+    both = telemetry.site_counts(train_stats, {"low_flip", "quiet_flip"})
+    assert float(both["flips"]) * passes == 2 * m["sdc/injected_prepare"]
+
+
 # --- ABFT ------------------------------------------------------------------------------------
 def one_flip_per_row(y, bit_of_row, key):
     """y [N, O] with one element of each row flipped at bit `bit_of_row[i]` (column random)."""
@@ -366,7 +506,7 @@ def test_gradient_fault_flips_one_selected_element_and_recompute_draws_anew():
     import optax
 
     from aqn_jax.faults.bitfaults import TreeBits
-    from aqn_jax.rl.optim import tree_fault_flips, with_tree_faults
+    from aqn_jax.sdc.trees import tree_fault_flips, with_tree_faults
 
     # The MLPs of both layers (a small tree keeps the compile short); layer 1's are selected.
     params = {f"layers_{i}": {"mlp": PARAMS[f"layers_{i}"]["mlp"]} for i in (0, 1)}
@@ -378,7 +518,8 @@ def test_gradient_fault_flips_one_selected_element_and_recompute_draws_anew():
     @functools.cache
     def program(fault):  # step and attempt are traced: one compile per fault
         opt = with_tree_faults(optax.identity(), [(TreeBits(fault, "gradient"), sel)], (), 0)
-        update = lambda st, step, att: opt.update(g, st, params, sdc_step=step, sdc_attempt=att)
+        values = lambda step, att: {SDC_STEP: jnp.float32(step), SDC_ATTEMPT: jnp.float32(att)}
+        update = lambda st, step, att: opt.update(g, st, params, values=values(step, att))
         return opt.init(params), jax.jit(update)
 
     def corrupted(fault, step, attempt):
@@ -409,27 +550,30 @@ def test_gradient_fault_flips_one_selected_element_and_recompute_draws_anew():
 def test_moment_fault_and_the_range_check():
     from aqn_jax.faults.bitfaults import TreeBits
     from aqn_jax.rl import optim
+    from aqn_jax.sdc import trees
 
     params = {"layers_0": {"self_attn": {"q_proj": PARAMS["layers_0"]["self_attn"]["q_proj"]}}}
     g = jax.tree_util.tree_map(lambda p: jnp.full(p.shape, 1e-3, p.dtype), params)
-    bound = optim.moment_bound(1.0, 10)
-    in_range_of = jax.jit(lambda st: optim.moments_in_range(st, bound))
+    bound = trees.moment_bound(1.0, 10)
+    in_range_of = jax.jit(lambda st: trees.moments_in_range(st, bound))
     sel = SiteSelector(("q_proj",), (0,))
     for fault, in_range in (
         (BitFault(bits=(30,), rate=0.0), True),  # negative control
         (BitFault(bits=(30,), count=1), False),  # |mu| * 2^128 > 1: out of range
         (BitFault(bits="sign", count=1), False),  # a negative nu
     ):
-        opt = optim.with_tree_faults(
+        opt = trees.with_tree_faults(
             optim.adamw(1e-3, grad_clip=1.0), (), [(TreeBits(fault, "optimizer"), sel)], 0
         )
-        _, st = jax.jit(opt.update)(g, opt.init(params), params)
+        values = {SDC_STEP: jnp.float32(0)}  # the key of step 0, attempt 0 (no `steps` fault)
+        update = jax.jit(functools.partial(opt.update, values=values))
+        _, st = update(g, opt.init(params), params)
         assert bool(in_range_of(st)) == in_range
-        assert int(optim.tree_fault_flips(st)) == (0 if in_range else 4)  # q_proj kernel + bias
+        assert int(trees.tree_fault_flips(st)) == (0 if in_range else 4)  # q_proj kernel + bias
 
 
 def test_bad_guard_config_names_the_field():
-    from aqn_jax.rl.guard import guard_spec, sdc_config
+    from aqn_jax.sdc.guard import guard_spec, sdc_config
 
     for field, value, match in (
         ("guard", "retry", r"config.sdc.guard='retry'; allowed"),
@@ -443,7 +587,7 @@ def test_bad_guard_config_names_the_field():
 
 
 def test_guard_verdicts():
-    from aqn_jax.rl.guard import Guard, GuardSpec, robust_z
+    from aqn_jax.sdc.guard import Guard, GuardSpec, robust_z
 
     rng = np.random.RandomState(0)
     history = list(1.0 + 0.01 * rng.randn(12))
@@ -474,6 +618,70 @@ def test_guard_verdicts():
     assert "1 response token" in skip.rollout_verdict(logp, rmask, 0.0)
     assert "ABFT flagged 3 rows" in guard.rollout_verdict(np.zeros((2, 3)), rmask, 3.0)
     assert skip.rollout_verdict(np.zeros((2, 3)), rmask, 3.0) is None
+
+
+def test_recovery_attempts_keys_skip_and_rollback():
+    # `Recovery` with a fake rollout and train function (host only): the order of the attempts,
+    # their fault keys, what a rejected attempt leaves in the counts, skip, and the rollback.
+    from types import SimpleNamespace
+
+    from aqn_jax.sdc.guard import GuardSpec, RollbackNeeded
+    from aqn_jax.sdc.recovery import ATTEMPT_TAG, Recovery
+
+    out = SimpleNamespace(fault_stats={})
+    good = {"rmask": np.ones((2, 3)), "sampler_logp": np.zeros((2, 3))}
+    nan = {"rmask": np.ones((2, 3)), "sampler_logp": np.full((2, 3), np.nan)}
+    seen = []
+
+    def fakes(bad_rollouts=(), bad_updates=()):
+        def rollout(a):
+            seen.append(("rollout", a))
+            return out, nan if a in bad_rollouts else good
+
+        def train(rows, a):
+            seen.append(("train", a))
+            loss = np.inf if a in bad_updates else 1.0
+            return SimpleNamespace(mets={"actor/pg_loss": loss, "sdc/injected_update": 2.0})
+
+        return rollout, train
+
+    # recompute: attempt 0's rollout is non-finite (generated again), attempt 1's update is
+    # non-finite (recomputed on the same rows), attempt 2 is accepted.
+    rec = Recovery(GuardSpec("recompute", max_recomputes=2), seed=0)
+    got = rec.step(5, *fakes(bad_rollouts=(0,), bad_updates=(1,)))
+    assert seen == [("rollout", 0), ("rollout", 1), ("train", 1), ("train", 2)]
+    assert got.rows is good and got.train.mets["actor/pg_loss"] == 1.0 and not got.skipped
+    assert got.counts["sdc/recomputed"] == 2.0 and got.counts["sdc/injected_rejected"] == 2.0
+    assert got.counts["sdc/rolled_back"] == 0.0
+    # The keys: attempt 0 is the step's, attempt n folds ATTEMPT_TAG + n.
+    kd = jax.random.key_data
+    np.testing.assert_array_equal(kd(rec.fault_key(5, "train")), kd(step_key(0, 5, "train")))
+    want = jax.random.fold_in(step_key(0, 5, "train"), ATTEMPT_TAG + 2)
+    np.testing.assert_array_equal(kd(rec.fault_key(5, "train", 2)), kd(want))
+    assert not np.array_equal(kd(rec.fault_key(5, "train", 1)), kd(want))
+    # skip: the bad update is dropped, nothing recomputed.
+    seen.clear()
+    got = Recovery(GuardSpec("skip"), seed=0).step(5, *fakes(bad_updates=(0,)))
+    assert seen == [("rollout", 0), ("train", 0)] and got.skipped
+    assert got.counts["sdc/guard_skipped"] == 1.0 and got.counts["sdc/recomputed"] == 0.0
+    # No guard (negative control): one rollout, one train, no counts, whatever the metrics.
+    seen.clear()
+    got = Recovery(GuardSpec(), seed=0).step(5, *fakes(bad_updates=(0,)))
+    assert seen == [("rollout", 0), ("train", 0)] and got.counts == {} and not got.skipped
+    # Rollback: past max_recomputes; without a checkpoint the loop's first state; the step
+    # then starts past the failed attempts; failing again raises naming the bit faults.
+    rec = Recovery(GuardSpec("recompute", max_recomputes=1), seed=0, note="bitflip(bits=(30,))")
+    with pytest.raises(RollbackNeeded) as e:
+        rec.step(3, *fakes(bad_updates=(0, 1)))
+    assert rec.rollback(e.value, lambda: None, ("s0", "d0", 1)) == ("s0", "d0", 1)
+    assert rec.rollback(RollbackNeeded(4, "x"), lambda: ("s2", "d2", 3), ()) == ("s2", "d2", 3)
+    seen.clear()
+    got = rec.step(3, *fakes())
+    assert seen == [("rollout", 2), ("train", 2)] and got.counts["sdc/rolled_back"] == 1.0
+    with pytest.raises(RollbackNeeded) as e:
+        rec.step(3, *fakes(bad_updates=(2, 3)))
+    with pytest.raises(FloatingPointError, match=r"RL step 3: .*again.*bitflip\(bits=\(30,\)\)"):
+        rec.rollback(e.value, lambda: None, ())
 
 
 # --- the guard, end to end ---------------------------------------------------------------------
@@ -703,7 +911,7 @@ def test_injected_rollout_is_the_total_over_the_rollouts_forward_calls():
     # sampler's prefill and each decode step are one call, and a step's rollout ran
     # 1 + (its longest response) calls, so sdc/injected_rollout = 2 x (1 + longest response).
     from aqn_jax.rl.sampler import Sampler, SamplingParams
-    from aqn_jax.rl.trainer import sdc_metrics
+    from aqn_jax.sdc.telemetry import sdc_kinds, sdc_metrics
 
     fault = BitFault("flip", bits=(3,), count=1)  # a low mantissa bit: decoding goes on
     plan = FaultPlan([Injection("bitflip", SiteSelector(("down_proj",), (0, 1)), Bits(fault))])
@@ -716,7 +924,7 @@ def test_injected_rollout_is_the_total_over_the_rollouts_forward_calls():
     stats = summarize_stats(out.fault_stats)
     per_call = [float(v) for k, v in stats.items() if k.startswith("bitflip.flips/layers_")]
     assert per_call == [1.0, 1.0], stats
-    m = sdc_metrics({"response_length/max": float(longest)}, out.fault_stats, {})
+    m = sdc_metrics(sdc_kinds(plan), {"response_length/max": float(longest)}, out.fault_stats, {})
     assert m["sdc/injected_rollout"] == 2 * (1 + longest)
     assert m["sdc/detected_abft_rollout"] == 0.0  # no ABFT in this plan
 
@@ -765,7 +973,7 @@ ONE_LAYER = Qwen2Config.tiny(num_hidden_layers=1)
 def _backward_abft_probe(plan, params, model, ids, step):
     """The probe's gradient ([layers, linear kinds, (dX, dW)]: rows flagged) of one
     differentiated pass of `model` under `plan` at RL step `step` (what
-    `rl/step.sdc_accumulate` does)."""
+    `sdc/telemetry.abft_accumulate` does)."""
     from aqn_jax.faults.bitfaults import abft_probe, backward_probe
 
     values = {SDC_STEP: jnp.float32(step), SDC_ATTEMPT: jnp.float32(0)}

@@ -145,6 +145,7 @@ class Bits(TransformBase):
 
     fault: BitFault
     kind: str = "bitflip"  # the config section, for the plan's line
+    counts_flips = True
 
     def __call__(self, x, ctx: Ctx):
         tag = f"{ctx.site}:{ctx.name}"
@@ -171,6 +172,8 @@ class ScaleFlip(TransformBase):
     block_size: int = formats.MX_BLOCK_SIZE
     scale_rule: str = "floor"
     rounding: str = "away"
+    counts_flips = True
+    value_bits = False  # the bits are the block scale's (checked here, against `scale_dtype`)
 
     def __post_init__(self):
         allowed = (*formats.MX_FORMATS, "nvfp4")
@@ -260,6 +263,7 @@ class BitsLinear(TransformBase):
     abft: bool = False  # backward ABFT on this linear too (`AbftBackward` yields to it here)
     level = "op"
     allowed_kinds = LINEAR_KINDS
+    counts_flips = True  # `bwd_flips`, where the call is differentiated
 
     def __post_init__(self):
         if self.which not in BACKWARD_POINTS:
@@ -312,6 +316,7 @@ class TreeBits(TransformBase):
     target: str = "weight"  # weight | gradient | optimizer
     kind: str = "bitflip"
     level = "tree"
+    counts_flips = True  # on the weights: `forward`'s; gradients and moments: the optimizer's
 
     def __post_init__(self):
         if self.target not in TARGETS[1:]:
@@ -406,6 +411,7 @@ class Abft(TransformBase):
 
     level = "check"
     allowed_kinds = LINEAR_KINDS
+    counts_detections = True
 
     def __call__(self, module, args, out, ctx: Ctx) -> None:
         params = nn.unbox(module.variables["params"])
@@ -422,7 +428,7 @@ class Abft(TransformBase):
 
 # Backward ABFT: a backward pass cannot sow, so the rows its checks flag leave it as the
 # cotangent of a probe, zeros of [layers, LINEAR_KINDS, (dX, dW)] that the update differentiates
-# beside the params (`rl/step.sdc_accumulate`) and hands to the checks through this variable.
+# beside the params (`sdc/telemetry.abft_accumulate`) and hands to the checks through this variable.
 _PROBE: contextvars.ContextVar = contextvars.ContextVar("abft_backward_probe", default=None)
 PRODUCTS = ("dx", "dw")  # the probe's last axis
 

@@ -15,6 +15,7 @@ is placed among these injections by `aqn_jax.aqn.plan.build_plan`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -40,17 +41,26 @@ from .transforms import Deadzone, Noise, NoisyLinear, Quantize, Scale
 # Fault kind (a subsection of `config.faults`) -> its builder (section, num_layers) -> injections,
 # and -> its section's defaults (off). A new kind is one builder registered with `fault_kind`;
 # plans list the kinds' injections in registration order, so a deadzone sees its site's value
-# first.
+# first. A bit-level kind also names its activation transform (`BIT_KINDS`): its builder calls
+# `bit_injection`, and what the kind is (whether its bits are the value's, that it counts its
+# flips for the trainer) is read from that transform's class, never from the kind's name.
 BUILDERS: dict[str, Callable[[Any, int], list[Injection]]] = {}
 SECTIONS: dict[str, Callable[[], ml_collections.ConfigDict]] = {}
+BIT_KINDS: dict[str, type] = {}
 
 
-def fault_kind(name: str, section: Callable[[], ml_collections.ConfigDict]):
+def fault_kind(
+    name: str, section: Callable[[], ml_collections.ConfigDict], bits: type | None = None
+):
     """Registers the decorated builder `(section, num_layers) -> [Injection]` as fault kind
-    `name`, whose `config.faults.<name>` defaults (everything off) are `section()`."""
+    `name`, whose `config.faults.<name>` defaults (everything off) are `section()`; `bits`: a
+    bit-level kind's transform at module calls (a class with `counts_flips`, built by
+    `bit_injection` as `bits(fault, kind=name)` unless the builder passes its own `make`)."""
 
     def register(build):
         BUILDERS[name], SECTIONS[name] = build, section
+        if bits is not None:
+            BIT_KINDS[name] = bits
         return build
 
     return register
@@ -235,8 +245,9 @@ def _quant(qt: Any, num_layers: int) -> list[Injection]:
     ]
 
 
-def _bit_section(**extra) -> ml_collections.ConfigDict:
-    """A bit-level fault's section (bitflip, stuck_at, mx_scale_flip), off."""
+def bit_section(**extra) -> ml_collections.ConfigDict:
+    """A bit-level fault's section (bitflip, stuck_at, mx_scale_flip, any kind registered with
+    `fault_kind(..., bits=...)`), off."""
     c = ml_collections.ConfigDict()
     c.enabled = False
     c.target = "activation"  # activation | weight | gradient | optimizer
@@ -260,18 +271,18 @@ def _bit_section(**extra) -> ml_collections.ConfigDict:
 
 def _bitflip_section() -> ml_collections.ConfigDict:
     """config.faults.bitflip: flips of stored bits (silent data corruption)."""
-    return _bit_section()
+    return bit_section()
 
 
 def _stuck_at_section() -> ml_collections.ConfigDict:
     """config.faults.stuck_at: bits forced to `value` on fixed lanes (a permanent fault)."""
-    return _bit_section(value=1, permanent=True)  # value: 0 | 1
+    return bit_section(value=1, permanent=True)  # value: 0 | 1
 
 
 def _mx_scale_flip_section() -> ml_collections.ConfigDict:
     """config.faults.mx_scale_flip: the tensor in an MX/NVFP4 format with flipped bits of its
     block scales (`bits`: the scale's, E8M0 for MX: 8 exponent bits; E4M3 for nvfp4)."""
-    return _bit_section(
+    return bit_section(
         point="input",  # linear inputs: blocks along the contraction axis
         format="mxfp4",  # an MX format (config.faults.quant.format's) | nvfp4
         block_size=32,
@@ -294,16 +305,22 @@ def parse_steps(value: Any, field: str) -> tuple[int, ...] | None:
     return steps
 
 
-def _bit_injection(kind: str, sec: Any, num_layers: int, mode: str) -> list[Injection]:
-    """A bit-level fault section -> [its injection], or [] when off."""
+def bit_injection(
+    kind: str, sec: Any, num_layers: int, mode: str, make: Callable | None = None
+) -> list[Injection]:
+    """A bit-level fault section (kind `kind`, registered with `fault_kind(..., bits=cls)`) ->
+    [its injection], or [] when off. Activations get `make(fault)` (default `cls(fault,
+    kind=kind)`), a linear's backward products dX / dW `BitsLinear` (where `cls.value_bits`:
+    the flipped bits are the value's), weights, gradients and moments `TreeBits`."""
     if not sec.enabled:
         return []
     f = f"config.faults.{kind}"
+    value_bits = BIT_KINDS[kind].value_bits
     target = check_choice(sec.target, f"{f}.target", TARGETS)
     kinds = expand_kinds(sec.sites, f"{f}.sites")
     layers = parse_layers(sec.layers, f"{f}.layers", num_layers)
     phases = check_phases(sec.phases, f"{f}.phases")
-    points = (*POINTS, *BACKWARD_POINTS) if kind != "mx_scale_flip" else POINTS
+    points = (*POINTS, *BACKWARD_POINTS) if value_bits else POINTS
     point = check_choice(sec.point, f"{f}.point", points) if target == "activation" else None
     steps = parse_steps(sec.steps, f"{f}.steps")  # its message names the field already
     try:
@@ -331,31 +348,23 @@ def _bit_injection(kind: str, sec: Any, num_layers: int, mode: str) -> list[Inje
     if target != "activation":
         transform = TreeBits(fault, target, kind)
         point = "output"
-    elif kind == "mx_scale_flip":
-        try:
-            transform = ScaleFlip(
-                fault,
-                sec.format,
-                block_size=int(sec.block_size),
-                scale_rule=sec.scale_rule,
-                rounding=sec.rounding,
-            )
-        except ValueError as e:
-            raise ValueError(f"{f}.{e}") from e
     elif point in BACKWARD_POINTS:
         transform, point = BitsLinear(fault, point, kind), "output"
     else:
-        transform = Bits(fault, kind)
+        try:
+            transform = (make or functools.partial(BIT_KINDS[kind], kind=kind))(fault)
+        except ValueError as e:
+            raise ValueError(f"{f}.{e}") from e
     return [Injection(kind, SiteSelector(kinds, layers, point), transform, phases)]
 
 
-@fault_kind("bitflip", _bitflip_section)
+@fault_kind("bitflip", _bitflip_section, bits=Bits)
 def _bitflip(sec: Any, num_layers: int) -> list[Injection]:
     """`config.faults.bitflip` -> [its injection], or [] when off."""
-    return _bit_injection("bitflip", sec, num_layers, "flip")
+    return bit_injection("bitflip", sec, num_layers, "flip")
 
 
-@fault_kind("stuck_at", _stuck_at_section)
+@fault_kind("stuck_at", _stuck_at_section, bits=Bits)
 def _stuck_at(sec: Any, num_layers: int) -> list[Injection]:
     """`config.faults.stuck_at` -> [its injection], or [] when off."""
     if sec.enabled and sec.value not in (0, 1):
@@ -365,10 +374,10 @@ def _stuck_at(sec: Any, num_layers: int) -> list[Injection]:
             "config.faults.stuck_at.permanent=False: a stuck bit is a permanent fault (fixed"
             " lanes); for transient faults use config.faults.bitflip"
         )
-    return _bit_injection("stuck_at", sec, num_layers, f"stuck{int(sec.value)}")
+    return bit_injection("stuck_at", sec, num_layers, f"stuck{int(sec.value)}")
 
 
-@fault_kind("mx_scale_flip", _mx_scale_flip_section)
+@fault_kind("mx_scale_flip", _mx_scale_flip_section, bits=ScaleFlip)
 def _mx_scale_flip(sec: Any, num_layers: int) -> list[Injection]:
     """`config.faults.mx_scale_flip` -> [its injection], or [] when off."""
     if sec.enabled and sec.target != "activation":
@@ -376,16 +385,27 @@ def _mx_scale_flip(sec: Any, num_layers: int) -> list[Injection]:
             f"config.faults.mx_scale_flip.target={sec.target!r}; allowed: 'activation' (block"
             " scales exist where a tensor is quantised)"
         )
-    return _bit_injection("mx_scale_flip", sec, num_layers, "flip")
+
+    def make(fault: BitFault) -> ScaleFlip:
+        return ScaleFlip(
+            fault,
+            sec.format,
+            block_size=int(sec.block_size),
+            scale_rule=sec.scale_rule,
+            rounding=sec.rounding,
+        )
+
+    return bit_injection("mx_scale_flip", sec, num_layers, "flip", make)
 
 
 def check_bit_dtypes(faults: Any, compute_dtype, param_dtype) -> None:
     """Bit positions within the width of the values each enabled bit fault hits: activations
     and backward products in the compute dtype, weights and gradients in the param dtype,
-    AdamW moments in float32 (raises naming the field)."""
-    for kind in ("bitflip", "stuck_at"):
+    AdamW moments in float32 (raises naming the field). Kinds whose bits are not the value's
+    (`value_bits` False: a block scale's) are checked by their transform."""
+    for kind, transform in BIT_KINDS.items():
         sec = faults.get(kind)
-        if sec is None or not sec.enabled:
+        if sec is None or not sec.enabled or not transform.value_bits:
             continue
         dtype = {"activation": compute_dtype, "optimizer": "float32"}.get(sec.target, param_dtype)
         bits.positions(bits.parse_bits(sec.bits), dtype, f"config.faults.{kind}.bits")

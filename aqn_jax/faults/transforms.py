@@ -109,6 +109,9 @@ class Transform(Protocol):
     allowed_kinds: ClassVar[tuple[str, ...] | None]  # module kinds it may select; None: any
     scope: str | None  # the tokens a tensor-wide statistic covers (ops.SCOPES), for the manifest
     fallback: ClassVar[bool]  # an op-level one that yields to another op-level one at a site
+    counts_flips: ClassVar[bool]  # SDC telemetry: it sows the bits it changes (`flips`)
+    counts_detections: ClassVar[bool]  # SDC telemetry: it sows the rows it flags (`detected`)
+    value_bits: ClassVar[bool]  # a bit fault's positions are in the value's dtype
 
     def describe(self) -> str: ...
 
@@ -124,6 +127,15 @@ class TransformBase:
     allowed_kinds: ClassVar[tuple[str, ...] | None] = None
     scope: str | None = None
     fallback: ClassVar[bool] = False
+    # Silent data corruption (aqn_jax/sdc/): a bit-level fault counts the bits it changes (sows
+    # `flips`, or `bwd_flips` for a backward product), which the trainer totals as sdc/injected;
+    # a check (ABFT) counts the rows it flags (`detected`). `value_bits`: a bit fault's positions
+    # are bits of the value it hits, checked against the value's dtype (`faults.config.
+    # check_bit_dtypes`) and allowed at a linear's backward products; False: bits of something
+    # else (a block scale: `ScaleFlip` checks them against the scale's dtype itself).
+    counts_flips: ClassVar[bool] = False
+    counts_detections: ClassVar[bool] = False
+    value_bits: ClassVar[bool] = True
 
     def value_names(self) -> frozenset[str]:
         return frozenset()

@@ -42,26 +42,18 @@ from jax.sharding import Mesh, NamedSharding
 
 from aqn_jax import lora as lora_lib
 from aqn_jax import parallel, quant_base
-from aqn_jax.faults.bitfaults import (
-    PRODUCTS,
-    SDC_ATTEMPT,
-    SDC_BIT,
-    SDC_STEP,
-    abft_probe,
-    backward_probe,
-)
 from aqn_jax.faults.intercept import FaultPlan
-from aqn_jax.faults.sites import LINEAR_KINDS
 from aqn_jax.forward import Readout, Weights, forward
 from aqn_jax.logprobs import check_head_faults
 from aqn_jax.lora import LoraSpec
 from aqn_jax.models.factory import logical_axes
 from aqn_jax.models.registry import ModelConfig, causal_lm, family_of
+from aqn_jax.sdc import telemetry, trees
+from aqn_jax.sdc.guard import GuardSpec
+from aqn_jax.sdc.telemetry import SdcSpec
 
 from . import advantages as adv_lib
 from . import losses
-from . import optim as optim_lib
-from .guard import GuardSpec
 from .optim import OptimizerSpec
 from .rollout_correction import RolloutCorrection
 
@@ -185,70 +177,6 @@ class Static:
 
 
 @dataclasses.dataclass(frozen=True)
-class SdcSpec:
-    """Silent data corruption in the update (`sdc_spec`): the bit faults on the gradients and
-    on the AdamW moments, whether the step reports the guard's metrics and the counts of the
-    bit faults and ABFT at module sites (`sites`)."""
-
-    gradient: tuple = ()  # (TreeBits, SiteSelector) pairs
-    moments: tuple = ()
-    guard: GuardSpec = GuardSpec()  # config.sdc; when on: sdc/update_rms and sdc/moments_ok
-    sites: bool = False  # bit faults or ABFT at module calls of the train passes
-    moment_bound: float | None = None  # optim.moment_bound of the actor's clip
-    abft_backward: bool = False  # config.sdc.abft_backward: `sdc_accumulate`'s probe
-
-    @property
-    def trees(self) -> bool:
-        return bool(self.gradient or self.moments)
-
-
-def sdc_spec(spec: StepSpec, plan: FaultPlan, total_updates: int) -> SdcSpec | None:
-    """The update's SDC settings from the plan's train-phase injections and config.sdc; None
-    when there is nothing to do (the update's program is then unchanged)."""
-    train = [inj for _, inj in plan.active("train")]
-    trees = {
-        target: tuple(
-            (inj.transform, inj.sites)
-            for inj in train
-            if inj.transform.level == "tree" and inj.transform.target == target
-        )
-        for target in ("gradient", "optimizer")
-    }
-    sites = any(inj.name in SDC_KINDS for inj in train if inj.transform.level != "tree")
-    sites = sites or spec.guard.abft_backward
-    if not (trees["gradient"] or trees["optimizer"] or sites or spec.guard.on):
-        return None
-    return SdcSpec(
-        gradient=trees["gradient"],
-        moments=trees["optimizer"],
-        guard=spec.guard,
-        sites=sites,
-        moment_bound=optim_lib.moment_bound(spec.actor.grad_clip, total_updates),
-        abft_backward=spec.guard.abft_backward,
-    )
-
-
-# The injections whose telemetry is SDC's: the bit-level kinds and ABFT.
-SDC_KINDS = ("bitflip", "stuck_at", "mx_scale_flip", "abft")
-
-
-def sdc_site_counts(fault_stats, backward: bool = False) -> dict[str, jax.Array]:
-    """{'flips': bits flipped, 'abft': rows ABFT flagged} summed over the sites of a
-    `fault_stats` tree (SDC_KINDS' `flips` and `detected`; `bwd_flips`, the backward products',
-    with `backward`: the passes that were differentiated)."""
-    out = {"flips": jnp.zeros((), jnp.float32), "abft": jnp.zeros((), jnp.float32)}
-    for path, v in jax.tree_util.tree_leaves_with_path(fault_stats):
-        names = [k.key for k in path if isinstance(k, jax.tree_util.DictKey)]
-        kind, _, stat = str(names[-1] if names else "").partition(".")
-        if kind in SDC_KINDS and stat == "bwd_flips" and backward:
-            stat = "flips"
-        if kind in SDC_KINDS and stat in ("flips", "detected"):
-            key = "flips" if stat == "flips" else "abft"
-            out[key] = out[key] + jnp.sum(jnp.asarray(v, jnp.float32))
-    return out
-
-
-@dataclasses.dataclass(frozen=True)
 class StepSpec:
     """What the step programs read of an experiment config (`step_spec`)."""
 
@@ -277,9 +205,9 @@ def static_from(
     actor_schedule, actor_opt = spec.actor.build(total_steps * updates, updates)
     _, critic_opt = spec.critic.build(total_steps * updates, updates)
     check_head_faults(plan)  # before anything compiles: the readout's chunks at lm_head
-    sdc = sdc_spec(spec, plan, total_steps * updates)
+    sdc = telemetry.sdc_spec(spec.guard, spec.actor.grad_clip, plan, total_steps * updates)
     if sdc is not None:  # bit faults on the gradients / AdamW moments: around the optimizer
-        actor_opt = optim_lib.with_tree_faults(actor_opt, sdc.gradient, sdc.moments, spec.seed)
+        actor_opt = trees.with_tree_faults(actor_opt, sdc.gradient, sdc.moments, spec.seed)
     return Static(
         h=h,
         model_cfg=model_cfg,
@@ -555,9 +483,8 @@ def actor_loss(static: Static, params, mic, denom, key, values):
             losses.kl_penalty(logp, mic["ref_logp"], h.kl_type), mask, h.agg, denom
         )
         loss = loss + h.kl_loss_coef * kl_loss
-    if static.sdc is not None and static.sdc.sites:  # this pass's flips and ABFT detections
-        counts = sdc_site_counts(fstate.get("fault_stats", {}), backward=True)
-        aux = {**aux, "sdc_flips": counts["flips"], "sdc_abft": counts["abft"]}
+    # This pass's flips and ABFT detections (none without SDC at module sites).
+    aux = {**aux, **telemetry.loss_counts(static.sdc, fstate.get("fault_stats", {}))}
     aux = {"pg_loss": pg, "kl_loss": kl_loss, "entropy": ent, **aux}
     if static.fused_old_logp:  # what the left-out pass gave: per row, and the fault stats
         aux[ROWS] = {"old_logp": old_logp}
@@ -615,26 +542,6 @@ def accumulate(loss_fn, params, mb, denom, base):
     return grads, mets
 
 
-def sdc_accumulate(static: Static, loss_fn, params, mb, denom, base):
-    """`accumulate`; with backward ABFT (config.sdc.abft_backward) also the rows its checks
-    flagged in the backward products, as metrics `sdc_abft_bwd/<layer>/<kind>/<dx|dw>`
-    (summed over the micro-batches). A backward pass cannot sow: each checked linear adds its
-    count to the cotangent of a probe of zeros (`bitfaults.backward_probe`) differentiated
-    beside the params, so the counts leave the backward pass as that probe's gradient."""
-    if static.sdc is None or not static.sdc.abft_backward:
-        return accumulate(loss_fn, params, mb, denom, base)
-
-    def probed(pp, mic, d, k):
-        with backward_probe(pp[1]):
-            return loss_fn(pp[0], mic, d, k)
-
-    probe = abft_probe(static.model_cfg.num_hidden_layers)
-    (grads, counts), mets = accumulate(probed, (params, probe), mb, denom, base)
-    for (layer, j, p), _ in np.ndenumerate(np.zeros(probe.shape)):
-        mets[f"sdc_abft_bwd/{layer}/{LINEAR_KINDS[j]}/{PRODUCTS[p]}"] = counts[layer, j, p]
-    return grads, mets
-
-
 def mini_batches(static: Static, batch):
     """The batch as [mini-batches, micro-batches, rows, ...]."""
     M, G = static.h.mini_batches, static.h.micro_batches
@@ -653,7 +560,11 @@ def minibatch_grads(static: Static, params, mb, key, idx, values, frozen=None):
         weights = lora_lib.weights(static.lora, frozen, p) if static.lora.enabled else p
         return actor_loss(static, weights, mic, d, k, values)
 
-    grads, mets = sdc_accumulate(static, loss, params, mb, denom, base)
+    if static.sdc is not None and static.sdc.abft_backward:  # the rows backward ABFT flags too
+        layers = static.model_cfg.num_hidden_layers
+        grads, mets = telemetry.abft_accumulate(accumulate, layers, loss, params, mb, denom, base)
+    else:
+        grads, mets = accumulate(loss, params, mb, denom, base)
     return grads, mets, denom
 
 
@@ -678,13 +589,8 @@ def _minibatch_update(static: Static, key, values, mbatch, st: RLState, idx):
     grad_norm = optax.tree.norm(g)
     # No actor update during the critic warm-up (verl critic_warmup).
     live = st.step >= h.critic_warmup if static.use_critic else jnp.bool_(True)
-    extra = {}
-    if static.sdc is not None and static.sdc.trees:  # the RL step and attempt key the faults
-        extra = {
-            "sdc_step": jnp.asarray(values.get(SDC_STEP, st.step + 1), jnp.int32),
-            "sdc_attempt": jnp.asarray(values.get(SDC_ATTEMPT, 0), jnp.int32),
-            "sdc_bit": jnp.asarray(values.get(SDC_BIT, 0), jnp.int32),
-        }
+    trees_on = static.sdc is not None and static.sdc.trees
+    extra = {"values": values} if trees_on else {}  # the RL step and attempt key the faults
     u, opt = static.actor_opt.update(g, st.opt_state, st.params, **extra)
     params = jax.tree_util.tree_map(
         lambda p, q: jnp.where(live, q, p), st.params, optax.apply_updates(st.params, u)
@@ -695,8 +601,8 @@ def _minibatch_update(static: Static, key, values, mbatch, st: RLState, idx):
             mets[k] = am.pop(k)
     mets.update({f"actor/{k}": v for k, v in am.items()})
     mets["actor/grad_norm"] = grad_norm
-    if extra and static.sdc.gradient:  # the norm after the gradient faults (the guard's)
-        mets["sdc/grad_norm"] = optim_lib.faulty_grad_norm(opt)
+    if trees_on and static.sdc.gradient:  # the norm after the gradient faults (the guard's)
+        mets["sdc/grad_norm"] = trees.faulty_grad_norm(opt)
     st = st.replace(params=params, opt_state=opt, critic_params=cparams, critic_opt_state=copt)
     return st, mets
 
@@ -724,45 +630,9 @@ def update_step(static: Static, state: RLState, batch, key, values) -> tuple[RLS
         mets[OLD_LOGP] = fused[ROWS]["old_logp"].reshape(rows, -1)
         mets[FAULT_STATS] = jax.tree_util.tree_map(lambda v: v[0], fused[FAULT_STATS])
     if static.sdc is not None:
-        mets.update(sdc_update_metrics(static, before, state, mets))
+        sdc = telemetry.update_metrics(
+            static.sdc, static.updates, h.micro_batches, before, state, mets
+        )
+        mets.update(sdc)
     mets["actor/lr"] = jnp.asarray(static.actor_schedule(state.step * static.updates), jnp.float32)
     return state.replace(step=state.step + 1), mets
-
-
-def sdc_update_metrics(static: Static, before: RLState, after: RLState, mets) -> dict:
-    """The update's SDC metrics: bits flipped (module sites: summed over every pass; trees:
-    gradients and moments), ABFT rows flagged, and for the guard the update's RMS and whether
-    every AdamW moment is in range (`optim.moment_bound`)."""
-    sdc, out = static.sdc, {}
-    passes = static.updates * static.h.micro_batches  # the per-pass means back to totals
-    if sdc.sites:
-        out["sdc/injected_update"] = mets.pop("actor/sdc_flips") * passes
-        out["sdc/detected_abft_update"] = mets.pop("actor/sdc_abft") * passes
-    if sdc.abft_backward:  # per update (summed over its passes): back to the step's totals
-        for name in [k for k in mets if k.startswith("actor/sdc_abft_bwd/")]:
-            layer, kind, product = name.split("/")[2:]
-            n = mets.pop(name) * static.updates
-            site = f"sdc/detected_abft_bwd/layers_{layer}/{kind}"
-            out[site] = out.get(site, 0.0) + n
-            out[f"sdc/detected_abft_{product}"] = out.get(f"sdc/detected_abft_{product}", 0.0) + n
-            out["sdc/detected_abft_update"] = out["sdc/detected_abft_update"] + n
-    if sdc.trees:
-        flips = optim_lib.tree_fault_flips(after.opt_state) - optim_lib.tree_fault_flips(
-            before.opt_state
-        )
-        out["sdc/injected_tree"] = flips.astype(jnp.float32)
-    if sdc.guard.on:
-        deltas = [
-            (a.astype(jnp.float32) - b.astype(jnp.float32))
-            for a, b in zip(
-                jax.tree_util.tree_leaves(after.params),
-                jax.tree_util.tree_leaves(before.params),
-                strict=True,
-            )
-        ]
-        n = sum(d.size for d in deltas)
-        out["sdc/update_rms"] = jnp.sqrt(sum(jnp.sum(d * d) for d in deltas) / n)
-        if sdc.moment_bound is not None:
-            ok = optim_lib.moments_in_range(after.opt_state, sdc.moment_bound)
-            out["sdc/moments_ok"] = ok.astype(jnp.float32)
-    return out

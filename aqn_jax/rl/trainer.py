@@ -30,28 +30,18 @@ from aqn_jax import parallel, quant_base
 from aqn_jax.aqn.config import AQN_SIGMA, AqnSchedule
 from aqn_jax.data.gsm8k import Example, PromptBatcher
 from aqn_jax.data.tokenizers import Tokenizer
-from aqn_jax.faults.bitfaults import SDC_ATTEMPT, SDC_BIT, SDC_STEP, traced_bit
 from aqn_jax.faults.intercept import FaultPlan, step_key, summarize_stats
 from aqn_jax.models.registry import causal_lm
 from aqn_jax.rewards import score_batch
 from aqn_jax.rl.scoring import eval_scores
+from aqn_jax.sdc import telemetry
+from aqn_jax.sdc.guard import GuardSpec
+from aqn_jax.sdc.recovery import Recovery
+from aqn_jax.sdc.telemetry import guard_hint
 
-from .guard import Guard, RollbackNeeded
 from .rollout_correction import correct
 from .sampler import SampleOutput, Sampler, SamplingParams
-from .step import (
-    FAULT_STATS,
-    OLD_LOGP,
-    SDC_KINDS,
-    RLState,
-    Shardings,
-    Static,
-    policy_weights,
-    sdc_site_counts,
-)
-
-# Folded into a recomputed attempt's train key (attempt >= 1): a stream apart from the passes'.
-ATTEMPT_TAG = 1 << 30
+from .step import FAULT_STATS, OLD_LOGP, RLState, Shardings, Static, policy_weights
 
 
 class _Train(NamedTuple):
@@ -148,13 +138,13 @@ class Trainer:
         # bf16 compute with fp32 master weights: the update keeps the fp32 params (each matmul
         # casts its kernel); generation gets one bf16 copy per step (the inference engine's
         # weights), which equals what every traced cast produces.
-        sdc = static.sdc
-        self.guard = Guard(sdc.guard) if sdc is not None and sdc.guard.on else None
-        self.first_attempt: dict[int, int] = {}  # step -> its first attempt after a rollback
-        self.rolled_back = False  # the next step's metrics say so
-        # What a non-finite step's error names: the bit faults the device runs.
-        self.sdc_note = "; ".join(
-            inj.describe() for inj in static.plan.injections if inj.name in SDC_KINDS[:3]
+        # The attempts of each step under config.sdc (aqn_jax/sdc/recovery.py); what a
+        # non-finite step's error names: the bit faults the device runs (`recovery.note`).
+        self.recovery = Recovery(
+            GuardSpec() if static.sdc is None else static.sdc.guard,
+            spec.seed,
+            telemetry.sdc_kinds(static.plan),
+            telemetry.flip_note(static.plan),
         )
         self._cast = None
         model_cfg = static.model_cfg
@@ -171,76 +161,54 @@ class Trainer:
         """The policy's weights for generation: the params in the compute dtype."""
         return params if self._cast is None else self._cast(params)
 
-    def rollout(self, params, batch, step: int, sigma: float, attempt: int = 0):
+    def rollout(self, params, batch, step: int, attempt: int = 0):
         """The step's rollout; a regenerated one (`attempt` >= 1, the guard's) samples with
         the same key and draws its faults anew, as a recomputed update does."""
         key = jax.random.fold_in(jax.random.key(self.seed), step)
-        fault_key = step_key(self.seed, step, "rollout")
-        if attempt:
-            fault_key = jax.random.fold_in(fault_key, ATTEMPT_TAG + attempt)
         return self.rollout_sampler(
             self.generation_weights(params),
             batch["input_ids"],
             batch["attention_mask"],
             jax.random.fold_in(key, 0),
-            fault_key=fault_key,
-            values=self.step_values(step, sigma, attempt),
+            fault_key=self.recovery.fault_key(step, "rollout", attempt),
+            values=self.step_values(step, attempt),
         )
 
-    def step_values(self, step: int, sigma: float, attempt: int = 0) -> dict[str, np.ndarray]:
-        """The traced per-step values the programs read: AQN's sigma and `sdc_values`."""
-        return {AQN_SIGMA: np.float32(sigma), **self.sdc_values(step, attempt)}
+    def sigma(self, step: int) -> float:
+        """AQN's sigma at RL step `step` (config.aqn's schedule)."""
+        return self.spec.aqn.sigma(step, self.static.total_steps)
 
-    def sdc_values(self, step: int, attempt: int) -> dict[str, np.ndarray]:
-        """The RL step and attempt as traced values, for bit faults planted at given steps
-        (`bitfaults.SDC_STEP`); none when the plan has no such fault (the programs are then
-        unchanged)."""
-        names = self.static.plan.value_names()
-        out = {}
-        if SDC_STEP in names:
-            out.update({SDC_STEP: np.float32(step), SDC_ATTEMPT: np.float32(attempt)})
-        if SDC_BIT in names:
-            out[SDC_BIT] = np.float32(traced_bit(self.static.plan))
-        return out
+    def step_values(self, step: int, attempt: int = 0) -> dict[str, np.ndarray]:
+        """The traced per-step values every program of the step reads, by name (the rollout's,
+        prepare's and the update's passes and the optimizer's tree faults): AQN's sigma and
+        the bit faults' (`telemetry.step_values`)."""
+        sdc = telemetry.step_values(self.static.plan, self.static.sdc, step, attempt)
+        return {AQN_SIGMA: np.float32(self.sigma(step)), **sdc}
 
     def step(self, state: RLState, step: int) -> tuple[RLState, dict[str, float]]:
-        """One RL step: the next state and the step's metrics (host floats)."""
+        """One RL step: the next state and the step's metrics (host floats). Its attempts
+        (the guard's regenerated rollouts and recomputed updates) are `self.recovery`'s."""
         t_step = time.perf_counter()
         batch = self.batcher.next_batch()
-        sigma = self.spec.aqn.sigma(step, self.static.total_steps)
-        # After a rollback a step starts past the attempts that failed (fresh fault draws).
-        first = attempt = self.first_attempt.get(step, 0)
         truths = [g for g in batch["ground_truth"] for _ in range(self.static.h.n)]
-        rejected_rollout, t_regen = np.zeros(2), 0.0  # (flips, ABFT rows) of rejected rollouts
-        t0 = time.perf_counter()
-        while True:
-            out = self.rollout(policy_weights(self.static, state), batch, step, sigma, attempt)
+
+        def rollout(attempt: int):
+            out = self.rollout(policy_weights(self.static, state), batch, step, attempt)
             texts = [
                 self.tokenizer.decode(t[m > 0])
                 for t, m in zip(out.tokens, out.response_mask, strict=True)
             ]
             scores = score_batch(texts, truths, method=self.spec.reward_method)
-            tb = train_batch(out, scores)
-            bad_rollout = None
-            if self.guard is not None:
-                totals = rollout_totals(out.fault_stats, int(tb["rmask"].sum(1).max()))
-                bad_rollout = self.guard.rollout_verdict(tb["sampler_logp"], tb["rmask"], totals[1])
-            if bad_rollout is None or self.guard.spec.mode == "skip":
-                break
-            # guard=recompute: the same prompts and sampling key, the next attempt's faults.
-            rejected_rollout += totals
-            attempt += 1
-            if attempt - first > self.guard.spec.max_recomputes:
-                raise RollbackNeeded(step, bad_rollout)
-            print(f"RL step {step}: {bad_rollout}; generating it again (attempt {attempt})")
-            t_regen = time.perf_counter() - t0
-        t_gen = time.perf_counter() - t0
-        train = self._train(state, step, tb, sigma, attempt)
-        sdc: dict[str, float] = {}
-        if self.guard is not None:
-            train, sdc = self._guarded(state, step, tb, sigma, train, first, attempt, bad_rollout)
-            sdc["timing_s/sdc_recompute"] += t_regen
+            return out, train_batch(out, scores)
+
+        got = self.recovery.step(
+            step, rollout, lambda tb, attempt: self._train(state, step, tb, attempt)
+        )
+        out, tb, train, sdc = got.out, got.rows, got.train, got.counts
+        if got.skipped:  # the update is dropped: the state before the step, the step counted
+            train = train._replace(state=state.replace(step=train.state.step))
         state, prep, train_stats, corr, mets, old_logp, t_prep, t_corr, t_upd = train
+        scores = tb["scores"]
 
         rmask = tb["rmask"]
         lengths = rmask.sum(1)
@@ -268,8 +236,8 @@ class Trainer:
             "prompt_length/mean": float(batch["prompt_len"].mean()),
             "training/rollout_logprob_diff_mean": float(drift.mean()),
             "training/rollout_logprob_diff_max": float(drift.max()),
-            "aqn/sigma": float(sigma),
-            "timing_s/gen": t_gen,
+            "aqn/sigma": float(self.sigma(step)),
+            "timing_s/gen": got.t_gen,
             "timing_s/old_log_prob": t_prep,
             "timing_s/update": t_upd,
             "timing_s/rollout_corr": t_corr,
@@ -283,7 +251,11 @@ class Trainer:
         m.update(corr.metrics)
         m.update(mets)
         if self.static.sdc is not None:
-            m.update(sdc_metrics(m, out.fault_stats, sdc, rejected_rollout))
+            m.update(
+                telemetry.sdc_metrics(
+                    self.static.sdc.kinds, m, out.fault_stats, sdc, got.rejected_rollout
+                )
+            )
         for name, v in summarize_stats(out.fault_stats).items():
             if name.endswith("/mean"):
                 m[f"faults/rollout/{name.removesuffix('/mean')}"] = v
@@ -300,20 +272,18 @@ class Trainer:
         check_finite(
             step,
             {k: v for k, v in m.items() if not k.startswith("sdc/")},
-            self.sdc_note,
-            fault_fired(m),
+            self.recovery.note,
+            telemetry.fault_fired(m),
         )
         return state, m
 
-    def _train(self, state: RLState, step: int, tb, sigma: float, attempt: int) -> _Train:
+    def _train(self, state: RLState, step: int, tb, attempt: int) -> _Train:
         """Prepare, rollout correction and update of one attempt at a step (the rollout `tb` is
-        the step's, whatever the attempt)."""
+        the step's, whatever the attempt; a recomputed one draws its faults anew)."""
         t0 = time.perf_counter()
         dev, scores_dev = self._device_rows(tb)
-        train_key = step_key(self.seed, step, "train")
-        if attempt:  # a recomputed step draws its faults anew: (seed, step, attempt, phase)
-            train_key = jax.random.fold_in(train_key, ATTEMPT_TAG + attempt)
-        values = self.step_values(step, sigma, attempt)
+        train_key = self.recovery.fault_key(step, "train", attempt)
+        values = self.step_values(step, attempt)
         prep, train_stats = self.prepare(state, self.ref_params, dev, scores_dev, train_key, values)
         prep = jax.block_until_ready(prep)
         t_prep = time.perf_counter() - t0
@@ -337,13 +307,8 @@ class Trainer:
             t_corr += time.perf_counter() - t1
         mets = {k: float(parallel.to_host(v)) for k, v in mets.items()}
         t_upd = time.perf_counter() - t0
-        if self.static.sdc is not None and self.static.sdc.sites:  # prepare's passes, in all
-            passes = self.static.h.mini_batches * self.static.h.micro_batches
-            counts = sdc_site_counts(jax.tree_util.tree_map(parallel.to_host, train_stats))
-            mets["sdc/injected_prepare"] = float(counts["flips"]) * passes
-            mets["sdc/detected_abft_train"] = (
-                float(counts["abft"]) * passes + mets["sdc/detected_abft_update"]
-            )
+        passes = self.static.h.mini_batches * self.static.h.micro_batches  # prepare's chunks
+        mets.update(telemetry.train_counts(self.static.sdc, train_stats, mets, passes))
         return _Train(state, prep, train_stats, corr, mets, old_logp, t_prep, t_corr, t_upd)
 
     def _device_rows(self, tb):
@@ -377,7 +342,7 @@ class Trainer:
         static = self.static
         sampler, rows = self.rollout_sampler, prompt_shape[0] * static.h.n
         bucket = sampler.bucket(prompt_shape[1])
-        values = self.step_values(step, self.spec.aqn.sigma(step, static.total_steps))
+        values = self.step_values(step)
         key = step_key(self.seed, step, "rollout")  # any key: only its type and shape matter
         weights = self.generation_weights(policy_weights(static, state))
         sampler.compile(weights, rows, bucket, (key, key), values)
@@ -398,62 +363,6 @@ class Trainer:
         upd = self._update_rows(dev, prep, corr)
         self.update.lower(state, upd, train_key, values).compile()
 
-    def _guarded(
-        self,
-        state: RLState,
-        step: int,
-        tb,
-        sigma: float,
-        train: _Train,
-        first: int,
-        attempt: int,
-        bad_rollout: str | None = None,
-    ):
-        """The guard's verdict on each attempt (rl/guard.py): skip, recompute with a fresh
-        fault draw, or ask the job for a rollback; (the accepted attempt, sdc/* metrics).
-        `train` is attempt `attempt` of the step's attempts from `first`; `bad_rollout` (skip
-        mode only): why its rollout was rejected, which skips its update."""
-        t0, skipped = time.perf_counter(), False
-        rejected = {"sdc/injected_rejected": 0.0, "sdc/detected_abft_rejected": 0.0}
-        while (reason := bad_rollout or self.guard.verdict(train.mets)) is not None:
-            if self.guard.spec.mode == "skip":  # the update is dropped; the step counts
-                skipped = True
-                train = train._replace(state=state.replace(step=train.state.step))
-                print(f"RL step {step}: {reason}; update skipped (config.sdc.guard=skip)")
-                break
-            # What fired in the rejected attempt still counts (sdc/injected includes it).
-            rejected["sdc/injected_rejected"] += sum(
-                train.mets.get(f"sdc/injected_{k}", 0.0) for k in ("prepare", "update", "tree")
-            )
-            rejected["sdc/detected_abft_rejected"] += train.mets.get("sdc/detected_abft_train", 0.0)
-            attempt += 1
-            if attempt - first > self.guard.spec.max_recomputes:
-                raise RollbackNeeded(step, reason)
-            print(f"RL step {step}: {reason}; recomputing (attempt {attempt})")
-            train = self._train(state, step, tb, sigma, attempt)
-        if not skipped:
-            self.guard.accept(train.mets)
-        rolled, self.rolled_back = self.rolled_back, False
-        return train, {
-            **rejected,
-            "sdc/rolled_back": float(rolled),
-            "sdc/recomputed": float(attempt - first),
-            "sdc/guard_skipped": float(skipped),
-            "timing_s/sdc_recompute": time.perf_counter() - t0 if attempt > first else 0.0,
-        }
-
-    def note_rollback(self, step: int) -> None:
-        """The job rolled back to a checkpoint because `step` failed every recompute: when the
-        run reaches it again, its attempts continue past those (fresh draws); a second
-        rollback of the same step raises (a fault no recompute cures)."""
-        if step in self.first_attempt:
-            raise FloatingPointError(
-                f"RL step {step}: failed every recompute again after a rollback (a permanent"
-                f" fault? {self.sdc_note or 'no bit fault configured'})"
-            )
-        self.first_attempt[step] = self.guard.spec.max_recomputes + 1
-        self.rolled_back = True
-
     # -- validation ------------------------------------------------------------------------------
     def eval_accuracy(self, params, step: int, size: int, batch_size: int) -> dict[str, float]:
         """Greedy accuracy on the first `size` test examples: on the faulty device (hardware
@@ -470,7 +379,7 @@ class Trainer:
                 batch_size,
                 self.spec.max_prompt_len,
                 fault_key=step_key(self.seed, step, "eval"),
-                values=self.sdc_values(step, 0) or None,
+                values=telemetry.step_values(self.static.plan, None, step, 0) or None,
                 method=self.spec.reward_method,
             )
             by_source: dict[str, list[float]] = {}
@@ -510,61 +419,3 @@ def check_finite(
             f"RL step {step}: {first}non-finite metric(s) {bad} (e.g. {bad[0]}="
             f"{metrics[bad[0]]}){guard_hint(faults)}"
         )
-
-
-def guard_hint(faults: str) -> str:
-    """What survives the bit faults `faults` (a plan's description; '' = none)."""
-    if not faults:
-        return ""
-    return (
-        f"; the device runs bit faults ({faults}): config.sdc.guard=skip or recompute survives"
-        " a corrupted step"
-    )
-
-
-# The sdc/ metrics that say a bit fault fired in a step, and the ones shown with them.
-FIRED = ("sdc/injected", "sdc/injected_rollout")
-SHOWN = (*FIRED, "sdc/grad_norm", "sdc/update_rms", "sdc/detected_abft")
-
-
-def fault_fired(metrics: Mapping[str, float]) -> str | None:
-    """'sdc/injected=1, sdc/grad_norm=inf, ...' when a bit fault fired in the step these
-    metrics describe (a bit flipped in its train passes, trees or rollout), else None."""
-    if not any(metrics.get(k, 0.0) > 0 for k in FIRED):
-        return None
-    return ", ".join(f"{k}={metrics[k]:.4g}" for k in SHOWN if k in metrics)
-
-
-def rollout_totals(rollout_stats, longest: int) -> np.ndarray:
-    """(bits flipped, rows ABFT flagged) over a rollout, summed over sites. The sampler reports
-    each stat as its mean over its forward calls: the prefill and one call per decode step, as
-    many as the longest response has tokens (every decode step has a live row, and a row's
-    tokens are consecutive), so a total is that mean times 1 + `longest`, rounded (the counts
-    are whole)."""
-    counts = sdc_site_counts(rollout_stats)
-    calls = 1.0 + longest
-    return np.array([round(float(counts["flips"]) * calls), round(float(counts["abft"]) * calls)])
-
-
-def sdc_metrics(
-    m: Mapping[str, float], rollout_stats, guard: Mapping[str, float], rejected_rollout=(0, 0)
-) -> dict:
-    """The step's sdc/* metrics: `injected` (bits flipped in the train passes and the
-    optimizer's trees, exact, the guard's rejected attempts included), `injected_rollout` and
-    `detected_abft_rollout` (totals over the step's rollout (`rollout_totals`), plus those of
-    the rollouts the guard rejected, `rejected_rollout`), `detected_abft` (rows ABFT flagged in
-    the train passes, rejected attempts included), the guard's counts (`guard`)."""
-    flips, abft = rollout_totals(rollout_stats, int(m["response_length/max"]))
-    out = {
-        "sdc/injected": sum(
-            m.get(k, 0.0)
-            for k in ("sdc/injected_prepare", "sdc/injected_update", "sdc/injected_tree")
-        )
-        + guard.get("sdc/injected_rejected", 0.0),
-        "sdc/injected_rollout": float(flips + rejected_rollout[0]),
-        "sdc/detected_abft": m.get("sdc/detected_abft_train", 0.0)
-        + guard.get("sdc/detected_abft_rejected", 0.0),
-        "sdc/detected_abft_rollout": float(abft + rejected_rollout[1]),
-    }
-    out.update(guard)
-    return out

@@ -6,7 +6,7 @@ metrics and decide what the trainer does with it.
              the step is kept; `optax.apply_if_finite`'s policy, at the RL step)
   recompute  a non-finite step, a gradient-norm or update-RMS anomaly (a robust z over the
              trailing window of accepted steps), an AdamW moment out of its range
-             (`optim.moment_bound`) or an ABFT detection in the train passes: the step is
+             (`trees.moment_bound`) or an ABFT detection in the train passes: the step is
              recomputed on the same batch with a fresh fault draw (the next attempt's key);
              after `max_recomputes` failed attempts the run rolls back to its last checkpoint
 
