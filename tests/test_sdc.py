@@ -29,6 +29,7 @@ from aqn_jax.faults.sites import SiteSelector
 from aqn_jax.faults.transforms import TransformBase
 from aqn_jax.forward import trace_manifest
 from aqn_jax.models.qwen2 import Qwen2Config, Qwen2ForCausalLM
+from aqn_jax.spec import step_spec
 
 from conftest import random_params
 
@@ -393,7 +394,7 @@ def test_the_trainer_counts_a_new_bit_kinds_flips(throwaway_kinds):
     cfg = Qwen2Config.tiny(num_hidden_layers=3)
     plan = build_plan(config.faults, config.aqn, 3)
     hw = fault_plan(config.faults, 3)
-    static = rl_step.static_from(rl_step.step_spec(config), cfg, plan, hw, 4)
+    static = rl_step.static_from(step_spec(config), cfg, plan, hw, 4)
     assert static.sdc is not None and static.sdc.sites and "low_flip" in static.sdc.kinds
     assert "quiet_flip" not in static.sdc.kinds
     mesh = parallel.make_mesh(config.mesh, jax.devices()[:1])
