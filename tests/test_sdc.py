@@ -547,6 +547,26 @@ def test_gradient_fault_flips_one_selected_element_and_recompute_draws_anew():
     assert corrupted(once, 4, 0)[2] == 0
 
 
+def test_a_recomputed_step_hands_its_attempt_to_a_transient_tree_fault():
+    """The trainer's values for the update (`telemetry.step_values`) carry the attempt whenever
+    the plan has a tree fault, not only a `steps` one: the optimizer keys its draw with it (the
+    test above), so a recomputed step draws anew. Negative controls: a plan without a tree or
+    `steps` fault gets no values (its programs unchanged); a `steps` fault its step and attempt."""
+    from aqn_jax.faults.bitfaults import SDC_ATTEMPT, SDC_STEP
+    from aqn_jax.sdc.guard import GuardSpec
+    from aqn_jax.sdc.telemetry import sdc_spec, step_values
+
+    def values(attempt, **fields):
+        plan = fault_plan(bit_config(**fields), 2)
+        return step_values(plan, sdc_spec(GuardSpec(), 1.0, plan, 10), 3, attempt)
+
+    grad = dict(count=1, target="gradient", phases=("train",))
+    assert values(0, **grad) == {SDC_STEP: 3.0, SDC_ATTEMPT: 0.0}
+    assert values(2, **grad) == {SDC_STEP: 3.0, SDC_ATTEMPT: 2.0}  # the recompute's draw
+    assert values(1, count=1) == {}  # a module fault on every step: nothing traced
+    assert values(1, count=1, steps="(3,)") == {SDC_STEP: 3.0, SDC_ATTEMPT: 1.0}
+
+
 @pytest.mark.slow
 def test_moment_fault_and_the_range_check():
     from aqn_jax.faults.bitfaults import TreeBits

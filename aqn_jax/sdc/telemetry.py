@@ -101,15 +101,13 @@ def sdc_spec(
 
 def step_values(plan: FaultPlan, sdc: SdcSpec | None, step: int, attempt: int) -> dict:
     """The traced values the bit faults read: the RL step and the attempt for faults planted at
-    given steps (`bitfaults.SDC_STEP`), the bit of a `traced_bit` fault; the RL step also for
-    the tree faults' keys (`trees`, which read the attempt only where it is passed). None of
-    them when the plan needs none (the programs are then unchanged)."""
+    given steps (`bitfaults.SDC_STEP`) and for the tree faults' keys (`trees`: a recomputed
+    step draws anew, a transient gradient or moment fault included), the bit of a `traced_bit`
+    fault. None of them when the plan needs none (the programs are then unchanged)."""
     names = plan.value_names()
     out = {}
-    if SDC_STEP in names:
+    if SDC_STEP in names or (sdc is not None and sdc.trees):
         out.update({SDC_STEP: np.float32(step), SDC_ATTEMPT: np.float32(attempt)})
-    elif sdc is not None and sdc.trees:
-        out[SDC_STEP] = np.float32(step)
     if SDC_BIT in names:
         out[SDC_BIT] = np.float32(traced_bit(plan))
     return out
