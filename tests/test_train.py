@@ -416,6 +416,9 @@ def test_grpo_wins_back_part_of_the_fault_on_the_faulty_device(tmp_path, sft_cac
     assert summary["val_acc_start"] >= 0.1  # and leaves a reward signal
     assert summary["val_acc_end"] >= summary["val_acc_start"] + LEARN_MARGIN, summary
     assert summary["recovered"] > 0
+    # the gap at the end, beside the share won back (which the clean device's own gain inflates)
+    gap_end = summary["val_acc_clean_end"] - summary["val_acc_end"]
+    assert summary["fault_gap_end"] == gap_end, summary
     assert summary["val_acc_clean_end"] >= summary["val_acc_clean_start"] - 0.03, summary
     # Issue 29's scenario (b): the deadzone's per-call statistic makes the sampler and the
     # trainer disagree (~0.5 nats per token measured); no correction is on, nothing rejected.
