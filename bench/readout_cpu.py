@@ -135,12 +135,9 @@ def main() -> None:
         for arm, rs in runs.items()
     }
     before, after, same = mean["before"], mean["after"], mean["after_old_mb"]
-    flags = ""
-    if os.path.exists("/proc/cpuinfo"):
-        with open("/proc/cpuinfo") as f:
-            line = next((x for x in f if x.startswith("flags")), "")
-        want = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")
-        flags = ",".join(x for x in want if f" {x}" in line)
+    from common import cpu_flags  # bench/common.py (the script's folder is on sys.path)
+
+    flags = cpu_flags().replace(" ", ",")
     print(
         f"BENCH readout_cpu_step ratio={before['step_s'] / after['step_s']:.3f}"
         f" before_s={before['step_s']:.1f} after_s={after['step_s']:.1f}"

@@ -71,12 +71,9 @@ def main() -> None:
     ap.add_argument("--record", action="store_true")
     a = ap.parse_args()
     chunks = [int(c) for c in a.chunks.split(",")]
-    flags = ""
-    if os.path.exists("/proc/cpuinfo"):
-        with open("/proc/cpuinfo") as f:
-            line = next((x for x in f if x.startswith("flags")), "")
-        want = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")
-        flags = ",".join(x for x in want if f" {x}" in line)
+    from common import cpu_flags  # bench/common.py (the script's folder is on sys.path)
+
+    flags = cpu_flags().replace(" ", ",")
     table = []
     for name in a.dtypes.split(","):
         fns, args = variants(a.rows, a.prompt, a.response, chunks, jnp.dtype(name))
