@@ -32,7 +32,6 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 
 from aqn_jax import quant_base
@@ -49,24 +48,6 @@ from aqn_jax.rl.scoring import eval_scores
 from aqn_jax.rl.sft import sft_sequences
 
 EVAL_NOISE = "eval_noise"  # the traced relative-noise level of the noise conditions
-
-
-def evaluate_config() -> ml_collections.ConfigDict:
-    c = ml_collections.ConfigDict()
-    c.run = ""  # a train run's workdir: its checkpoint is evaluated; '' = the warm start
-    c.step = -1  # checkpoint step of `run`; -1 = the latest
-    c.size = 0  # test examples; 0 = config.trainer.val_size
-    c.batch_size = 0  # 0 = config.trainer.val_batch_size
-    c.fault = (False, True)  # the hardware fault of config.faults off and/or on
-    c.noise_levels = (0.0, 0.05, 0.10)  # relative noise on every linear output (0 = none)
-    c.mxfp4 = True  # also MXFP4 on every linear input
-    # Weight-quantised inference: the policy's decoder linears stored in these 4-bit formats
-    # (aqn_jax/quant_base.py, QeRL's NVFP4A16 / MXFP4A16): a device condition of its own, e.g.
-    # ('nvfp4', 'mxfp4'); () = none.
-    c.weight_formats = ()
-    c.samples = 1  # 1 = greedy; n > 1: n samples per prompt at rollout.temperature (mean@n)
-    c.loss = True  # held-out loss (answer-token cross-entropy) with the fault off / on
-    return c
 
 
 def check_evaluate(ev: Any) -> None:

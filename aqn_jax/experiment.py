@@ -36,18 +36,22 @@ Scenarios (`apply_scenario`; DESIGN.md "Two devices, one policy"): which device 
 import ml_collections
 
 from aqn_jax.aqn.config import aqn_config
+from aqn_jax.config import (
+    distributed_config,
+    evaluate_config,
+    lora_section,
+    mesh_config,
+    planner_config,
+    sft_config,
+)
 from aqn_jax.data.config import data_config
-from aqn_jax.diagnosis.srdd import diagnosis_config
-from aqn_jax.evaluation import evaluate_config
+from aqn_jax.diagnosis.config import diagnosis_config
 from aqn_jax.faults.config import faults_config
-from aqn_jax.lora import lora_section
-from aqn_jax.models.factory import model_section
-from aqn_jax.parallel import distributed_config, mesh_config
-from aqn_jax.planner import planner_config
+from aqn_jax.models.config import model_section
+from aqn_jax.rl.config import correction_config
 from aqn_jax.rl.losses import policy_loss_config
-from aqn_jax.rl.rollout_correction import PRESETS, correction_config
-from aqn_jax.sdc.guard import sdc_config
-from aqn_jax.warm_start import sft_config
+from aqn_jax.rl.rollout_correction import PRESETS
+from aqn_jax.sdc.config import sdc_config
 
 FAULT_LAYER = 4  # the middle of the tiny model's 8 layers
 

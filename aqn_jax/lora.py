@@ -29,7 +29,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 
 from aqn_jax import quant_base
@@ -37,19 +36,6 @@ from aqn_jax.forward import Weights, override
 
 TARGETS = quant_base.LINEAR_KINDS
 NORM_KINDS = ("input_layernorm", "post_attention_layernorm", "norm")
-
-
-def lora_section() -> ml_collections.ConfigDict:
-    """`config.lora`: LoRA adapters on a frozen base (QeRL mode; verl's lora_rank / alpha /
-    target_modules)."""
-    c = ml_collections.ConfigDict()
-    c.rank = 0  # adapter rank r; 0 = off (full fine-tuning). QeRL: 16-32, verl advice >= 32
-    c.alpha = 16.0  # scale = alpha / rank (QeRL and PEFT: alpha 16)
-    # 'all-linear' = q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj, or a comma-separated
-    # subset of those names (e.g. 'q_proj,v_proj')
-    c.target_modules = "all-linear"
-    c.train_norms = False  # QeRL's --ln: train the RMSNorm weights too
-    return c
 
 
 @dataclasses.dataclass(frozen=True)

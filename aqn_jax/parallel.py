@@ -25,7 +25,6 @@ from typing import Any
 
 import flax.linen as nn
 import jax
-import ml_collections
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -40,30 +39,6 @@ DEFAULT_RULES = (
     ("vocab", "tensor"),
     ("norm", None),
 )
-
-
-def mesh_config() -> ml_collections.ConfigDict:
-    c = ml_collections.ConfigDict()
-    c.data = -1  # -1: all devices not used by the other axes
-    c.fsdp = 1  # devices that shard params and rows (ZeRO-3 style)
-    c.tensor = 1  # devices that shard heads / mlp / vocab (Megatron style)
-    return c
-
-
-def distributed_config() -> ml_collections.ConfigDict:
-    """`config.distributed`: several processes (hosts) in one run.
-
-    coordinator '' and auto False: one process. coordinator 'host:port' with num_processes and
-    process_id: explicit (launch/local.sh, launch/slurm.sh pass these). auto True:
-    `jax.distributed.initialize()` detects the cluster itself (TPU pod slices, Slurm).
-    """
-    c = ml_collections.ConfigDict()
-    c.coordinator = ""  # 'host:port' of process 0
-    c.num_processes = 0  # hosts (0 = from the coordinator or auto)
-    c.process_id = -1  # this host's index (-1 = auto)
-    c.auto = False  # let JAX detect the cluster (TPU pod, Slurm, Open MPI)
-    c.local_device_ids = ""  # e.g. '0,1' (GPUs this process uses); '' = all visible
-    return c
 
 
 def check_distributed(dist: Any) -> None:

@@ -109,7 +109,6 @@ from typing import Any, NamedTuple
 
 import flax.linen as nn
 import jax
-import ml_collections
 import numpy as np
 import optax
 from jax.sharding import PartitionSpec as P
@@ -155,15 +154,6 @@ COMPONENTS = RESIDENT + (
     "dequantized_base",
 )
 _BATCH = P(parallel.BATCH_AXES)  # axis 0 over (data, fsdp), the rest whole
-
-
-def planner_config() -> ml_collections.ConfigDict:
-    """`config.planner`: the per-device memory check that runs before the train job compiles."""
-    c = ml_collections.ConfigDict()
-    c.enabled = True  # False: report the plan, never refuse
-    c.device_memory_gb = 0.0  # GiB per device; 0 = the backend's bytes_limit (none on CPU)
-    c.headroom = 0.9  # fraction of the device memory the estimate may use (XLA needs scratch)
-    return c
 
 
 def check_planner(section: Any) -> None:

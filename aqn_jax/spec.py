@@ -24,6 +24,7 @@ import jax
 from aqn_jax import parallel
 from aqn_jax.aqn.config import AqnSchedule
 from aqn_jax.aqn.plan import needs_srdd, place_aqn
+from aqn_jax.config import planner_config
 from aqn_jax.data.tokenizers import Tokenizer
 from aqn_jax.diagnosis.srdd import SrddSpec
 from aqn_jax.evaluation import DecodeSpec, EvalSpec, check_evaluate, conditions
@@ -31,7 +32,7 @@ from aqn_jax.faults.config import fault_plan
 from aqn_jax.faults.intercept import FaultPlan
 from aqn_jax.lora import LoraSpec, lora_spec
 from aqn_jax.models.registry import ModelConfig
-from aqn_jax.planner import JobSpec, MemoryPlan, check_planner, planner_config, reachable_buckets
+from aqn_jax.planner import JobSpec, MemoryPlan, check_planner, reachable_buckets
 from aqn_jax.report import SummarySpec
 from aqn_jax.rl import advantages as adv_lib
 from aqn_jax.rl import losses

@@ -21,7 +21,6 @@ import time
 from typing import Any
 
 import jax
-import ml_collections
 import numpy as np
 
 from aqn_jax.data.config import load_split
@@ -37,20 +36,6 @@ SFT_META = "sft.json"
 # a config whose cache key matches one loads it instead of training (the embedded default's
 # SFT takes longer than a first run should wait).
 SHIPPED_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets")
-
-
-def sft_config() -> ml_collections.ConfigDict:
-    c = ml_collections.ConfigDict()
-    c.enabled = True  # SFT warm start before RL (the embedded default); False = use the model
-    c.steps = 300  # optimizer steps
-    c.batch_size = 32  # sequences per step
-    c.lr = 3e-3  # AdamW peak learning rate
-    c.warmup_steps = 10  # steps of linear warmup
-    c.schedule = "cosine"  # constant | warmup_constant | cosine
-    c.examples = 2048  # train examples used for SFT (the first N of the train split)
-    c.cache_dir = ""  # '' = <workdir>/../cache
-    c.seed = -1  # init + SFT seed; -1 = config.seed (the compare job fixes it: one warm start)
-    return c
 
 
 def sft_seed(sft: Any, seed: int) -> int:
@@ -101,9 +86,9 @@ class SftSpec:
 class WarmStartSpec:
     """What the warm start reads of an experiment config (`checks.warm_start_spec`)."""
 
-    model: ml_collections.FrozenConfigDict  # config.model (`load_model` / `model_config`)
+    model: Any  # config.model, frozen (`load_model` / `model_config`)
     tokenizer_path: str  # config.tokenizer_path ('' = the model's, `tokenizer_for`)
-    data: ml_collections.FrozenConfigDict  # config.data: the SFT trains on its train split
+    data: Any  # config.data, frozen: the SFT trains on its train split
     sft: SftSpec | None  # None: config.sft.enabled=False, the configured model itself
     seed: int  # init + SFT seed (`sft_seed`)
     cache_dir: str  # config.sft.cache_dir; '' = <workdir>/../cache

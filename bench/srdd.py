@@ -83,7 +83,8 @@ from common import check_load, random_params, record, time_calls
 
 from aqn_jax.aqn.config import aqn_config
 from aqn_jax.aqn.plan import build_plan
-from aqn_jax.diagnosis import analysis, srdd
+from aqn_jax.diagnosis import analysis
+from aqn_jax.diagnosis.config import diagnosis_config
 from aqn_jax.diagnosis.scans import (
     METRICS,
     ScanSettings,
@@ -99,7 +100,7 @@ from aqn_jax.models.qwen2 import PRESETS, Qwen2Config, Qwen2ForCausalLM
 
 PHASE = "eval"
 TAGS = {"qwen2p5_0p5b": "0p5b"}
-DEAD_FLOOR = srdd.diagnosis_config().dead_floor  # the dead fraction a declaration needs (1e-3)
+DEAD_FLOOR = diagnosis_config().dead_floor  # the dead fraction a declaration needs (1e-3)
 
 
 def make_batch(vocab: int, prompts: int, seq: int) -> tuple[np.ndarray, np.ndarray]:

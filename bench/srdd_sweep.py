@@ -30,6 +30,7 @@ from aqn_jax.aqn.plan import build_plan  # noqa: E402
 from aqn_jax.data.arithmetic import ArithmeticTask  # noqa: E402
 from aqn_jax.data.tokenizers import CharTokenizer  # noqa: E402
 from aqn_jax.diagnosis import analysis, srdd  # noqa: E402
+from aqn_jax.diagnosis.config import diagnosis_config  # noqa: E402
 from aqn_jax.diagnosis.scans import make_scan, swept_deadzone_plan  # noqa: E402
 from aqn_jax.faults.config import faults_config  # noqa: E402
 from aqn_jax.faults.intercept import step_key  # noqa: E402
@@ -66,7 +67,7 @@ def main() -> None:
         print(f"SFT {args.sft_steps} steps: loss {hist['loss'][0]:.3f} -> {hist['loss'][-1]:.3f}")
     sft_s = time.perf_counter() - t0
     ids, mask = srdd.calibration_batch(task.examples("train", 64), tok, args.prompts, 256)
-    diag = srdd.diagnosis_config()
+    diag = diagnosis_config()
     n = cfg.num_hidden_layers
     keys = (step_key(0, 0, "eval"), jax.random.key(1))
     plan = swept_deadzone_plan("dz")

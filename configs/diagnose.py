@@ -19,9 +19,9 @@ import ml_collections
 
 from aqn_jax.aqn.config import aqn_config
 from aqn_jax.data.config import data_config
-from aqn_jax.diagnosis.srdd import diagnosis_config
+from aqn_jax.diagnosis.config import diagnosis_config
 from aqn_jax.faults.config import faults_config
-from aqn_jax.models.factory import model_section
+from aqn_jax.models.config import model_section
 
 
 def get_config(arg=None) -> ml_collections.ConfigDict:

@@ -13,6 +13,7 @@ import pytest
 from aqn_jax.aqn.config import aqn_config
 from aqn_jax.aqn.plan import build_plan, needs_srdd
 from aqn_jax.diagnosis import analysis, srdd
+from aqn_jax.diagnosis.config import diagnosis_config
 from aqn_jax.diagnosis.scans import (
     ScanSettings,
     make_scan,
@@ -211,7 +212,7 @@ def test_localises_deadzone_at_every_layer(calibrated):
     every layer with its threshold multiplied by a traced per-layer vector (0 = healthy), which
     is the single-layer fault exactly (checked against the static plan for one placement)."""
     model, params, ids, mask = calibrated
-    diag = srdd.diagnosis_config()
+    diag = diagnosis_config()
     plan = swept_deadzone_plan("dz")
     scan = make_scan(model, plan, srdd.settings_from(diag))
     keys = (step_key(0, 0, "eval"), jax.random.key(1))
@@ -245,7 +246,7 @@ def test_swept_deadzone_takes_the_granularity(calibrated):
     scan = make_scan(
         model,
         swept_deadzone_plan("dz", granularity="token"),
-        srdd.settings_from(srdd.diagnosis_config()),
+        srdd.settings_from(diagnosis_config()),
     )
     vec = np.zeros(8, np.float32)
     vec[3] = 0.1 / 0.5
@@ -314,7 +315,7 @@ def test_no_fault_found_on_a_clean_device(calibrated):
         build_plan(c.faults, c.aqn, 8),
         ids,
         mask,
-        srdd.SrddSpec.of(srdd.diagnosis_config(), 0.05),
+        srdd.SrddSpec.of(diagnosis_config(), 0.05),
     )
     assert report["verdict"]["layers"] == []
     assert report["verdict"]["message"] == "no fault found"
@@ -331,7 +332,7 @@ def test_noise_fault_found_by_instability(calibrated):
         build_plan(c.faults, c.aqn, 8),
         ids,
         mask,
-        srdd.SrddSpec.of(srdd.diagnosis_config(), 0.05),
+        srdd.SrddSpec.of(diagnosis_config(), 0.05),
     )
     assert report["verdict"]["layers"] == [6]
     assert "instability" in report["suspects"][0]["evidence"]

@@ -18,6 +18,7 @@ import optax
 import pytest
 
 from aqn_jax import parallel, planner
+from aqn_jax.config import planner_config
 from aqn_jax.forward import Readout, forward
 from aqn_jax.models.factory import logical_axes, model_config
 from aqn_jax.models.hf import abstract_params
@@ -35,7 +36,7 @@ PARAMS_1P5B = 1_543_714_304  # Qwen2.5-1.5B, tied embeddings (REFERENCE.md)
 def make_config(arm="targeted", preset="tiny", *, data=-1, fsdp=1, tensor=1, **model):
     """The embedded config with `config.planner`, the mesh and the model preset set."""
     config = load_config(arm)
-    config.planner = planner.planner_config()
+    config.planner = planner_config()
     config.mesh.data, config.mesh.fsdp, config.mesh.tensor = data, fsdp, tensor
     config.model.preset = preset
     for key, value in model.items():

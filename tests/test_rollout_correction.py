@@ -19,13 +19,13 @@ import numpy as np
 import pytest
 
 from aqn_jax.rl import losses
+from aqn_jax.rl.config import correction_config
 from aqn_jax.rl.rollout_correction import (
     CORRECTIONS,
     LEVELS,
     PRESETS,
     RolloutCorrection,
     correct,
-    correction_config,
     correction_from,
     mismatch_metrics,
 )

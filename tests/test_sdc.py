@@ -594,7 +594,8 @@ def test_moment_fault_and_the_range_check():
 
 
 def test_bad_guard_config_names_the_field():
-    from aqn_jax.sdc.guard import guard_spec, sdc_config
+    from aqn_jax.sdc.config import sdc_config
+    from aqn_jax.sdc.guard import guard_spec
 
     for field, value, match in (
         ("guard", "retry", r"config.sdc.guard='retry'; allowed"),

@@ -1,5 +1,6 @@
 """SRDD end to end: calibration prompts -> scans on the faulty device -> verdict -> sigma map,
-with the `config.diagnosis` section, the report (srdd.json, table, plot) and the AQN fragment.
+with the `config.diagnosis` section typed (its defaults: diagnosis/config.py), the report
+(srdd.json, table, plot) and the AQN fragment.
 
 The device is simulated by the *hardware* part of the config (`config.faults`); AQN is never
 active during diagnosis (it is the treatment, not the device).
@@ -16,7 +17,6 @@ from typing import Any
 
 import flax.linen as nn
 import jax
-import ml_collections
 import numpy as np
 
 from aqn_jax.data.gsm8k import Example, left_pad
@@ -30,24 +30,6 @@ from .scans import METRICS, ScanSettings, scan_layers
 
 SRDD_FILE = "srdd.json"
 PLOT_FILE = "srdd.png"
-
-
-def diagnosis_config() -> ml_collections.ConfigDict:
-    c = ml_collections.ConfigDict()
-    c.num_prompts = 8  # calibration prompts (train split of config.data)
-    c.max_prompt_len = 256  # calibration prompts longer than this are skipped
-    c.trials = 3  # instability: runs of the same input (REFERENCE: 3)
-    c.gain_scale = 0.1  # gain probe: noise std = gain_scale * std(layer input) (REFERENCE: 0.1)
-    c.dc_scale = 0.01  # min/max gain and dead probes: DC bias = dc_scale * std(layer input)
-    c.z_threshold = 3.0  # robust |z| above which a layer is suspect (REFERENCE: 3)
-    c.declare = ("instability", "dead")  # metrics that may declare a fault (analysis.py)
-    c.dead_floor = 1e-3  # dead fraction a declaration needs
-    c.instability_floor = 1e-4  # instability / std(output) a declaration needs
-    c.signal_loss = "gain_or_dead"  # sigma-map signal-loss rule: gain_or_dead | gain (seed)
-    c.base_sigma = 0.0  # sigma map base; 0 = config.aqn.sigma_start
-    c.seed = 0  # probe noise and fault keys of the diagnosis
-    c.always = False  # train job: diagnose even when the AQN arm does not need it
-    return c
 
 
 @dataclasses.dataclass(frozen=True)

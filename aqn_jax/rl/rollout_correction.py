@@ -47,7 +47,6 @@ import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-import ml_collections
 import numpy as np
 
 SAFETY_BOUND = 20.0  # |log ρ| bound before exp: exp(20) ≈ 4.9e8 (verl)
@@ -107,18 +106,6 @@ class RolloutCorrection:
     @property
     def needs_rollout_logprobs(self) -> bool:
         return bool(self.active) or self.bypass_mode
-
-
-def correction_config(algo) -> None:
-    """The rollout-correction fields of `config.algo` (off: verl's defaults)."""
-    algo.rollout_is = "none"  # none | token | sequence: truncated IS weights on the PG loss
-    algo.rollout_is_threshold = 2.0  # C of min(w, C) (verl, tunix: 2.0)
-    algo.rollout_is_batch_normalize = False  # weights / their batch mean (verl)
-    algo.rollout_rs = "none"  # none | token | sequence | geometric: reject ratios outside bounds
-    algo.rollout_rs_threshold = 2.0  # upper bound of the kept ratio
-    # lower bound of the kept ratio; None = 1 / rollout_rs_threshold
-    algo.rollout_rs_threshold_lower = ml_collections.config_dict.placeholder(float)
-    algo.bypass_mode = False  # PPO's old policy = the rollout's log-probs (verl bypass)
 
 
 def correction_from(algo, rollout) -> RolloutCorrection:

@@ -1,7 +1,8 @@
 """Silent data corruption (SDC) around the RL step: what is counted, what is checked and what
 the run does with a corrupted step.
 
-  guard.py      `config.sdc` (GuardSpec) and the verdict on each attempt of a step (`Guard`)
+  config.py     `config.sdc`'s defaults
+  guard.py      `config.sdc` typed (GuardSpec) and the verdict on each attempt of a step (`Guard`)
   telemetry.py  what the step programs report: `SdcSpec`, the per-site counts of bits flipped
                 and rows ABFT flagged, the backward ABFT probe, the update's and the rollout's
                 totals, the step's sdc/* metrics, and the traced values the bit faults read

@@ -29,7 +29,6 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-import ml_collections
 import numpy as np
 
 GUARDS = ("none", "skip", "recompute")
@@ -58,18 +57,6 @@ class GuardSpec:
     @property
     def on(self) -> bool:
         return self.mode != "none"
-
-
-def sdc_config():
-    """`config.sdc`: detection and recovery, everything off."""
-    c = ml_collections.ConfigDict()
-    c.abft = False  # row checksums on every linear (rollout and train passes; detections logged)
-    c.abft_backward = False  # also on every linear's dX and dW in the update's backward passes
-    c.guard = "none"  # none | skip | recompute
-    c.max_recomputes = 2  # failed recomputes of one step before the run rolls back
-    c.window = 20  # accepted steps the anomaly's robust z looks back over
-    c.z = 6.0  # |robust z| above which a grad-norm / update-RMS is an anomaly
-    return c
 
 
 def guard_spec(sdc: Any) -> GuardSpec:
