@@ -368,6 +368,7 @@ def test_a_new_bit_kind_is_checked_against_the_dtype_as_the_others(throwaway_kin
         fault_plan(faults, 2)
 
 
+@pytest.mark.slow  # the real prepare and update programs (~8 s cold)
 def test_the_trainer_counts_a_new_bit_kinds_flips(throwaway_kinds):
     # One flip of bit 20 (a mantissa bit of f32: the run stays finite) per call at layer 1's
     # down_proj (low_flip) and the same at layer 2's (quiet_flip, which does not count). The
