@@ -250,15 +250,21 @@ def clean_smoke(sft_cache, tmp_path_factory):
     return workdir, list(made)
 
 
-def shallow(config, **over):
-    """`config` with SHALLOW's fields and then `over`'s (dotted keys) set in place; returned."""
-    for key, value in {**SHALLOW, **over}.items():
+def set_fields(config, **over):
+    """`config` with `over`'s fields (dotted keys: `**{"trainer.total_steps": 2}`) set in place;
+    returned."""
+    for key, value in over.items():
         node = config
         *path, last = key.split(".")
         for part in path:
             node = node[part]
         node[last] = value
     return config
+
+
+def shallow(config, **over):
+    """`config` with SHALLOW's fields and then `over`'s (dotted keys) set in place; returned."""
+    return set_fields(config, **{**SHALLOW, **over})
 
 
 def load_config(name: str, arg: str | None = None):

@@ -6,16 +6,7 @@ checks (a negative control)."""
 import pytest
 
 from conftest import launch_cli, load_config, tree_state
-
-
-def _set(config, **over):
-    for key, value in over.items():
-        *path, last = key.split(".")
-        target = config
-        for part in path:
-            target = target[part]
-        target[last] = value
-    return config
+from conftest import set_fields as _set
 
 
 def _scale_flip(**over):
