@@ -240,23 +240,46 @@ def _params_only(directory: str, step: int) -> str:
     )
 
 
-def check_resume_base(workdir: str, base_print: str | None) -> None:
-    """A LoRA run's latest checkpoint holds the fingerprint of the base its adapters were
-    trained over (`meta['base']`): another base is refused (one line) before anything is
-    written. No checkpoint, or an unreadable meta (restore_latest's to report): nothing to
-    check."""
+def _latest_meta(workdir: str) -> tuple[str, dict]:
+    """(the latest checkpoint's directory, its meta); ('', {}) without one. An unreadable meta
+    is restore_latest's to report."""
     if not os.path.isdir(os.path.join(workdir, CHECKPOINT_DIR)):
-        return
+        return "", {}
     ckpt = Checkpointer(workdir, 0, 1)
     try:
         steps = sorted(ckpt.manager.all_steps())
         meta = ckpt.meta(steps[-1]) if steps else {}
     finally:
         ckpt.close()
+    return (f"{ckpt.directory}/{steps[-1]}" if steps else ""), meta
+
+
+def check_resume_base(workdir: str, base_print: str | None) -> None:
+    """A LoRA run's latest checkpoint holds the fingerprint of the base its adapters were
+    trained over (`meta['base']`): another base is refused (one line) before anything is
+    written. No checkpoint, or an unreadable meta (restore_latest's to report): nothing to
+    check."""
+    where, meta = _latest_meta(workdir)
     if meta and meta.get("base") != base_print:
-        raise ValueError(
-            base_changed(f"{ckpt.directory}/{steps[-1]}", meta.get("base"), base_print)
-        )
+        raise ValueError(base_changed(where, meta.get("base"), base_print))
+
+
+def check_resume_warm_start(workdir: str, key: str, cached: bool) -> None:
+    """Before the warm start: a LoRA run's latest checkpoint also names the warm start its
+    base came from (`meta['warm_start']`, its cache key). Another one that would have to
+    train is refused here, in one line, before it trains and writes its cache entry (the base
+    fingerprint, `check_resume_base`, could only refuse it after). A cached or shipped one is
+    loaded and left to the fingerprint; a checkpoint without the key (older runs, full
+    fine-tuning) to `check_resume_base` as before."""
+    where, meta = _latest_meta(workdir)
+    saved = meta.get("warm_start") if meta else None
+    if saved is None or saved == key or cached:
+        return
+    raise ValueError(
+        f"{where} was trained over base {meta.get('base')}, from warm start sft-{saved}, but"
+        f" this run's warm start is sft-{key}, not cached (config.model / config.sft /"
+        " config.data changed; it would train, then be refused); use a new --workdir"
+    )
 
 
 def base_changed(where: str, saved: str | None, base_print: str | None) -> str:

@@ -29,6 +29,7 @@ from aqn_jax.checkpoint import (
     check_resumable,
     check_resume_base,
     check_resume_config,
+    check_resume_warm_start,
     check_sane,
     record_override,
 )
@@ -48,7 +49,7 @@ from aqn_jax.rl.trainer import Trainer, prompt_batcher
 from aqn_jax.sdc.guard import RollbackNeeded
 from aqn_jax.sdc.telemetry import fault_fired, guard_hint
 from aqn_jax.spec import RunSpec
-from aqn_jax.warm_start import warm_start
+from aqn_jax.warm_start import cached_sft, warm_start
 
 EXPORT_FIELD = "the export of config.checkpoint.export='hf'"  # what its refusals name
 
@@ -112,7 +113,9 @@ def _set_up(config, workdir: str) -> tuple[_Run, rl_step.RLState]:
     test_examples = load_split(spec.data, "test")
     changes = check_resume_config(config, workdir)  # a layout change named, even overridden
     check_resumable(workdir)  # a finished params-only run: refused before anything is written
-    model_cfg, params, sft_info = warm_start(spec.warm_start, workdir)
+    ws = spec.warm_start
+    check_resume_warm_start(workdir, ws.key, ws.sft is None or cached_sft(ws, workdir) is not None)
+    model_cfg, params, sft_info = warm_start(ws, workdir)
     float_params, weight_format = params, spec.weight_format
     base_print = None
     if spec.lora.enabled:
@@ -324,6 +327,8 @@ def _save(r: _Run, step: int, state, m: dict, fired: dict[int, str]) -> None:
     check_sane(step, saved, m, r.spec.trainer.bounds, cause, hint)  # else nothing is saved
     fired.clear()
     meta = {"step": step, "data": r.loop.batcher.state(), "base": r.base_print}
+    if r.base_print is not None:  # a LoRA run: the warm start its base came from
+        meta["warm_start"] = r.spec.warm_start.key
     r.ckpt.save(step, saved, meta, step == r.total)
 
 

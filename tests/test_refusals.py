@@ -161,7 +161,8 @@ def test_a_refused_resume_writes_nothing(tmp_path, sft_cache):
     format, LoRA rank or warm start (issue 50): each refused in one line, the workdir
     byte-identical (config.json and config_overrides.jsonl not rewritten, no checkpoint moved
     aside); the original command still resumes. The warm start is the session's (the shallow
-    smokes' SFT cache key), so only the changed one (sft.steps=9) trains here."""
+    smokes' SFT cache key); the changed one (sft.steps=9) is refused before it trains: the SFT
+    cache gains no entry either."""
     from aqn_jax.launch import run
 
     def qerl():  # the run's config on the shallow model, with `extra`'s fields
@@ -183,12 +184,15 @@ def test_a_refused_resume_writes_nothing(tmp_path, sft_cache):
         ({"lora.rank": 8}, "config.lora.rank: 16 -> 8 changes the adapters' shapes; use a new"),
         ({"sft.steps": 9}, "checkpoints/1 was trained over base mxfp4:"),
     ]
+    cache = tree_state(sft_cache)
     for changed, message in cases:
         extra = {**changed, "resume_override": True}
         with pytest.raises(ValueError) as e:
             run(qerl(), str(work))
         assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
         assert tree_state(work) == before, changed
+        assert tree_state(sft_cache) == cache, changed  # no SFT trained
+    assert ", from warm start sft-" in str(e.value) and "not cached" in str(e.value)
     extra = {}
     run(qerl(), str(work))  # negative control: the run's own config resumes (nothing left)
     assert (work / "checkpoints" / "1").is_dir()
