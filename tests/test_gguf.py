@@ -254,6 +254,36 @@ def test_tiny_gguf_snapshot_files_and_record(tiny):
     assert not config.tie_word_embeddings
 
 
+def test_the_import_parses_the_file_once_and_puts_gguf_back(tiny, tmp_path, monkeypatch):
+    """transformers parses a GGUF for its config and again for its tensors, and rebuilds the
+    tensor name map per module; within the import each happens once (`_gguf_parsed_once`),
+    and `gguf`'s own functions are back afterwards. The import's logits against a model
+    transformers loaded without it: test_tiny_gguf_logits_equal_transformers_and_the_original."""
+    import gguf
+
+    made, maps = [], []
+    real_map = gguf.get_tensor_name_map
+
+    class Counted(gguf.GGUFReader):
+        def __init__(self, path, mode="r"):
+            made.append(os.path.realpath(path))
+            super().__init__(path, mode)
+
+    def counted_map(*args):
+        maps.append(args)
+        return real_map(*args)
+
+    monkeypatch.setattr(gguf, "GGUFReader", Counted)
+    monkeypatch.setattr(gguf, "get_tensor_name_map", counted_map)
+    gguf_import.gguf_to_hf(str(tiny["root"] / "tiny.gguf"), str(tmp_path / "out"))
+    assert made == [os.path.realpath(tiny["root"] / "tiny.gguf")]
+    assert len(maps) == 1
+    assert gguf.GGUFReader is Counted and gguf.get_tensor_name_map is counted_map
+    # Negative control: transformers' own load, outside the import, parses it twice.
+    transformers.AutoModelForCausalLM.from_pretrained(str(tiny["root"]), gguf_file="tiny.gguf")
+    assert len(made) >= 3 and len(maps) > 1
+
+
 def test_tiny_gguf_chat_ids_equal_transformers(tiny):
     ours = HFTokenizer.from_pretrained(tiny["out"])
     assert ours.eos_id == TOKENS.index("<|im_end|>")

@@ -41,7 +41,9 @@ The weights are the dequantised Q4 weights, not the original bf16 ones.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
+import functools
 import hashlib
 import importlib.util
 import json
@@ -400,6 +402,35 @@ def gguf_to_hf(
             os.remove(gguf_path)
 
 
+@contextlib.contextmanager
+def _gguf_parsed_once():
+    """transformers' GGUF load without its repeated work: it parses the whole file twice (for
+    the config, then for the tensors: ~4 s each for SmolLM2's 49k-token vocabulary) and
+    rebuilds the `gguf` package's name map of every tensor once per module of the model (397
+    times, ~6 s). Within this block `gguf.GGUFReader` returns the one reader of a path (a
+    read-only memmap) and `gguf.get_tensor_name_map` its one map per (arch, layers): both
+    pure functions of their arguments. transformers imports both inside its functions, so it
+    reads them here; they are put back on exit."""
+    import gguf
+
+    real_reader, real_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    readers: dict[tuple[str, str], object] = {}
+
+    def reader(path, mode="r"):
+        key = (os.path.realpath(path), mode)
+        if mode != "r":  # a writable map is not shared
+            return real_reader(path, mode)
+        if key not in readers:
+            readers[key] = real_reader(path, mode)
+        return readers[key]
+
+    gguf.GGUFReader, gguf.get_tensor_name_map = reader, functools.lru_cache(None)(real_map)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = real_reader, real_map
+
+
 def _import(gguf_path, label, joined, paths, out, tmp, t0) -> dict:
     import numpy as np
     import torch
@@ -412,8 +443,9 @@ def _import(gguf_path, label, joined, paths, out, tmp, t0) -> dict:
     header = _check_complete(gguf_path, label)
     root, name = os.path.split(os.path.abspath(gguf_path))
     try:
-        model = AutoModelForCausalLM.from_pretrained(root, gguf_file=name, dtype=torch.float32)
-        tokenizer = _load_tokenizer(root, name)
+        with _gguf_parsed_once():
+            model = AutoModelForCausalLM.from_pretrained(root, gguf_file=name, dtype=torch.float32)
+            tokenizer = _load_tokenizer(root, name)
     except (
         ValueError,
         KeyError,
