@@ -223,12 +223,10 @@ def dry_run(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.xdist_group("smollm2")
 def test_parts_round_trip_smollm2_equals_the_direct_import(dry_run, smollm2):
-    """split -> take (check, move) -> check -> the joined import: the whole file's sha256, and the
-    same weights and logits as the direct import of the one file."""
-    from aqn_jax.data.tokenizers import HFTokenizer
-    from aqn_jax.models.hf import load_hf_checkpoint
-    from aqn_jax.models.qwen2 import Qwen2ForCausalLM
-
+    """split -> take (check, move) -> check -> the joined import: the whole file's sha256, and
+    the same snapshot as the direct import of the one file, file for file byte-identical (the
+    weights, config and tokenizer; so the same logits: the direct import's own check against
+    transformers is test_gguf.py's), only the provenance record naming its sources."""
     for k, t in enumerate(dry_run["takes"], 1):
         assert t.returncode == 0 and f"part {k}: intact, moved to" in t.stdout, t.stderr
     assert os.listdir(dry_run["src"]) and not list(dry_run["src"].glob("*/*.bin"))
@@ -247,26 +245,14 @@ def test_parts_round_trip_smollm2_equals_the_direct_import(dry_run, smollm2):
         == direct_record["tensor_types"]
         == {"Q4_1": 210, "Q8_0": 1, "F32": 61}
     )
-    (cfg_j, p_j), (cfg_d, p_d) = (
-        load_hf_checkpoint(str(dry_run["snap"])),
-        load_hf_checkpoint(str(direct)),
-    )
-    assert cfg_j == cfg_d
-    import jax
-
-    for a, b in zip(jax.tree.leaves(p_j), jax.tree.leaves(p_d), strict=True):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    ids = HFTokenizer.from_pretrained(dry_run["snap"]).encode_chat(
-        [{"role": "user", "content": gguf_import.CHECK_PROMPT}]
-    )
-    assert ids == HFTokenizer.from_pretrained(direct).encode_chat(
-        [{"role": "user", "content": gguf_import.CHECK_PROMPT}]
-    )
-    x = np.asarray([ids], np.int32)
-    model = Qwen2ForCausalLM(cfg_d)
-    np.testing.assert_array_equal(
-        np.asarray(model.apply({"params": p_j}, x)), np.asarray(model.apply({"params": p_d}, x))
-    )
+    assert record["check"] == direct_record["check"]
+    files = sorted(os.listdir(direct))
+    assert sorted(os.listdir(dry_run["snap"])) == files
+    assert {"model.safetensors", "config.json", "tokenizer.json"} <= set(files)
+    for name in files:
+        if name != "gguf_import.json":  # the record: its sources and seconds differ
+            joined, one = (dry_run["snap"] / name).read_bytes(), (direct / name).read_bytes()
+            assert joined == one, name
 
 
 @pytest.mark.slow
