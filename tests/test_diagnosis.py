@@ -191,9 +191,8 @@ def test_scan_metrics_by_hand(small_model):
     pos = np.maximum(np.cumsum(mask, 1) - 1, 0)
     slot = np.broadcast_to(np.arange(ids.shape[1]), ids.shape)
     layer = Qwen2DecoderLayer(model.config)
-    run = lambda x: np.asarray(  # noqa: E731
-        layer.apply({"params": params["layers_0"]}, x, pos, mask, slot)[0]
-    )
+    apply = jax.jit(lambda x: layer.apply({"params": params["layers_0"]}, x, pos, mask, slot)[0])
+    run = lambda x: np.asarray(apply(x))  # noqa: E731
     d = (run(emb + noise) - run(emb))[m]
     np.testing.assert_allclose(r["gain"][0], d.std() / noise[m].std(), rtol=1e-4)
     out = run(emb)[m]
