@@ -3,6 +3,7 @@ validation, noise level 0 adding nothing, mean@n, the held-out loss against a di
 computation, and the job's outputs and bad input."""
 
 import dataclasses
+import functools
 import json
 
 import jax
@@ -164,7 +165,9 @@ def test_heldout_loss_equals_direct_cross_entropy(sft_tiny):
     key = jax.random.key(0)
     loss = heldout_loss(model, params, FaultPlan(), examples, tok, 5, key)  # padded last batch
     data = sft_sequences(examples, tok)
-    direct = float(sft_loss(model, params, data.ids, data.mask, data.loss_mask))
+    direct = float(  # jitted: eagerly, every op of the forward and its readout compiles alone
+        jax.jit(functools.partial(sft_loss, model))(params, data.ids, data.mask, data.loss_mask)
+    )
     # Two programs (padded batches of 5 against one batch of 12): a mean of per-token
     # cross-entropies, each within the forward's f32 rounding at the largest logit's scale,
     # and the sum over the tokens (tests/tolerance.py).
