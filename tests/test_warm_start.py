@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from conftest import load_config
+from conftest import load_config, shallow
 
 
 @pytest.mark.slow
@@ -62,7 +62,9 @@ def test_a_damaged_sft_cache_entry_is_set_aside_and_recomputed(tmp_path, monkeyp
         return params, {"loss": [1.0]}
 
     monkeypatch.setattr(pretrain, "sft_train", fake_sft)
-    config = load_config("deadzone", "smoke")
+    # The shallow smoke model: its random init is the one program this test compiles (an
+    # 8-layer init: ~4 s of XLA compile).
+    config = shallow(load_config("deadzone", "smoke"))
     config.sft.cache_dir = str(tmp_path / "cache")
     ws = warm_start_spec(config)
     pretrain.warm_start(ws, str(tmp_path))
