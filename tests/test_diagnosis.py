@@ -26,7 +26,7 @@ from aqn_jax.faults.intercept import step_key
 from aqn_jax.models.factory import init_params
 from aqn_jax.models.qwen2 import Qwen2Config, Qwen2ForCausalLM
 
-from conftest import load_config
+from conftest import SHALLOW_FAULT, SHALLOW_LAYERS, load_config
 from tolerance import bound, forward_path
 
 
@@ -41,6 +41,9 @@ def fault_config(kind="clean", layers="4", threshold=0.01):
         c.faults.noise.enabled = True
         c.faults.noise.layers = layers
         c.faults.noise.scale = 0.05
+        # One linear of the layer: each noise site is its own draw, compiled once per layer
+        # call of the scan (5 per layer); one site is a random fault as well as seven.
+        c.faults.noise.sites = ("down_proj",)
     return c
 
 
@@ -142,7 +145,7 @@ def test_guided_sigmas_hand_computed():
 # --- scans ---------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def small_model():
-    cfg = Qwen2Config.preset("tiny", num_hidden_layers=4)
+    cfg = Qwen2Config.preset("tiny", num_hidden_layers=3)
     rng = np.random.RandomState(0)
     ids = rng.randint(3, 150, size=(3, 24)).astype(np.int32)
     mask = np.ones_like(ids)
@@ -154,13 +157,17 @@ def small_model():
 @pytest.mark.parametrize("kind", ["noise", "deadzone"])
 @pytest.mark.slow
 def test_batched_scan_equals_naive_loop(small_model, kind):
+    """The faulty layer 2 and the healthy layer 1 before it. Layer 1's metrics do not depend on
+    the later fault (the same numbers under noise as under the deadzone), so the deadzone case
+    checks it for both: the naive loop's two programs of layer 1 are built once."""
     model, params, ids, mask = small_model
     c = fault_config(kind, layers="2")
-    plan = build_plan(c.faults, c.aqn, 4)
+    plan = build_plan(c.faults, c.aqn, 3)
+    layers = [2] if kind == "noise" else [1, 2]
     fast = scan_layers(model, params, ids, mask, plan=plan)
-    slow = scan_layers_naive(model, params, ids, mask, plan=plan, layers=(1, 2))
+    slow = scan_layers_naive(model, params, ids, mask, plan=plan, layers=tuple(layers))
     for m in fast:
-        np.testing.assert_allclose(fast[m][[1, 2]], slow[m][[1, 2]], rtol=1e-4, atol=1e-6)
+        np.testing.assert_allclose(fast[m][layers], slow[m][layers], rtol=1e-4, atol=1e-6)
     assert np.isnan(slow["gain"][0])
 
 
@@ -188,9 +195,8 @@ def test_scan_metrics_by_hand(small_model):
     pos = np.maximum(np.cumsum(mask, 1) - 1, 0)
     slot = np.broadcast_to(np.arange(ids.shape[1]), ids.shape)
     layer = Qwen2DecoderLayer(model.config)
-    run = lambda x: np.asarray(  # noqa: E731
-        layer.apply({"params": params["layers_0"]}, x, pos, mask, slot)[0]
-    )
+    apply = jax.jit(lambda x: layer.apply({"params": params["layers_0"]}, x, pos, mask, slot)[0])
+    run = lambda x: np.asarray(apply(x))  # noqa: E731
     d = (run(emb + noise) - run(emb))[m]
     np.testing.assert_allclose(r["gain"][0], d.std() / noise[m].std(), rtol=1e-4)
     out = run(emb)[m]
@@ -206,8 +212,26 @@ def calibrated(sft_tiny):
     return Qwen2ForCausalLM(cfg), params, ids, mask
 
 
+KEYS = {"fault_key": step_key(0, 0, "eval"), "probe_key": jax.random.key(1)}
+
+
+def static_deadzone_scan(model, params, ids, mask, granularity="tensor"):
+    """The static single-layer deadzone (layer 3, threshold 0.1) scanned with KEYS."""
+    c = fault_config("deadzone", "3", 0.1)
+    c.faults.deadzone.granularity = granularity
+    plan = build_plan(c.faults, c.aqn, model.config.num_hidden_layers)
+    return scan_layers(model, params, ids, mask, plan=plan, **KEYS)
+
+
+@pytest.fixture(scope="module")
+def deadzone_at_3(calibrated):
+    """The warm start's scan with the tensor-wide deadzone at layer 3 (threshold 0.1), read by
+    the swept-plan and the remat tests: one program, traced once."""
+    return static_deadzone_scan(*calibrated)
+
+
 @pytest.mark.slow
-def test_localises_deadzone_at_every_layer(calibrated):
+def test_localises_deadzone_at_every_layer(calibrated, deadzone_at_3):
     """16 placements (8 layers x thresholds 0.01, 0.1) in one compiled scan: the deadzone sits at
     every layer with its threshold multiplied by a traced per-layer vector (0 = healthy), which
     is the single-layer fault exactly (checked against the static plan for one placement)."""
@@ -215,7 +239,7 @@ def test_localises_deadzone_at_every_layer(calibrated):
     diag = diagnosis_config()
     plan = swept_deadzone_plan("dz")
     scan = make_scan(model, plan, srdd.settings_from(diag))
-    keys = (step_key(0, 0, "eval"), jax.random.key(1))
+    keys = (KEYS["fault_key"], KEYS["probe_key"])
     hits, rows = 0, []
     for threshold in (0.01, 0.1):
         for layer in range(8):
@@ -227,64 +251,45 @@ def test_localises_deadzone_at_every_layer(calibrated):
             hits += int(v["suspects"][0]["layer"] == layer and v["layers"] == [layer])
             rows.append((threshold, layer, v["layers"], float(scans["dead"][layer])))
             if (threshold, layer) == (0.1, 3):
-                c = fault_config("deadzone", "3", 0.1)
-                static = build_plan(c.faults, c.aqn, 8)
-                ref = scan_layers(
-                    model, params, ids, mask, plan=static, fault_key=keys[0], probe_key=keys[1]
-                )
-                for m in ref:
-                    np.testing.assert_allclose(scans[m], ref[m], rtol=1e-6, atol=1e-9)
+                for m in deadzone_at_3:
+                    np.testing.assert_allclose(scans[m], deadzone_at_3[m], rtol=1e-6, atol=1e-9)
     assert hits / len(rows) >= 0.9, rows
 
 
 @pytest.mark.slow
-def test_swept_deadzone_takes_the_granularity(calibrated):
+def test_swept_deadzone_takes_the_granularity(calibrated, deadzone_at_3):
     """bench/srdd_real.py --granularity token: the swept plan at one placement is the static
-    per-token deadzone exactly, and (negative control) not the tensor-wide one."""
+    per-token deadzone exactly, and (negative control) not the tensor-wide one. On the warm
+    start's first 4 layers, at half the compile: layer 3's input and metrics are the 8-layer
+    model's (no later layer reaches them), so its tensor-wide scan is `deadzone_at_3`."""
     model, params, ids, mask = calibrated
-    keys = (step_key(0, 0, "eval"), jax.random.key(1))
+    model = Qwen2ForCausalLM(dataclasses.replace(model.config, num_hidden_layers=4))
+    params = {k: v for k, v in params.items() if k not in {f"layers_{i}" for i in range(4, 8)}}
     scan = make_scan(
         model,
         swept_deadzone_plan("dz", granularity="token"),
         srdd.settings_from(diagnosis_config()),
     )
-    vec = np.zeros(8, np.float32)
+    vec = np.zeros(4, np.float32)
     vec[3] = 0.1 / 0.5
-    swept = {
-        m: np.asarray(v, np.float64) for m, v in scan(params, ids, mask, *keys, {"dz": vec}).items()
-    }
-
-    def static(granularity):
-        c = fault_config("deadzone", "3", 0.1)
-        c.faults.deadzone.granularity = granularity
-        return scan_layers(
-            model,
-            params,
-            ids,
-            mask,
-            plan=build_plan(c.faults, c.aqn, 8),
-            fault_key=keys[0],
-            probe_key=keys[1],
-        )
-
-    token, tensor = static("token"), static("tensor")
+    out = scan(params, ids, mask, KEYS["fault_key"], KEYS["probe_key"], {"dz": vec})
+    swept = {m: np.asarray(v, np.float64) for m, v in out.items()}
+    token = static_deadzone_scan(model, params, ids, mask, "token")
+    tensor = deadzone_at_3
     for m in token:
         np.testing.assert_allclose(swept[m], token[m], rtol=1e-6, atol=1e-9)
     assert abs(swept["dead"][3] - tensor["dead"][3]) > 0.05, (swept["dead"][3], tensor["dead"][3])
 
 
 @pytest.mark.slow
-def test_scan_of_a_remat_config(calibrated):
+def test_scan_of_a_remat_config(calibrated, deadzone_at_3):
     """A training config (remat=True, as configs/qwen2p5_coder_0p5b_gsm8k.py) is probed as the
     same model without remat: the probe's results used to leak out of the remat trace
     (UnexpectedTracerError); the metrics equal the remat=False scan's."""
     model, params, ids, mask = calibrated
     remat = Qwen2ForCausalLM(dataclasses.replace(model.config, remat=True))
-    c = fault_config("deadzone", "3", 0.1)
-    plan = build_plan(c.faults, c.aqn, 8)
-    keys = {"fault_key": step_key(0, 0, "eval"), "probe_key": jax.random.key(1)}
-    a = scan_layers(remat, params, ids, mask, plan=plan, **keys)
-    b = scan_layers(model, params, ids, mask, plan=plan, **keys)
+    a = static_deadzone_scan(remat, params, ids, mask)
+    b = deadzone_at_3  # the remat=False scan of the same plan and keys
     for m in b:  # remat changes the backward only: the same forward program, bit for bit
         np.testing.assert_array_equal(a[m], b[m])
     # The deadzone's layer holds elements exactly; a healthy layer only by rounding: its DC
@@ -353,35 +358,39 @@ def _diagnose_config(**faults):
 def test_diagnose_job_writes_report_and_fragment(tmp_path):
     from aqn_jax.launch import run
 
-    config = _diagnose_config(layers="2")
+    # The smoke runs' shallow model (conftest.SHALLOW): 3 layers, the deadzone at the middle
+    # one; the job's wiring is the same at any depth, its scan compiles for each layer.
+    config = _diagnose_config(layers=str(SHALLOW_FAULT))
+    config.model.num_layers = SHALLOW_LAYERS
     run(config, str(tmp_path))
     report = json.loads((tmp_path / "srdd.json").read_text())
-    assert report["verdict"]["layers"] == [2] and 0.99 < report["verdict"]["confidence"] <= 1
-    assert [row["layer"] for row in report["layers"]] == list(range(8))
+    assert report["verdict"]["layers"] == [1] and 0.99 < report["verdict"]["confidence"] <= 1
+    assert [row["layer"] for row in report["layers"]] == list(range(3))
     for row in report["layers"]:
         assert {"gain", "kurtosis", "instability", "dead", "z", "sigma"} <= set(row)
     assert (tmp_path / "srdd.png").stat().st_size > 10_000
 
     # The fragment is what config.aqn accepts: the guided arm from the file, the targeted arm.
-    cfg = fault_config("deadzone", "2")
+    n = SHALLOW_LAYERS
+    cfg = fault_config("deadzone", "1")
     cfg.aqn.enabled = True
     cfg.aqn.layers = "srdd"
     cfg.aqn.layer_sigmas = str(tmp_path / "srdd.json")
-    plan = build_plan(cfg.faults, cfg.aqn, 8)
+    plan = build_plan(cfg.faults, cfg.aqn, n)
     scales = plan.injections[1].transform.scale.layer_scales
     expected = {int(k): s / 0.05 for k, s in report["sigma_map"]["sigmas"].items()}
-    assert scales == expected and scales[2] == pytest.approx(1.5)
+    assert scales == expected and scales[1] == pytest.approx(1.5)
     cfg.aqn.layer_sigmas = report["aqn_fragment"]["srdd_guided"]["layer_sigmas"]
-    assert build_plan(cfg.faults, cfg.aqn, 8).injections[1].transform.scale.layer_scales == expected
+    assert build_plan(cfg.faults, cfg.aqn, n).injections[1].transform.scale.layer_scales == expected
     cfg.aqn.layer_sigmas = ""
     assert needs_srdd(cfg.aqn)
     cfg.aqn.layers = report["aqn_fragment"]["targeted"]["layers"]
-    assert build_plan(cfg.faults, cfg.aqn, 8).injections[1].sites.layers == (2,)
+    assert build_plan(cfg.faults, cfg.aqn, n).injections[1].sites.layers == (1,)
     cfg.aqn.layers = "located"
     assert needs_srdd(cfg.aqn)
-    assert build_plan(cfg.faults, cfg.aqn, 8, srdd_layers=[2]).injections[1].sites.layers == (2,)
+    assert build_plan(cfg.faults, cfg.aqn, n, srdd_layers=[1]).injections[1].sites.layers == (1,)
     with pytest.raises(ValueError, match="found no faulty layer"):
-        build_plan(cfg.faults, cfg.aqn, 8, srdd_layers=[])
+        build_plan(cfg.faults, cfg.aqn, n, srdd_layers=[])
 
 
 @pytest.mark.parametrize(

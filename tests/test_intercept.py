@@ -1,6 +1,7 @@
 """The interceptor on the tiny model: targeting, manifest, determinism, telemetry, no retrace."""
 
 import dataclasses
+import functools
 
 import chex
 import flax.linen as nn
@@ -29,6 +30,9 @@ from tolerance import bound, forward_path
 CONFIG = Qwen2Config.tiny(num_hidden_layers=4)
 MODEL = Qwen2ForCausalLM(CONFIG)
 PARAMS = random_params(CONFIG, seed=0)
+# MODEL's first 2 layers: half the draws to compile where 2 layers show what a test checks.
+MODEL2 = Qwen2ForCausalLM(dataclasses.replace(CONFIG, num_hidden_layers=2))
+PARAMS2 = {k: v for k, v in PARAMS.items() if k not in ("layers_2", "layers_3")}
 IDS = np.random.RandomState(0).randint(0, CONFIG.vocab_size, size=(2, 12))
 
 
@@ -41,9 +45,11 @@ def run(
     capture=False,
     model=MODEL,
     manifest=None,
+    lower_only=False,
 ):
     """Logits, fault stats and (optionally) every module's output, with the plan active; the
-    trace's hits go into `manifest[phase]` when a dict is given. The key and the values are
+    trace's hits go into `manifest[phase]` when a dict is given (`lower_only`: the program is
+    traced and lowered, not compiled or run; None returned). The key and the values are
     arguments of the program, not constants: runs that differ only in them share one compiled
     program (the session's persistent XLA cache), as the trainer's steps do."""
     key = step_key(0, 0, phase) if key is None else key
@@ -61,8 +67,18 @@ def run(
         return out
 
     values = {k: jnp.float32(v) for k, v in (values or {}).items()}
+    if lower_only:
+        jax.jit(forward).lower(params, key, values)
+        return None
     logits, state = jax.jit(forward)(params, key, values)
     return np.asarray(logits), state
+
+
+@functools.cache
+def clean_run(capture=False):
+    """`run` of the plain model (no injection), made once for the tests that compare with it
+    (read only)."""
+    return run(FaultPlan([]), capture=capture)
 
 
 def layer_out(state, i):
@@ -128,9 +144,10 @@ def test_manifest_lists_exactly_the_selected_paths(kinds, layers, point, expecte
     plan = FaultPlan([inj("n", kinds, Noise("absolute_gaussian", Scale(0.0)), layers, point)])
     hits = trace_manifest(plan, MODEL, PARAMS, "train")
     assert sorted(hits["n"]) == sorted(expected)
-    # Running it yields the same manifest.
+    # A run's jitted forward records the same manifest: the hits are recorded as it traces
+    # (compiling and executing it add none), so the run is lowered, not compiled.
     manifest = {}
-    run(plan, manifest=manifest)
+    run(plan, manifest=manifest, lower_only=True)
     assert sorted(manifest["train"]["n"]) == sorted(expected)
 
 
@@ -151,7 +168,7 @@ def test_injection_that_matches_nothing_raises_before_running():
 
 def test_phase_gating():
     plan = FaultPlan([inj("dz", ("layer",), Deadzone(0.5), layers=(1,), phases=("rollout",))])
-    clean, _ = run(FaultPlan([]))
+    clean, _ = clean_run()
     manifest = {}
     train, _ = run(plan, phase="train", manifest=manifest)
     rollout, _ = run(plan, phase="rollout", manifest=manifest)
@@ -163,20 +180,23 @@ def test_phase_gating():
 # --- transparency ---------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_zero_scales_give_the_plain_model_exactly():
+    # Every transform at every kind it takes in a decoder layer (its linears, its two norms), in
+    # one layer: each site is a draw of its own to compile, and the claim is per site.
     plan = FaultPlan(
         [
-            inj("rel", ("linear",), Noise("relative_gaussian", Scale(0.0))),
+            inj("rel", ("linear",), Noise("relative_gaussian", Scale(0.0)), (1,)),
             inj(
                 "abs",
                 ("rmsnorm",),
                 Noise("absolute_gaussian", Scale(1.0, value="sigma")),
+                (1,),
                 point="input",
             ),
-            inj("aqn", ("rmsnorm",), NormWeightNoise(Scale(1.0, value="sigma"))),
-            inj("op", ("down_proj",), NoisyLinear(Scale(0.0))),
+            inj("aqn", ("rmsnorm",), NormWeightNoise(Scale(1.0, value="sigma")), (1,)),
+            inj("op", ("down_proj",), NoisyLinear(Scale(0.0)), (1,)),
         ]
     )
-    clean, _ = run(FaultPlan([]))
+    clean, _ = clean_run()
     faulty, st = run(plan, values={"sigma": 0.0})
     # Every injected error is exactly zero ...
     stats = summarize_stats(st["fault_stats"])
@@ -194,15 +214,18 @@ def test_zero_scales_give_the_plain_model_exactly():
 
 @pytest.mark.slow
 def test_params_and_init_unchanged():
-    plan = FaultPlan([inj("aqn", ("rmsnorm",), NormWeightNoise(Scale(0.5)))])
+    # The norm-weight noise (an op-level transform reading the params) at one layer's norms.
+    plan = FaultPlan([inj("aqn", ("rmsnorm",), NormWeightNoise(Scale(0.5)), (0,))])
     before = jax.tree_util.tree_map(np.array, PARAMS)
     _, state = run(plan)
     assert set(state) == {"fault_stats"}  # no params returned as mutated
     chex.assert_trees_all_equal(PARAMS, before)
-    init_fn = jax.jit(lambda key: MODEL.init(key, IDS))  # traced inside / outside the plan
+    # Init of MODEL2 (its every initializer is a random draw to compile; the plan's sites are in
+    # its layer 0), traced inside / outside the plan.
+    init_fn = jax.jit(lambda key: MODEL2.init(key, IDS))
     with plan.apply("train", key=jax.random.key(0)):
         init = init_fn(jax.random.key(3))  # inactive during init
-    plain = jax.jit(lambda key: MODEL.init(key, IDS))(jax.random.key(3))
+    plain = jax.jit(lambda key: MODEL2.init(key, IDS))(jax.random.key(3))
     chex.assert_trees_all_equal(nn.unbox(init), nn.unbox(plain))
 
 
@@ -211,7 +234,7 @@ def test_params_and_init_unchanged():
 @pytest.mark.slow
 def test_deadzone_at_layer_k_leaves_earlier_layers_untouched(k):
     plan = FaultPlan([inj("dz", ("layer",), Deadzone(0.2), layers=(k,))])
-    _, clean = run(FaultPlan([]), capture=True)
+    _, clean = clean_run(capture=True)
     _, faulty = run(plan, capture=True)
     for i in range(k):
         np.testing.assert_array_equal(layer_out(faulty, i), layer_out(clean, i))
@@ -232,7 +255,7 @@ def test_deadzone_at_layer_k_leaves_earlier_layers_untouched(k):
 def test_quantile_deadzone_flushes_the_stated_fraction_through_the_interceptor(granularity):
     q = 0.6
     dz = Deadzone(q, severity="quantile", granularity=granularity)
-    _, clean = run(FaultPlan([]), capture=True)
+    _, clean = clean_run(capture=True)
     _, faulty = run(FaultPlan([inj("dz", ("layer",), dz, layers=(2,))]), capture=True)
     h = np.abs(layer_out(clean, 2))
     # By hand: the floor(q n) smallest |h| of the tensor, or of each token's D values.
@@ -252,7 +275,7 @@ def test_deadzone_noise_deadzone_composition_and_rescue_telemetry():
     noise = Noise("absolute_gaussian", Scale(1.0, value="sigma"))
     dz = Deadzone(0.3)
     key = step_key(0, 5, "rollout")
-    _, clean = run(FaultPlan([]), capture=True)
+    _, clean = clean_run(capture=True)
     s = layer_out(clean, 1)
     thr = 0.3 * np.abs(s).max()
 
@@ -311,7 +334,7 @@ def _site_noise(key, sigma=1.0):
     plan = FaultPlan(
         [inj("n", ("gate_proj", "up_proj"), Noise("absolute_gaussian", Scale(sigma)), (0,))]
     )
-    _, clean = run(FaultPlan([]), capture=True)
+    _, clean = clean_run(capture=True)
     _, noisy = run(plan, key=key, capture=True)
     get = lambda st, k: np.asarray(st["intermediates"]["layers_0"]["mlp"][k]["__call__"][0])  # noqa: E731
     return (
@@ -359,7 +382,7 @@ def test_new_sigma_does_not_retrace():
 def test_norm_weight_noise_is_one_vector_per_norm_redrawn_per_step():
     sigma = 0.05
     plan = FaultPlan([inj("aqn", ("input_layernorm",), NormWeightNoise(Scale(sigma)), (0,))])
-    _, clean = run(FaultPlan([]), capture=True)
+    _, clean = clean_run(capture=True)
     get = lambda st: np.asarray(st["intermediates"]["layers_0"]["input_layernorm"]["__call__"][0])  # noqa: E731
     w = PARAMS["layers_0"]["input_layernorm"]["weight"]
     draws = []
@@ -377,28 +400,32 @@ def test_norm_weight_noise_is_one_vector_per_norm_redrawn_per_step():
 # --- remat and op-level transforms ----------------------------------------------------------------
 @pytest.mark.slow
 def test_remat_model_gets_the_same_faults():
+    # MODEL2 (2 layers, both rematerialised), with value noise on one attention and one MLP
+    # linear of each, not all seven: each site is a draw compiled in the forward and again in
+    # the remat recompute. The deadzone in layer 0, the op-level fault in layer 1.
     plan = FaultPlan(
         [
-            inj("dz", ("layer",), Deadzone(0.1), (1,)),
-            inj("n", ("linear",), Noise("relative_gaussian", Scale(0.05))),
-            inj("op", ("down_proj",), NoisyLinear(Scale(0.05)), (2,)),
+            inj("dz", ("layer",), Deadzone(0.1), (0,)),
+            inj("n", ("q_proj", "down_proj"), Noise("relative_gaussian", Scale(0.05))),
+            inj("op", ("down_proj",), NoisyLinear(Scale(0.05)), (1,)),
         ]
     )
-    remat = Qwen2ForCausalLM(dataclasses.replace(CONFIG, remat=True))
+    remat = Qwen2ForCausalLM(dataclasses.replace(MODEL2.config, remat=True))
 
     def loss(params, model):
         with plan.apply("train", key=step_key(0, 0, "train")):
-            return jnp.mean(model.apply({"params": params}, IDS)[..., 0])
+            logits = model.apply({"params": params}, IDS)
+        return jnp.mean(logits[..., 0]), logits
 
-    a = jax.jit(jax.value_and_grad(lambda p: loss(p, MODEL)))(PARAMS)
-    b = jax.jit(jax.value_and_grad(lambda p: loss(p, remat)))(PARAMS)
+    a = jax.jit(jax.value_and_grad(lambda p: loss(p, MODEL2), has_aux=True))(PARAMS2)
+    b = jax.jit(jax.value_and_grad(lambda p: loss(p, remat), has_aux=True))(PARAMS2)
     # Two programs (remat recomputes the forward in the backward; the random faults draw the
     # same keys): the loss, a mean of logits, within the forward's f32 rounding at the logits'
     # scale; the gradients within twice that path plus a weight gradient's sum over the tokens,
     # at the largest gradient's scale (tests/tolerance.py).
-    n = forward_path(CONFIG, IDS.shape[1]) + IDS.size
-    logits = MODEL.apply({"params": PARAMS}, IDS)
-    np.testing.assert_allclose(a[0], b[0], rtol=0, atol=bound(n, np.abs(logits).max()))
+    n = forward_path(MODEL2.config, IDS.shape[1]) + IDS.size
+    (loss_a, logits), (loss_b, _) = a[0], b[0]
+    np.testing.assert_allclose(loss_a, loss_b, rtol=0, atol=bound(n, np.abs(logits).max()))
     scale = max(float(np.abs(g).max()) for g in jax.tree.leaves(a[1]))
     chex.assert_trees_all_close(a[1], b[1], rtol=0, atol=bound(2 * n, scale))
 
@@ -426,7 +453,7 @@ def test_mxfp4_on_all_linear_inputs_reports_error():
     plan = FaultPlan([inj("q", ("linear",), Quantize("mxfp4"), point="input")])
     logits, st = run(plan)
     stats = summarize_stats(st["fault_stats"])
-    clean = np.asarray(MODEL.apply({"params": PARAMS}, IDS))
+    clean, _ = clean_run()
     assert np.abs(logits - clean).max() > 1e-3
     assert 0.01 < stats["q.rel_err/mean"] < 0.5
     assert len([k for k in stats if k.startswith("q.rel_err/layers_")]) == 28
@@ -468,7 +495,7 @@ def test_a_new_transform_is_one_function_object():
     plan = FaultPlan(
         [inj("x3", ("layer",), _ScaleBy(3.0), (1,)), inj("z", ("o_proj",), _ZeroOp(), (2,))]
     )
-    _, clean = run(FaultPlan([]), capture=True)
+    _, clean = clean_run(capture=True)
     manifest = {}
     _, faulty = run(plan, capture=True, manifest=manifest)
     np.testing.assert_array_equal(layer_out(faulty, 0), layer_out(clean, 0))

@@ -85,22 +85,26 @@ def test_remat_gives_same_logits_and_grads():
     ids = np.random.RandomState(2).randint(0, CONFIG.vocab_size, size=(2, 10))
 
     def loss(params, config):
-        logits = Qwen2ForCausalLM(config).apply({"params": params}, ids)
-        return jnp.mean(jax.nn.log_softmax(logits)[..., 0])
+        logp = jax.nn.log_softmax(Qwen2ForCausalLM(config).apply({"params": params}, ids))
+        return jnp.mean(logp[..., 0]), logp
 
-    plain = jax.value_and_grad(loss)(params, CONFIG)
-    remat = jax.value_and_grad(loss)(params, dataclasses.replace(CONFIG, remat=True))
+    # Each a jitted program (eager, every op of the forward and backward compiled on its own).
+    grads = jax.jit(jax.value_and_grad(loss, has_aux=True), static_argnums=1)
+    (plain_loss, logp), plain_grads = grads(params, CONFIG)
+    (remat_loss, _), remat_grads = grads(params, dataclasses.replace(CONFIG, remat=True))
     # Two programs (the remat one recomputes the forward inside the backward and fuses it
     # apart): the loss within the forward's f32 rounding (tests/tolerance.py) at the scale of
     # the log-probs, the gradients within the forward and backward paths' (twice the forward's,
     # plus the sum of a weight gradient over the batch's tokens) at the largest gradient's scale.
     n = forward_path(CONFIG, ids.shape[1], log_softmax=True)
-    logp = jax.nn.log_softmax(Qwen2ForCausalLM(CONFIG).apply({"params": params}, ids))
-    np.testing.assert_allclose(plain[0], remat[0], rtol=0, atol=bound(n, np.abs(logp).max()))
-    scale = max(float(np.abs(g).max()) for g in jax.tree.leaves(plain[1]))
-    chex.assert_trees_all_close(plain[1], remat[1], rtol=0, atol=bound(2 * n + ids.size, scale))
+    tol = bound(n, np.abs(logp).max())
+    np.testing.assert_allclose(plain_loss, remat_loss, rtol=0, atol=tol)
+    scale = max(float(np.abs(g).max()) for g in jax.tree.leaves(plain_grads))
+    chex.assert_trees_all_close(
+        plain_grads, remat_grads, rtol=0, atol=bound(2 * n + ids.size, scale)
+    )
     # The remat program really differs: its jaxpr contains a checkpoint (remat) primitive.
-    jaxpr = jax.make_jaxpr(jax.grad(loss), static_argnums=1)(
+    jaxpr = jax.make_jaxpr(jax.grad(loss, has_aux=True), static_argnums=1)(
         params, dataclasses.replace(CONFIG, remat=True)
     )
     assert "checkpoint" in str(jaxpr) or "remat" in str(jaxpr)

@@ -14,6 +14,8 @@ negative control: a wrong token or temperature moves the value by more than the 
 
 from __future__ import annotations
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -101,8 +103,14 @@ _READOUT_CASES = [
 @pytest.mark.parametrize("dtype,tied,temperature", _READOUT_CASES)
 def test_readout_matches_the_full_logits(dtype, tied, temperature):
     head, params, x, tokens, w = _head_case(dtype, tied)
-    loss, logp, ent, g = _grads(head, params, x, tokens, w, temperature, fused=True)
-    loss0, logp0, ent0, g0 = _grads(head, params, x, tokens, w, temperature, fused=False)
+    # One jitted program per path, the tokens and the temperature its arguments (eagerly, every
+    # op of the chunked scan and its gradient compiled on its own).
+    jitted = jax.jit(functools.partial(_grads, head), static_argnames="fused")
+    grads = lambda tokens, temperature, fused: jitted(  # noqa: E731
+        params, x, tokens, w, jnp.float32(temperature), fused=fused
+    )
+    loss, logp, ent, g = grads(tokens, temperature, fused=True)
+    loss0, logp0, ent0, g0 = grads(tokens, temperature, fused=False)
     table = params["embed_tokens"]["embedding"] if tied else params["lm_head"]["kernel"].T
     x_max = float(jnp.max(jnp.linalg.norm(x.astype(jnp.float32), axis=-1)))
     w_max = float(jnp.max(jnp.linalg.norm(table.astype(jnp.float32), axis=-1)))
@@ -118,9 +126,9 @@ def test_readout_matches_the_full_logits(dtype, tied, temperature):
     np.testing.assert_allclose(g, g0, rtol=0, atol=g_tol)
     # Negative controls: the next token's log-prob, another temperature's entropy, the gradient
     # of the loss with one token changed: each differs by more than its bound.
-    _, wrong, _, g_wrong = _grads(head, params, x, (tokens + 1) % V, w, temperature, fused=True)
+    _, wrong, _, g_wrong = grads((tokens + 1) % V, temperature, fused=True)
     assert float(jnp.max(jnp.abs(wrong - logp0))) > 10 * tol
-    _, _, ent_hot, _ = _grads(head, params, x, tokens, w, 1.5 * temperature, fused=True)
+    _, _, ent_hot, _ = grads(tokens, 1.5 * temperature, fused=True)
     assert float(jnp.max(jnp.abs(ent_hot - ent0))) > 10 * tol
     assert float(jnp.max(jnp.abs(g_wrong - g0))) > 10 * g_tol
 
@@ -153,8 +161,10 @@ def test_forward_readout_and_its_gradient_match_the_unfused_path(tied):
             logp, ent = logprobs_from_logits(logits, toks, temperature)
         return jnp.sum((logp - 0.01 * ent) * rmask) / jnp.sum(rmask), (logp, ent)
 
+    jitted = jax.jit(jax.value_and_grad(run, has_aux=True), static_argnums=2)  # built once
+
     def both(toks, fused):
-        return jax.jit(jax.value_and_grad(run, has_aux=True), static_argnums=2)(params, toks, fused)
+        return jitted(params, toks, fused)
 
     (loss, (logp, ent)), g = both(tokens, True)
     (loss0, (logp0, ent0)), g0 = both(tokens, False)

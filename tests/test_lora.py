@@ -80,21 +80,34 @@ def test_fresh_adapter_is_bitwise_the_base(dtype):
 @pytest.mark.slow
 def test_faults_see_base_plus_adapter():
     """A noisy-linear fault redoes the product: at scale 0 it equals the model's own Linear
-    with the adapter (y, and dA, dB through its custom backward, against autodiff)."""
-    model, params, ids = causal_lm(CFG), random_params(CFG), _ids()
+    with the adapter (y, and dA, dB through its custom backward, against autodiff). One
+    layer holds every linear kind (each with its adapter)."""
+    cfg = dataclasses.replace(CFG, num_hidden_layers=1)
+    model, params, ids = causal_lm(cfg), random_params(cfg), _ids()
     spec = _spec()
     tr = _adapters(spec, params, 0.05)
-    zero = FaultPlan(
-        [Injection("nl", SiteSelector(("linear",), "all"), NoisyLinear(Scale(0.0)), ("train",))]
+    # The fault's scale is a traced value: scale 0 and scale 0.05 are one compiled program.
+    scaled = FaultPlan(
+        [
+            Injection(
+                "nl",
+                SiteSelector(("linear",), "all"),
+                NoisyLinear(Scale(1.0, value="scale")),
+                ("train",),
+            )
+        ]
     )
 
-    def loss(tr, plan):
+    def loss(tr, plan, scale=None):
         w = lora_lib.weights(spec, params, tr)
-        logits = forward(model, w, ids, plan=plan, phase="train", key=jax.random.key(0))
+        values = None if plan is None else {"scale": scale}
+        key = jax.random.key(0)
+        logits = forward(model, w, ids, plan=plan, phase="train", key=key, values=values)
         return jnp.mean(jax.nn.logsumexp(logits, -1)), logits
 
     (_, plain), g_plain = jax.jit(jax.value_and_grad(lambda t: loss(t, None), has_aux=True))(tr)
-    (_, noisy), g_noisy = jax.jit(jax.value_and_grad(lambda t: loss(t, zero), has_aux=True))(tr)
+    faulty = jax.jit(jax.value_and_grad(lambda t, s: loss(t, scaled, s), has_aux=True))
+    (_, noisy), g_noisy = faulty(tr, jnp.float32(0.0))
     # Two programs of the same f32 computation, fused differently (XLA may merge the x W and
     # x A products of the plain Linear, which the custom_vjp keeps apart): REFERENCE's f32
     # parity bound for logits of O(10), 1e-4; gradients to 1e-4 of their largest entry.
@@ -105,10 +118,7 @@ def test_faults_see_base_plus_adapter():
     # The adapter's gradient is live (B's gradient at a non-zero adapter is not zero).
     assert max(float(np.max(np.abs(x))) for x in jax.tree.leaves(g_plain)) > 1e-4
     # With error on, the output moves: the fault acts on base plus adapter.
-    five = FaultPlan(
-        [Injection("nl", SiteSelector(("linear",), "all"), NoisyLinear(Scale(0.05)), ("train",))]
-    )
-    noisy5 = jax.jit(lambda t: loss(t, five)[1])(tr)
+    (_, noisy5), _ = faulty(tr, jnp.float32(0.05))
     assert np.max(np.abs(np.asarray(noisy5) - np.asarray(plain))) > 1e-3
 
 

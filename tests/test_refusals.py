@@ -162,14 +162,18 @@ def test_a_refused_resume_writes_nothing(tmp_path, sft_cache):
     byte-identical (config.json and config_overrides.jsonl not rewritten, no checkpoint moved
     aside); the original command still resumes. The warm start is the session's (the shallow
     smokes' SFT cache key); the changed one (sft.steps=9) is refused before it trains: the SFT
-    cache gains no entry either."""
+    cache gains no entry either. The refusals read the configs and the checkpoint, not the
+    device: the arm's deadzone is off, so the run validates with one program (a clean device's
+    two validations are one), not a faulty one and a clean one."""
     from aqn_jax.launch import run
+
+    from conftest import shallow
 
     def qerl():  # the run's config on the shallow model, with `extra`'s fields
         config = load_config("qerl", "mxfp4_lora,smoke")
         config.sft.cache_dir = sft_cache
-        small = {"trainer.total_steps": 1, "model.num_layers": 3, "faults.deadzone.layers": "1"}
-        return _set(config, **small, **extra)
+        small = {"trainer.total_steps": 1, "faults.deadzone.enabled": False}
+        return shallow(config, **small, **extra)
 
     work = tmp_path / "run"
     extra = {}

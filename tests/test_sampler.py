@@ -53,8 +53,12 @@ def test_greedy_equals_stepwise_argmax_of_uncached_forward():
     ids, mask = prompts()
     out = sampler(eos_id=-1)(WEIGHTS, ids, mask, jax.random.key(0))
     seq, seq_mask = out.prompt_ids, out.prompt_mask
+    L = seq.shape[1]
     for t in range(NEW):
-        logits = full_logits(seq, seq_mask)[:, -1, :VOCAB]
+        # The prefix right-padded to the final length (masked slots after it: the causal
+        # forward's logits at its last token do not read them), so one program serves every step.
+        pad = ((0, 0), (0, NEW - t))
+        logits = full_logits(np.pad(seq, pad), np.pad(seq_mask, pad))[:, L + t - 1, :VOCAB]
         np.testing.assert_array_equal(out.tokens[:, t], logits.argmax(-1))
         seq = np.concatenate([seq, out.tokens[:, t : t + 1]], axis=1)
         seq_mask = np.concatenate([seq_mask, np.ones((len(seq), 1), np.int32)], axis=1)
