@@ -180,8 +180,9 @@ def test_phase_gating():
 # --- transparency ---------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_zero_scales_give_the_plain_model_exactly():
-    # Every transform at every kind it takes in a decoder layer (its linears, its two norms), in
-    # one layer: each site is a draw of its own to compile, and the claim is per site.
+    # Every transform at every kind it takes: the linears in one layer (each site is a draw of
+    # its own to compile, and the claim is per site), the norms in every layer and the model's
+    # final norm (a site outside the layers, which only "all" selects).
     plan = FaultPlan(
         [
             inj("rel", ("linear",), Noise("relative_gaussian", Scale(0.0)), (1,)),
@@ -189,10 +190,9 @@ def test_zero_scales_give_the_plain_model_exactly():
                 "abs",
                 ("rmsnorm",),
                 Noise("absolute_gaussian", Scale(1.0, value="sigma")),
-                (1,),
                 point="input",
             ),
-            inj("aqn", ("rmsnorm",), NormWeightNoise(Scale(1.0, value="sigma")), (1,)),
+            inj("aqn", ("rmsnorm",), NormWeightNoise(Scale(1.0, value="sigma"))),
             inj("op", ("down_proj",), NoisyLinear(Scale(0.0)), (1,)),
         ]
     )
