@@ -127,7 +127,8 @@ def condition_plan(hw: FaultPlan, fault: bool, kind: str) -> FaultPlan:
     Kind 'none' (noise level 0) has no perturbation: it runs the device's own program, the one
     the trainer's validation runs. The noise program at a traced level of 0 gives the same
     greedy tokens, with log-probs within float32 rounding (it fuses differently;
-    tests/test_evaluate.py), but it draws a Gaussian at every linear of every decode step, and
+    tests/test_evaluate.py checks it on one layer's linears: a level scales each site's draw),
+    but it draws a Gaussian at every linear of every decode step, and
     XLA:CPU takes ~22 s to compile that sampler for the tiny model against ~1.5 s for the plain
     one."""
     base = [i for i in hw.injections if "eval" in i.phases] if fault else []
