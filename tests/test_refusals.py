@@ -5,7 +5,7 @@ checks (a negative control)."""
 
 import pytest
 
-from conftest import launch_cli, load_config, tree_state
+from conftest import launch_cli, load_config, shallow, tree_state
 from conftest import set_fields as _set
 
 
@@ -166,8 +166,6 @@ def test_a_refused_resume_writes_nothing(tmp_path, sft_cache):
     device: the arm's deadzone is off, so the run validates with one program (a clean device's
     two validations are one), not a faulty one and a clean one."""
     from aqn_jax.launch import run
-
-    from conftest import shallow
 
     def qerl():  # the run's config on the shallow model, with `extra`'s fields
         config = load_config("qerl", "mxfp4_lora,smoke")
