@@ -20,6 +20,7 @@ import math
 import os
 import re
 import shutil
+import sys
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -57,8 +58,7 @@ class MetricsWriter:
             self._open_tensorboard(os.path.join(workdir, TENSORBOARD_DIR), replay)
 
     def _open_tensorboard(self, tb_dir: str, replay) -> None:
-        from tensorboardX import SummaryWriter
-
+        SummaryWriter = _summary_writer_class()
         if replay is not None:
             # Events are rebuilt from the rows: the old ones are set aside first, removed
             # once the rows are flushed (a kill in between is repaired by the next start).
@@ -149,6 +149,24 @@ def _move_aside(workdir: str, log) -> None:
         f"no checkpoint to resume from in {workdir}: the outputs of an earlier start"
         f" ({', '.join(found)}) were moved to {aside}; starting afresh at step 0"
     )
+
+
+def _summary_writer_class():
+    """tensorboardX's SummaryWriter, imported without torch. tensorboardX's writer imports
+    torch when it is installed (the test and bench extras bring it) only to name torch.Tensor in
+    type hints; that import is ~2 CPU-s of every run that opens TensorBoard, twice the rest of
+    tensorboardX. We write Python floats only (`_add_scalars`), which never reach torch. A torch
+    already imported is left as it is."""
+    if "torch" in sys.modules or "tensorboardX" in sys.modules:
+        from tensorboardX import SummaryWriter
+
+        return SummaryWriter
+    sys.modules["torch"] = None  # `import torch` raises ImportError, which tensorboardX catches
+    try:
+        from tensorboardX import SummaryWriter
+    finally:
+        del sys.modules["torch"]
+    return SummaryWriter
 
 
 def _add_scalars(tb, row: Mapping[str, Any]) -> None:

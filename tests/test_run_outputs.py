@@ -176,3 +176,27 @@ def test_rollback_rewinds_to_one_row_a_step(tmp_path):
     assert [r["critic/score/mean"] for r in rows] == pytest.approx([0.0, 0.1, 3.0, 4.0])
     assert sorted(_tensorboard_steps(tmp_path)) == [0, 1, 2, 3]
     open_run(str(tmp_path), 3)[0].close()  # resumable: exactly one row for each step 0..3
+
+
+def test_a_run_writes_tensorboard_events_without_importing_torch(tmp_path):
+    """A run's TensorBoard writer does not import torch (tensorboardX imports it, when it is
+    installed, only for type hints: ~2 CPU-s of every run). In a fresh interpreter, since this
+    one may hold torch already; the negative control: importing tensorboardX plainly does."""
+    import importlib.util
+    import subprocess
+    import sys
+
+    assert importlib.util.find_spec("torch") is not None  # the test extras install torch
+    ours = (
+        "import sys; from aqn_jax.metrics import open_run;"
+        f"w, _ = open_run({str(tmp_path)!r}, None, log=lambda m: None);"
+        "w.write(0, {'critic/score/mean': 0.5}); w.close();"
+        "print('torch' in sys.modules)"
+    )
+    plain = "import sys, tensorboardX; print('torch' in sys.modules)"
+    seen = [
+        subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+        for code in (ours, plain)
+    ]
+    assert [s.stdout.split()[-1] for s in seen] == ["False", "True"]
+    assert _tensorboard_steps(tmp_path) == [0]  # the events were written
