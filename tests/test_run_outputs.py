@@ -180,7 +180,7 @@ def test_rollback_rewinds_to_one_row_a_step(tmp_path):
 
 def test_a_run_writes_tensorboard_events_without_importing_torch(tmp_path):
     """A run's TensorBoard writer does not import torch (tensorboardX imports it, when it is
-    installed, only for type hints: ~2 CPU-s of every run). In a fresh interpreter, since this
+    installed, only for type hints: ~1.5 CPU-s of every run). In a fresh interpreter, since this
     one may hold torch already. The negative control, in the same interpreter afterwards:
     tensorboardX imported again plainly does import it."""
     import importlib.util
