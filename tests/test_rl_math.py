@@ -195,3 +195,32 @@ def test_entropy_from_logits():
     logp, ent = logprobs_from_logits(jnp.log(jnp.asarray(p))[None], jnp.asarray([1]), 1.0)
     assert float(ent[0]) == pytest.approx(-(p * np.log(p)).sum(), rel=1e-6)
     assert float(logp[0]) == pytest.approx(np.log(0.25), rel=1e-6)
+
+
+_SILENT_VALUES = (0.0, 1.0, 0.3)  # all wrong, all right, a fractional reward
+
+
+def _silent_cases():
+    """(n, groups) for every group size 2-16 at 1-128 rows."""
+    for n in range(2, 17):
+        for groups in (1, 128 // n):
+            yield n, groups
+
+
+def test_silent_groups_get_exactly_zero_advantage_under_jit():
+    # All-equal groups (0, 1, fractional) beside one live group: every silent row is exactly
+    # 0 for GRPO and Dr.GRPO under jit (without the exact-zero rule, n = 5 gave -0.0149).
+    for norm in (True, False):
+        f = jax.jit(A.grpo_outcome_advantage, static_argnums=2, static_argnames="norm_by_std")
+        for n, groups in _silent_cases():
+            for v in _SILENT_VALUES:
+                scores = np.full((groups, n), v, np.float32)
+                scores[0, 0] = 1.0 - v if groups > 1 else v  # a live group, when there are two
+                adv = np.asarray(
+                    f(jnp.asarray(scores.ravel()), jnp.ones((groups * n, 2)), n, norm_by_std=norm)
+                ).reshape(groups, n, 2)
+                silent = np.asarray(A.silent_groups(scores.ravel(), n))
+                assert silent.tolist() == [groups == 1] + [True] * (groups - 1), (n, groups)
+                assert np.all(adv[silent] == 0.0), (n, groups, v, norm)
+                if groups > 1:  # negative control: the changed group has its signal
+                    assert np.all(adv[0, :, 0] != 0.0), (n, groups, v, norm)

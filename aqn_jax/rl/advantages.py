@@ -24,7 +24,11 @@ def grpo_outcome_advantage(
 ) -> jax.Array:
     """GRPO: per group, (score - mean) / (std + eps) with the unbiased std (ddof 1); a group of
     one has mean 0 and std 1 (verl). `norm_by_std=False` is Dr.GRPO (mean-centred only).
-    Returns the advantage broadcast over each response's tokens, [N, T] (0 off the mask)."""
+    Returns the advantage broadcast over each response's tokens, [N, T] (0 off the mask).
+
+    A silent group (all n scores equal, `silent_groups`) gets exactly 0: the mean of equal
+    values need not round to them (under jit a division by 5 becomes a product by 0.2), and
+    divided by a std of the same order the residue would become a push of about 0.015."""
     scores = scores_N.astype(jnp.float32).reshape(-1, n)
     if n == 1:
         mean, std = jnp.zeros_like(scores), jnp.ones_like(scores)
@@ -34,7 +38,19 @@ def grpo_outcome_advantage(
     adv = scores - mean
     if norm_by_std:
         adv = adv / (std + eps)
+    if n > 1:
+        adv = jnp.where(silent_groups(scores_N, n)[:, None], 0.0, adv)
     return adv.reshape(-1, 1) * response_mask_NT.astype(jnp.float32)
+
+
+def silent_groups(scores_N: jax.Array, n: int) -> jax.Array:
+    """[N // n] bool: the groups whose n scores are all equal (exact comparisons, no
+    arithmetic): no advantage, no gradient. A group of one is never silent (verl gives it its
+    score as the advantage)."""
+    scores = jnp.asarray(scores_N, jnp.float32).reshape(-1, n)
+    if n == 1:
+        return jnp.zeros(scores.shape[0], bool)
+    return jnp.all(scores == scores[:, :1], axis=1)
 
 
 def token_level_rewards(
