@@ -92,6 +92,7 @@ class EvalSpec:
     max_prompt_len: int
     seed: int
     reward_method: str
+    share_prompt: bool = True  # config.rollout.share_prompt (mean@n: one prefill per prompt)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,6 +182,7 @@ def robustness(
         temperature=0.0 if samples == 1 else spec.temperature,
         n=samples,
         vocab_size=tokenizer.vocab_size,
+        share_prompt=spec.share_prompt,
     )
     buckets, bs = spec.buckets, spec.batch_size
     fault_key = step_key(spec.seed, 0, "eval")

@@ -101,6 +101,9 @@ def base_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # less than 96 would (every RL row is bucket + max_new_tokens; WORKSPACE.md, issue 8).
     config.rollout.max_prompt_len = 72  # tokens; longer train prompts are dropped
     config.rollout.prompt_buckets = (72,)  # padded prompt widths, tokens (one program each)
+    # Each distinct prompt prefilled once for its n samples (off where a fault's values would
+    # differ: `FaultPlan.split_refusals`).
+    config.rollout.share_prompt = True
 
     config.algo = ml_collections.ConfigDict()  # the RL objective (verl algorithm / actor)
     config.algo.estimator = "grpo"  # grpo | drgrpo | gae (PPO with a critic)
@@ -134,6 +137,12 @@ def base_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # own log-probs, detached (TRL's and verl's shortcut: ratio 1 exactly), with no separate
     # forward pass; 'always': a separate pass before the update, as with several mini-batches.
     config.actor.old_logp_pass = "auto"
+    # The passes over rollout rows compute a group's prompt once (`forward.SharedPrompt`), and
+    # the update does not run micro-batches of rows without an advantage (exact with no
+    # entropy bonus, KL loss or critic); each is off, with the reason logged, where it would
+    # change the result.
+    config.actor.share_prompt = True
+    config.actor.skip_zero_advantage = True
 
     config.critic = ml_collections.ConfigDict()  # used by estimator='gae'
     config.critic.lr = 1e-4  # AdamW learning rate

@@ -26,6 +26,7 @@ function, so it must be called inside the jitted program (DESIGN.md, decision 2)
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -36,9 +37,10 @@ import jax.numpy as jnp
 
 from aqn_jax import quant_base
 from aqn_jax.faults.intercept import FaultPlan, fault_part
+from aqn_jax.faults.transforms import STATE_COLLECTION as STATE
 from aqn_jax.faults.transforms import STATS_COLLECTION as STATS
 from aqn_jax.logprobs import check_head_faults, chunked_logprobs
-from aqn_jax.models.registry import lm_head
+from aqn_jax.models.registry import init_cache, lm_head
 
 LORA_COLLECTION = "lora"
 _NO_FAULTS = FaultPlan()
@@ -121,6 +123,30 @@ class Readout:
         return cls(ids_BT[:, 1:], 0, 1.0)
 
 
+@dataclasses.dataclass(frozen=True)
+class SharedPrompt:
+    """Rows whose first `T - resp_len` tokens (the left-padded prompt) are the same in each
+    block of `group` consecutive rows: `forward` runs each block's prompt once, as `[B / group,
+    P]`, keeping every layer's K/V in a KV cache, then the responses as `[B, resp_len]`
+    attending to their block's prompt K/V (repeated per row) and causally to their own, at
+    positions that continue from the prompt's real tokens. The outputs are those at positions
+    P - 1 .. T - 2 (the ones that predict the response tokens), `[B, resp_len, ...]`; the
+    gradient through the repeat sums over the block (Prefix Grouper, arXiv 2506.05433).
+
+    The prompt and the responses are two model calls: a random fault on the prompt's
+    positions is drawn once per block (under its own `fault_part`), and a statistic over a
+    call would see one or the other (`FaultPlan.split_refusals` says which faults differ)."""
+
+    group: int
+    resp_len: int
+
+
+_PROMPT_PART, _RESPONSE_PART = (
+    1 << 30,
+    (1 << 30) + 1,
+)  # the two calls' `fault_part`s (chunks: 0, 1, ..)
+
+
 def forward(
     model: nn.Module,
     params,
@@ -136,6 +162,7 @@ def forward(
     interceptors: Sequence[Callable] = (),
     weight_transform: Callable | None = None,
     readout: Readout | None = None,
+    share: SharedPrompt | None = None,
     **kwargs,
 ):
     """`model.apply` of `params` on `ids` (attention `mask`) on the device of `plan` in `phase`.
@@ -146,6 +173,8 @@ def forward(
     interceptors: entered outside the fault plan's (SRDD's probes: the layer calls they make
       go through the plan). kwargs: the model's own (cache, last_only, positions).
     readout: `(logp, entropy)` of its tokens in place of the logits (`Readout`).
+    share: the prompt once per block of rows (`SharedPrompt`); the outputs (or the readout's
+      positions, which must start at the prompt's last position) are the response's.
     """
     plan = plan or _NO_FAULTS
     if readout is not None:
@@ -161,6 +190,8 @@ def forward(
         for icpt in interceptors:
             stack.enter_context(nn.intercept_methods(icpt))
         stack.enter_context(plan.apply(phase, key=key, values=values or {}))
+        if share is not None:
+            return _shared(model, vs, ids, mask, share, readout, mutable)
         if readout is not None:
             return _read(model, vs, ids, mask, readout, mutable, **kwargs)
         if mutable:
@@ -182,6 +213,12 @@ def _read(model: nn.Module, vs, ids, mask, readout: Readout, mutable: Sequence[s
     hidden_BTD, got = out if mutable else (out, {})
     R = readout.tokens.shape[1]
     x_BRD = hidden_BTD[:, readout.start : readout.start + R]
+    return _read_head(model, vs, x_BRD, got, readout, mutable)
+
+
+def _read_head(model: nn.Module, vs, x_BRD, got, readout: Readout, mutable: Sequence[str]):
+    """The readout's head over the final hidden states `x_BRD` of its positions, a chunk at a
+    time (each a `fault_part`); its telemetry joins `got`'s."""
     head = lm_head(model.config)
     sow = [STATS] if STATS in mutable else False
 
@@ -199,6 +236,52 @@ def _read(model: nn.Module, vs, ids, mask, readout: Readout, mutable: Sequence[s
     if stats.get(STATS):
         got = {**got, STATS: {**got.get(STATS, {}), **stats[STATS]}}
     return (logp, ent), got
+
+
+def _shared(model: nn.Module, vs, ids, mask, share: SharedPrompt, readout, mutable):
+    """`forward`'s shared prompt (`SharedPrompt`), inside its contexts."""
+    g, R = share.group, share.resp_len
+    B, T = ids.shape
+    P = T - R
+    if B % g or not 0 < R < T:
+        raise ValueError(f"SharedPrompt(group={g}, resp_len={R}) for rows [B, T] = [{B}, {T}]")
+    if readout is not None and (readout.start != P - 1 or readout.tokens.shape[1] != R):
+        raise ValueError(
+            f"a shared prompt reads the response: Readout(start={readout.start}, tokens"
+            f" {readout.tokens.shape[1]}) must be (start={P - 1}, {R} tokens)"
+        )
+    kw = dict(hidden=readout is not None, mutable=list(dict.fromkeys([*mutable, STATE])))
+    with fault_part(_PROMPT_PART):
+        (out_p, cache), got_p = model.apply(
+            vs,
+            ids[::g, :P],
+            attention_mask=mask[::g, :P],
+            cache=init_cache(model.config, B // g, T),
+            **kw,
+        )
+
+    def rep(x):
+        return jnp.repeat(x, g, axis=0)
+
+    cache = jax.tree_util.tree_map(lambda x: rep(x) if x.ndim else x, cache)
+    state = got_p.pop(STATE, None)
+    vs_r = {**vs, STATE: jax.tree_util.tree_map(rep, state)} if state else vs
+    with fault_part(_RESPONSE_PART):
+        (out_r, _), got_r = model.apply(
+            vs_r, ids[:, P:], attention_mask=mask[:, P:], cache=cache, **kw
+        )
+    got_r.pop(STATE, None)
+    out = jnp.concatenate([rep(out_p[:, -1:]), out_r[:, :-1]], axis=1)  # positions P-1 .. T-2
+    # Telemetry: each stat the mean over both calls' tokens (a fraction of the whole pass).
+    w = (B // g) * P / ((B // g) * P + B * R)
+    got = {k: v for k, v in got_r.items() if k != STATS}
+    if STATS in got_r:
+        got[STATS] = jax.tree_util.tree_map(
+            lambda a, b: w * a + (1 - w) * b, got_p[STATS], got_r[STATS]
+        )
+    if readout is not None:
+        return _read_head(model, vs, out, got, readout, mutable)
+    return (out, got) if mutable else out
 
 
 def _with_weight_faults(weight_transform, faults, key, values, flips: list):

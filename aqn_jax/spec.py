@@ -217,7 +217,19 @@ def hyper_from(config: Any) -> Hyper:
         critic_warmup=int(config.critic.warmup_steps),
         correction=correction_from(algo, config.rollout),
         old_logp_pass=old_pass,
+        micro_rows=int(actor.micro_batch_rows),
+        share_prompt=flag(actor, "config.actor", "share_prompt"),
+        skip_zero_advantage=flag(actor, "config.actor", "skip_zero_advantage"),
     )
+
+
+def flag(section: Any, path: str, name: str, default: bool = True) -> bool:
+    """A boolean field of a config section (`path` its name), refused in one line when it is
+    not a bool."""
+    v = section.get(name, default)
+    if not isinstance(v, bool):
+        raise ValueError(f"{path}.{name}={v!r}; allowed: True, False")
+    return v
 
 
 def step_spec(
@@ -251,6 +263,7 @@ def loop_spec(config: Any) -> LoopSpec:
         temperature=float(ro.temperature),
         top_k=int(ro.top_k),
         top_p=float(ro.top_p),
+        share_prompt=flag(ro, "config.rollout", "share_prompt"),
         reward_method=str(config.data.reward_method),
         aqn=AqnSchedule.of(config.aqn),
     )
@@ -359,6 +372,7 @@ def eval_spec(config: Any) -> EvalSpec:
         loss_faults=faults if ev.loss else (),
         max_new_tokens=int(config.rollout.max_new_tokens),
         temperature=float(config.rollout.temperature),
+        share_prompt=flag(config.rollout, "config.rollout", "share_prompt"),
         buckets=tuple(int(b) for b in config.rollout.prompt_buckets),
         max_prompt_len=int(config.rollout.max_prompt_len),
         seed=int(config.seed),

@@ -101,6 +101,15 @@ class _Run:
         return v
 
 
+def _levers_off(static, plan, rollout_share: bool) -> list[str]:
+    """The step-cost levers asked for and off, one line each with the reason."""
+    lines = list(static.levers_off)
+    if rollout_share and static.h.n > 1:
+        why = plan.split_refusals("rollout", split=False)
+        lines += [f"config.rollout.share_prompt off: {w}" for w in why]
+    return lines
+
+
 def _set_up(config, workdir: str) -> tuple[_Run, rl_step.RLState]:
     """Check the config (every field, no compile), warm start (then the config is recorded: a
     refused resume writes nothing), diagnose, the fault plan, the step programs; (the run, the
@@ -182,6 +191,8 @@ def _programs(r: _Run, train_examples, params) -> rl_step.RLState:
     batcher = prompt_batcher(spec.loop, train_examples, spec.tokenizer)
     r.total = spec.trainer.steps(batcher.batches_per_epoch)
     static = rl_step.static_from(spec.step, spec.model, r.plan, spec.device, r.total)
+    for line in _levers_off(static, r.plan, spec.loop.share_prompt):
+        print(line)
     sh = rl_step.shardings(static, mesh)
     lora_key = jax.random.fold_in(jax.random.key(spec.seed), 0x10AA)
     state, ref_params = rl_step.init_state(static, params, sh, lora_key)

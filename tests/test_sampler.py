@@ -12,7 +12,7 @@ from aqn_jax.models.qwen2 import Qwen2Config, Qwen2ForCausalLM
 from aqn_jax.rl.sampler import Sampler, SamplingParams
 
 from conftest import left_padded_batch, random_params
-from tolerance import bound, forward_path
+from tolerance import bound, forward_path, logit_bound
 
 CONFIG = Qwen2Config.tiny(num_hidden_layers=3)
 MODEL = Qwen2ForCausalLM(CONFIG)
@@ -163,6 +163,50 @@ def test_deadzone_plan_acts_during_rollout():
     )
     same = sampler(plan=train_only)(WEIGHTS, ids, mask, jax.random.key(0))
     np.testing.assert_array_equal(same.tokens, clean.tokens)
+
+
+def test_shared_prompt_prefill_equals_one_prefill_per_row():
+    # One prefill per distinct prompt, broadcast to its n rows, against a prefill of every row:
+    # the same greedy tokens and log-probs under a deterministic fault whose call-wide amax
+    # (scope 'call') sees the duplicated rows or not.
+    dz = Deadzone(0.3, scope="call")
+    plan = FaultPlan([Injection("dz", SiteSelector(("layer",), (1,)), dz, phases=("rollout",))])
+    ids, mask = prompts()
+    shared = sampler(n=3, plan=plan)
+    assert shared._spec.share and not shared.unshared
+    rowwise = sampler(n=3, plan=plan, share_prompt=False)
+    assert not rowwise._spec.share
+    a = shared(WEIGHTS, ids, mask, jax.random.key(0))
+    b = rowwise(WEIGHTS, ids, mask, jax.random.key(0))
+    np.testing.assert_array_equal(a.tokens, b.tokens)
+    np.testing.assert_array_equal(a.prompt_ids, b.prompt_ids)
+    # The same cached decode over [B*n] rows; only the prefill's batch differs (its products
+    # may be blocked differently): f32 rounding along the path at the logits' scale.
+    tol = bound(
+        forward_path(CONFIG, BUCKETS[0] + NEW, log_softmax=True), logit_bound(CONFIG, WEIGHTS)
+    )
+    np.testing.assert_allclose(a.logprobs, b.logprobs, atol=tol, rtol=0)
+    np.testing.assert_allclose(
+        a.fault_stats["layers_1"]["dz.flushed"][0],
+        b.fault_stats["layers_1"]["dz.flushed"][0],
+        atol=1.0 / (len(LENGTHS) * BUCKETS[0] * CONFIG.hidden_size),
+    )
+    # Negative control: one prompt token changed, and that group's samples differ.
+    ids2 = ids.copy()
+    ids2[0, -1] = (ids2[0, -1] + 1) % VOCAB
+    c = shared(WEIGHTS, ids2, mask, jax.random.key(0))
+    assert np.abs(c.logprobs[:3] - a.logprobs[:3]).max() > tol
+    np.testing.assert_array_equal(c.tokens[3:], a.tokens[3:])
+
+
+def test_call_wide_quantile_keeps_one_prefill_per_row():
+    # A quantile over the call's values counts each duplicated row: sharing would change it.
+    dz = Deadzone(0.3, severity="quantile", scope="call")
+    plan = FaultPlan([Injection("dz", SiteSelector(("layer",), (1,)), dz, phases=("rollout",))])
+    s = sampler(n=2, plan=plan)
+    assert not s._spec.share and s.unshared == [
+        "dz: a statistic over the whole call (quantile, scope='call')"
+    ]
 
 
 def test_bad_sampling_params():

@@ -182,6 +182,26 @@ class FaultPlan:
             if inj.transform.level == "tree" and inj.transform.target == target
         ]
 
+    def split_refusals(self, phase: str, split: bool) -> list[str]:
+        """Why a shared prompt would change what `phase`'s device computes, one line per
+        injection (empty: it may share). Prefilling a group's prompt once (`split=False`)
+        changes only a call-wide quantile (a maximum over duplicated rows is the maximum);
+        running the prompt and the responses as two calls (`split=True`, the update) also
+        changes a call-wide maximum, a draw made once per call (AQN's norm weights, a noisy
+        linear's dW) and a fault on the weights as read. A bit fault is counted per call:
+        never shared."""
+        out = []
+        for _, inj in self.active(phase):
+            t = inj.transform
+            stat = t.call_statistic
+            if stat == "quantile" or (split and stat is not None):
+                out.append(f"{inj.name}: a statistic over the whole call ({stat}, scope='call')")
+            elif t.counts_flips or t.counts_detections:
+                out.append(f"{inj.name}: SDC telemetry counts per call ({t.describe()})")
+            elif split and (t.per_call_draw or t.level == "tree"):
+                out.append(f"{inj.name}: {t.describe()} draws once per call")
+        return out
+
     def describe(self) -> str:
         if not self.injections:
             return "fault plan: empty (clean model)"

@@ -136,6 +136,16 @@ class TransformBase:
     counts_flips: ClassVar[bool] = False
     counts_detections: ClassVar[bool] = False
     value_bits: ClassVar[bool] = True
+    # A shared prompt (rl/sampler.py, rl/step.py) computes a group's prompt once: see
+    # `call_statistic` and `per_call_draw`, read by `FaultPlan.split_refusals`.
+    per_call_draw: ClassVar[bool] = False  # one draw per call that the whole pass should share
+
+    @property
+    def call_statistic(self) -> str | None:
+        """'amax' or 'quantile' when a value at a token depends on the other tokens of the
+        call (a tensor-wide statistic with scope 'call'); None when it is per token, per
+        block or causal."""
+        return None
 
     def value_names(self) -> frozenset[str]:
         return frozenset()
@@ -280,6 +290,10 @@ class Deadzone(TransformBase):
         ctx.chain["threshold"] = thr
         return ops.deadzone_apply(x, flushed, grad=self.grad)
 
+    @property
+    def call_statistic(self) -> str | None:
+        return self.severity if self.scope == "call" and self.granularity == "tensor" else None
+
     def threshold_at(self, x, ctx: Ctx) -> jax.Array:
         """The absolute threshold at this call, broadcastable to x, for the scope."""
         frac = self.threshold
@@ -374,6 +388,10 @@ class Quantize(TransformBase):
         ctx.sow("flushed", jnp.mean((q == 0) & (x != 0), dtype=jnp.float32))
         return q
 
+    @property
+    def call_statistic(self) -> str | None:
+        return "amax" if self.format == "nvfp4" and self.scope == "call" else None
+
     def quantize(self, x):
         """The fake-quantised x (no telemetry)."""
         if self.format == "nvfp4":
@@ -408,6 +426,7 @@ class NoisyLinear(_Scaled):
     backward: bool = True
     level = "op"
     allowed_kinds = LINEAR_KINDS
+    per_call_draw = True  # dW's error is one product's: two calls would be two products
 
     def __call__(self, module, args, ctx: Ctx):
         params = nn.unbox(module.variables["params"])
@@ -440,6 +459,7 @@ class NormWeightNoise(_Scaled):
     scale: Scale
     level = "op"
     allowed_kinds = GROUPS["rmsnorm"]
+    per_call_draw = True  # the weight vector is drawn per call
 
     def __call__(self, module, args, ctx: Ctx):
         weight = nn.unbox(module.variables["params"])["weight"]

@@ -592,9 +592,9 @@ class Qwen2ForCausalLM(nn.Module):
           `[cache.end, cache.end + T)` and the updated cache is returned.
         last_only: logits of the last position only (`[B, 1, V]`): a prefill needs nothing
           else, and the lm_head over every prompt position is the largest matmul of a prefill.
-        hidden: the final norm's output `[B, T, D]` (compute dtype) instead of the logits (no
-          cache): the log-prob readout applies the head itself, a chunk of positions at a time
-          (`Qwen2Head`, `aqn_jax/logprobs.py`).
+        hidden: the final norm's output `[B, T, D]` (compute dtype) instead of the logits (with
+          the cache when one is given): the log-prob readout applies the head itself, a chunk
+          of positions at a time (`Qwen2Head`, `aqn_jax/logprobs.py`).
         """
         cfg = self.config
         dt, pdt = _dtype(cfg.dtype), _dtype(cfg.param_dtype)
@@ -655,7 +655,9 @@ class Qwen2ForCausalLM(nn.Module):
         if self.head != "lm":
             raise ValueError(f"head={self.head!r}; allowed: 'lm', 'value'")
         if hidden:
-            return x_BTD
+            if cache is None:
+                return x_BTD
+            return x_BTD, KVCache(k=tuple(new_k), v=tuple(new_v), mask=key_mask_BS, end=start + T)
         logits_BTV = _head(cfg, x_BTD, embed)
         if cache is None:
             return logits_BTV

@@ -59,6 +59,10 @@ class SamplingParams:
     top_p: float = 1.0
     n: int = 1
     vocab_size: int | None = None
+    # Prefill each distinct prompt once and broadcast its KV cache, last logits and fault state
+    # to its n rows (config.rollout.share_prompt); off where the fault plan says the values
+    # would differ (`FaultPlan.split_refusals`).
+    share_prompt: bool = True
 
     def __post_init__(self):
         _check_sampling(self, "")
@@ -158,7 +162,12 @@ class Sampler:
         self.mesh = mesh
         self.traces = 0  # how often the program was traced (tests assert no retrace)
         self._caches: dict[tuple[int, int], Any] = {}
-        self._spec = _Program(model, sampling, self.plan, phase, mesh, on_trace=self._traced)
+        # Why the prompt is prefilled per row, not per group ([] when it is shared, or n = 1).
+        self.unshared = self.plan.split_refusals(phase, split=False) if sampling.n > 1 else []
+        if not sampling.share_prompt:
+            self.unshared = ["config.rollout.share_prompt=False"]
+        share = sampling.n > 1 and not self.unshared
+        self._spec = _Program(model, sampling, self.plan, phase, mesh, share, on_trace=self._traced)
         self._program = jax.jit(functools.partial(generate, self._spec), donate_argnums=(4,))
 
     def _traced(self) -> None:
@@ -195,11 +204,11 @@ class Sampler:
         pad = bucket - L
         input_ids = np.pad(input_ids, ((0, 0), (pad, 0)), constant_values=self.sampling.pad_id)
         attention_mask = np.pad(attention_mask, ((0, 0), (pad, 0)))
+        dev_ids, dev_mask = self._place(input_ids, attention_mask, B)
         input_ids = np.repeat(input_ids, self.sampling.n, axis=0)
         attention_mask = np.repeat(attention_mask, self.sampling.n, axis=0)
         rows = B * self.sampling.n
         cache = self._take_cache(rows, bucket)
-        dev_ids, dev_mask = self._place(input_ids, attention_mask)
         fault_key = key if fault_key is None else fault_key
         tokens, logprobs, mask, stats, cache = self._program(
             weights, dev_ids, dev_mask, (key, fault_key), cache, dict(values or {})
@@ -219,10 +228,12 @@ class Sampler:
         """Lower and compile the program for `rows` rows of prompts `bucket` wide, as a call
         with them runs it (`keys`: the (sampling, fault) keys; only their types matter), and
         leave the KV cache it made in the pool for that call."""
-        ids = np.zeros((rows, bucket), np.int32)
+        prompts = rows // self.sampling.n
+        ids = np.zeros((prompts, bucket), np.int32)
         cache = self._take_cache(rows, bucket)
         self._caches[(rows, bucket)] = cache
-        self._program.lower(weights, *self._place(ids, ids), keys, cache, dict(values)).compile()
+        placed = self._place(ids, ids, prompts)
+        self._program.lower(weights, *placed, keys, cache, dict(values)).compile()
 
     def _take_cache(self, rows: int, bucket: int):
         """The pool's KV cache for (rows, bucket), taken out of it, or a new one."""
@@ -237,9 +248,18 @@ class Sampler:
                 cache = jax.jit(make, out_shardings=shardings)()
         return cache
 
-    def _place(self, ids, mask):
-        """Prompts and their mask with the rows split over the mesh (as they are without one)."""
-        return (ids, mask) if self.mesh is None else parallel.put_batch((ids, mask), self.mesh)
+    def _place(self, ids, mask, prompts: int):
+        """The program's prompt rows: each distinct prompt once when it is shared, else each
+        repeated n times; split over the mesh (a group's rows may sit on several devices: the
+        prompts are replicated when they do not split evenly)."""
+        if not self._spec.share:
+            ids, mask = (np.repeat(a, self.sampling.n, axis=0) for a in (ids, mask))
+        if self.mesh is None:
+            return ids, mask
+        if self._spec.share and prompts % parallel.batch_divisor(self.mesh):
+            rep = parallel.replicated(self.mesh)
+            return parallel.put_global((ids, mask), (rep, rep))
+        return parallel.put_batch((ids, mask), self.mesh)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -252,6 +272,7 @@ class _Program:
     plan: FaultPlan
     phase: str
     mesh: jax.sharding.Mesh | None
+    share: bool  # one prefill per distinct prompt, broadcast to its n rows
     on_trace: Callable[[], None]
 
 
@@ -292,15 +313,32 @@ def generate(p: _Program, weights, input_ids, attention_mask, keys, cache, value
     p.on_trace()
     sp = p.sampling
     key, fault_key = keys
-    rows = input_ids.shape[0]
-    # Reuse the donated buffers, zeroed: a padding query has no valid key, and its softmax
-    # over all-masked slots would average whatever an earlier call left there. Its output
-    # never reaches a real token, but it enters tensor-wide statistics (a deadzone's amax,
-    # the telemetry), so a run must not depend on what the cache held before.
-    cache = jax.tree_util.tree_map(jnp.zeros_like, cache)
-    logits, cache, stats, fault_state = _forward(
-        p, weights, input_ids, attention_mask, cache, {}, jax.random.fold_in(fault_key, 0), values
-    )
+    rows = cache.mask.shape[0]
+    prefill_key = jax.random.fold_in(fault_key, 0)
+    if p.share:
+        # One prefill per distinct prompt ([B, L], a fresh cache of B rows), then its KV
+        # cache, last logits and fault state repeated to the group's n rows. A random fault
+        # on the prompt's positions is drawn once per group, as on hardware that serves the
+        # prompt once.
+        fresh = init_cache(p.model.config, input_ids.shape[0], cache.max_len)
+        logits, fresh, stats, fault_state = _forward(
+            p, weights, input_ids, attention_mask, fresh, {}, prefill_key, values
+        )
+        logits, fresh, fault_state = jax.tree_util.tree_map(
+            lambda x: jnp.repeat(x, sp.n, axis=0) if x.ndim else x, (logits, fresh, fault_state)
+        )
+        cache = fresh
+        if p.mesh is not None:  # the group's rows split over the mesh as the others are
+            cache = jax.lax.with_sharding_constraint(cache, _cache_sharding(p.mesh, cache))
+    else:
+        # Reuse the donated buffers, zeroed: a padding query has no valid key, and its softmax
+        # over all-masked slots would average whatever an earlier call left there. Its output
+        # never reaches a real token, but it enters tensor-wide statistics (a deadzone's amax,
+        # the telemetry), so a run must not depend on what the cache held before.
+        cache = jax.tree_util.tree_map(jnp.zeros_like, cache)
+        logits, cache, stats, fault_state = _forward(
+            p, weights, input_ids, attention_mask, cache, {}, prefill_key, values
+        )
     T = sp.max_new_tokens
     state = dict(
         t=jnp.zeros((), jnp.int32),

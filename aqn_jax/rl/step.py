@@ -30,6 +30,7 @@ error), keyed by the step's 'train' key folded with the pass index; the determin
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, NamedTuple
 
 import flax
@@ -43,7 +44,7 @@ from jax.sharding import Mesh, NamedSharding
 from aqn_jax import lora as lora_lib
 from aqn_jax import parallel, quant_base
 from aqn_jax.faults.intercept import FaultPlan
-from aqn_jax.forward import Readout, Weights, forward
+from aqn_jax.forward import Readout, SharedPrompt, Weights, forward
 from aqn_jax.logprobs import check_head_faults
 from aqn_jax.lora import LoraSpec
 from aqn_jax.models.factory import logical_axes
@@ -118,6 +119,21 @@ class Hyper:
     critic_warmup: int
     correction: RolloutCorrection = RolloutCorrection()  # config.algo.rollout_* / bypass_mode
     old_logp_pass: str = "auto"  # config.actor.old_logp_pass (OLD_LOGP_PASS)
+    micro_rows: int = 1  # config.actor.micro_batch_rows
+    share_prompt: bool = False  # config.actor.share_prompt: a group's prompt computed once
+    skip_zero_advantage: bool = False  # config.actor.skip_zero_advantage: silent rows not run
+
+    def skip_refusals(self, critic: bool) -> list[str]:
+        """Why a row without an advantage would still add to the loss (empty: the skip is
+        exact): an entropy bonus, a KL loss or a critic give such a row a term of its own."""
+        out = []
+        if self.entropy_coeff:
+            out.append(f"config.algo.entropy_coeff={self.entropy_coeff}")
+        if self.use_kl_loss:
+            out.append("config.algo.use_kl_loss=True")
+        if critic:
+            out.append(f"config.algo.estimator={self.estimator!r} trains a critic")
+        return out
 
     @property
     def use_ref(self) -> bool:
@@ -159,6 +175,10 @@ class Static:
     sdc: SdcSpec | None = None  # bit faults on trees, the guard's metrics (None: neither)
     lora: LoraSpec = lora_lib.OFF  # config.lora (rank 0: off)
     weight_format: str = "none"  # config.model.weight_format: the frozen base's storage
+    share_group: int = 1  # rows per prompt computed once in the passes over rollout rows
+    skip: bool = False  # micro-batches of rows without an advantage are not run
+    # Why a lever asked for is off, one line each (logged by the train job).
+    levers_off: tuple[str, ...] = ()
 
     @property
     def use_critic(self) -> bool:
@@ -208,6 +228,7 @@ def static_from(
     sdc = telemetry.sdc_spec(spec.guard, spec.actor.grad_clip, plan, total_steps * updates)
     if sdc is not None:  # bit faults on the gradients / AdamW moments: around the optimizer
         actor_opt = trees.with_tree_faults(actor_opt, sdc.gradient, sdc.moments, spec.seed)
+    share_group, skip, off = _levers(h, plan, hardware_plan if spec.critic_faults else None, sdc)
     return Static(
         h=h,
         model_cfg=model_cfg,
@@ -224,7 +245,41 @@ def static_from(
         sdc=sdc,
         lora=spec.lora,
         weight_format=spec.weight_format,
+        share_group=share_group,
+        skip=skip,
+        levers_off=tuple(off),
     )
+
+
+def _levers(h: Hyper, plan: FaultPlan, critic_plan: FaultPlan | None, sdc) -> tuple:
+    """(rows per shared prompt, the skip on, why a lever asked for is off). A micro-batch of m
+    rows holds whole blocks of gcd(m, n) rows of one group: each block's prompt runs once."""
+    off = []
+    group = 1
+    if h.share_prompt:
+        why = plan.split_refusals("train", split=True)
+        if critic_plan is not None:
+            why += critic_plan.split_refusals("train", split=True)
+        if sdc is not None:
+            why.append("config.sdc counts the faults of each pass's calls")
+        rows = h.micro_rows
+        group = math.gcd(rows, h.n) if not why else 1
+        if why:
+            off += [f"config.actor.share_prompt off: {w}" for w in why]
+        elif group == 1:
+            off.append(
+                f"config.actor.share_prompt off: a micro-batch of {rows} rows holds no two rows"
+                f" of one group of n={h.n}"
+            )
+    skip = False
+    if h.skip_zero_advantage:
+        critic = adv_lib.ESTIMATORS[h.estimator].critic
+        why = h.skip_refusals(critic)
+        if sdc is not None:
+            why.append("config.sdc counts every micro-batch's faults")
+        off += [f"config.actor.skip_zero_advantage off: {w}" for w in why]
+        skip = not why
+    return group, skip, off
 
 
 # -- shardings and the initial state ---------------------------------------------------------------
@@ -377,11 +432,20 @@ def policy_logprobs(static: Static, params, batch, key, values):
         values=values,
         mutable=["fault_stats"],
         readout=Readout(batch["tokens"], plen - 1, static.h.temperature),
+        share=_share(static),
     )
+
+
+def _share(static: Static) -> SharedPrompt | None:
+    """The passes' shared prompt (config.actor.share_prompt), None when it is off."""
+    if static.share_group == 1:
+        return None
+    return SharedPrompt(static.share_group, static.max_new)
 
 
 def _values(static: Static, critic_params, batch, key, values):
     plen = batch["ids"].shape[1] - static.max_new
+    share = _share(static)
     v = forward(
         static.critic,
         critic_params,
@@ -391,7 +455,10 @@ def _values(static: Static, critic_params, batch, key, values):
         phase="train",
         key=key,
         values=values,
+        share=share,
     )
+    if share is not None:  # already the response's positions
+        return v
     return response_logits(v[..., None], plen, static.max_new)[..., 0]
 
 
@@ -455,7 +522,18 @@ def prepare_step(static: Static, state: RLState, ref_params, batch, scores, key,
     out["advantages"], returns = estimate(rewards, out.get("values"), mask, h)
     if returns is not None:
         out["returns"] = returns
+    out["live"] = live_rows(h, rewards)
     return out, stats
+
+
+def live_rows(h: Hyper, rewards_NT) -> jax.Array:
+    """[rows, 1] 1.0 where a row's group has a signal: for a grouped estimator, not all of its
+    rewards (the outcome estimator's input) are equal (`advantages.silent_groups`); else 1."""
+    rows = rewards_NT.shape[0]
+    if not adv_lib.ESTIMATORS[h.estimator].grouped:
+        return jnp.ones((rows, 1), jnp.float32)
+    silent = adv_lib.silent_groups(jnp.sum(rewards_NT, axis=1), h.n)
+    return jnp.repeat(~silent, h.n).astype(jnp.float32)[:, None]
 
 
 # -- update: PPO epochs over mini-batches, accumulation over micro-batches -------------------------
@@ -514,18 +592,42 @@ ROWS = "_rows"  # a loss's per-row outputs (kept per micro-batch, not averaged)
 FAULT_STATS = "_fault_stats"  # the fused pass's fault statistics (averaged as prepare's are)
 
 
-def accumulate(loss_fn, params, mb, denom, base):
+def accumulate(loss_fn, params, mb, denom, base, live_micros=None):
     """(summed gradient, mean metrics) of `loss_fn(params, micro-batch, denom, key)` over the
     micro-batches of `mb` (leading axis), the j-th keyed by fold_in(base, j). A metric under
-    `ROWS` is per row: it comes back stacked, [micro-batches, rows, ...]."""
+    `ROWS` is per row: it comes back stacked, [micro-batches, rows, ...].
+
+    `live_micros` (traced): only the first that many micro-batches run (`lax.cond`); the others
+    hold rows without an advantage (`_live_first`), whose gradient and loss are exactly 0: they
+    add 0 to the sums, NaN rows under `ROWS`, and `FAULT_STATS` averages the ones that ran."""
     G = jax.tree_util.tree_leaves(mb)[0].shape[0]
+
+    def run(j, mic):
+        (_, m), g = jax.value_and_grad(loss_fn, has_aux=True)(
+            params, mic, denom, jax.random.fold_in(base, j)
+        )
+        return g, m
 
     def micro(carry, xs):
         grads, mets = carry
         j, mic = xs
-        (_, m), g = jax.value_and_grad(loss_fn, has_aux=True)(
-            params, mic, denom, jax.random.fold_in(base, j)
-        )
+        if live_micros is None:
+            g, m = run(j, mic)
+        else:
+            shapes = jax.eval_shape(run, j, mic)
+            fill = {ROWS: jnp.nan}
+
+            def skipped():
+                zeros = jax.tree_util.tree_map(lambda x: jnp.zeros(x.shape, x.dtype), shapes[0])
+                m = {
+                    k: jax.tree_util.tree_map(
+                        lambda x, k=k: jnp.full(x.shape, fill.get(k, 0), x.dtype), v
+                    )
+                    for k, v in shapes[1].items()
+                }
+                return zeros, m
+
+            g, m = jax.lax.cond(j < live_micros, lambda: run(j, mic), skipped)
         rows = m.pop(ROWS, {})
         grads = jax.tree_util.tree_map(jnp.add, grads, g)
         mets = jax.tree_util.tree_map(lambda a, b: a + b / G, mets, m)
@@ -539,6 +641,9 @@ def accumulate(loss_fn, params, mb, denom, base):
     (grads, mets), rows = jax.lax.scan(micro, (zeros, mets0), (jnp.arange(G), mb))
     if rows:
         mets[ROWS] = rows
+    if live_micros is not None and FAULT_STATS in mets:
+        ran = jnp.maximum(live_micros, 1).astype(jnp.float32)
+        mets[FAULT_STATS] = jax.tree_util.tree_map(lambda v: v * G / ran, mets[FAULT_STATS])
     return grads, mets
 
 
@@ -548,7 +653,7 @@ def mini_batches(static: Static, batch):
     return {k: v.reshape(M, G, v.shape[0] // (M * G), *v.shape[1:]) for k, v in batch.items()}
 
 
-def minibatch_grads(static: Static, params, mb, key, idx, values, frozen=None):
+def minibatch_grads(static: Static, params, mb, key, idx, values, frozen=None, live_micros=None):
     """(actor gradient, its metrics, the loss denominator) of mini-batch `mb`, the `idx`-th
     update of the step: what `update_step` feeds the actor's optimizer. `params` are the
     trained ones; in QeRL mode the adapters over the `frozen` base (no gradient reaches it)."""
@@ -564,13 +669,31 @@ def minibatch_grads(static: Static, params, mb, key, idx, values, frozen=None):
         layers = static.model_cfg.num_hidden_layers
         grads, mets = telemetry.abft_accumulate(accumulate, layers, loss, params, mb, denom, base)
     else:
-        grads, mets = accumulate(loss, params, mb, denom, base)
+        grads, mets = accumulate(loss, params, mb, denom, base, live_micros)
     return grads, mets, denom
 
 
-def _minibatch_update(static: Static, key, values, mbatch, st: RLState, idx):
+def _live_first(static: Static, batch):
+    """(the batch with each mini-batch's rows that have a signal (`batch['live']`) first, the
+    order taken from the batch's rows, the micro-batches per mini-batch that hold any of them).
+    A stable sort by a key constant over each group keeps a group's rows together, in order
+    and on their block boundaries (the shared prompt's blocks)."""
+    h = static.h
+    M = h.mini_batches
+    rows = batch["ids"].shape[0]
+    r = rows // M
+    live = batch["live"][:, 0].reshape(M, r)
+    perm = jnp.argsort(1.0 - live, axis=1, stable=True)
+    order = (perm + (jnp.arange(M) * r)[:, None]).reshape(-1)
+    m = r // h.micro_batches
+    micros = (jnp.sum(live, axis=1).astype(jnp.int32) + m - 1) // m
+    return {k: v[order] for k, v in batch.items()}, order, micros
+
+
+def _minibatch_update(static: Static, key, values, mbatch, st: RLState, idx, live_micros=None):
     h = static.h
     mb = jax.tree_util.tree_map(lambda x: x[idx % h.mini_batches], mbatch)
+    n_live = None if live_micros is None else live_micros[idx % h.mini_batches]
     mets = {}
     cparams, copt = st.critic_params, st.critic_opt_state
     if static.use_critic:
@@ -585,10 +708,12 @@ def _minibatch_update(static: Static, key, values, mbatch, st: RLState, idx):
         cparams = optax.apply_updates(cparams, cu)
         mets.update({f"critic/{k}": v for k, v in cm.items()})
         mets["critic/grad_norm"] = optax.tree.norm(cg)
-    g, am, _ = minibatch_grads(static, st.params, mb, key, idx, values, st.base)
+    g, am, _ = minibatch_grads(static, st.params, mb, key, idx, values, st.base, n_live)
     grad_norm = optax.tree.norm(g)
     # No actor update during the critic warm-up (verl critic_warmup).
     live = st.step >= h.critic_warmup if static.use_critic else jnp.bool_(True)
+    if n_live is not None:  # no row with a signal: no optimizer step (AdamW would still move)
+        live = live & (n_live > 0)
     trees_on = static.sdc is not None and static.sdc.trees
     extra = {"values": values} if trees_on else {}  # the RL step and attempt key the faults
     u, opt = static.actor_opt.update(g, st.opt_state, st.params, **extra)
@@ -616,18 +741,30 @@ def update_step(static: Static, state: RLState, batch, key, values) -> tuple[RLS
     `static.fused_old_logp` the metrics also hold what prepare left out: the old log-probs
     under `OLD_LOGP` ([rows, T]) and the train pass's fault statistics under `FAULT_STATS`."""
     h = static.h
+    rows = batch["ids"].shape[0]
+    order = live_micros = None
+    if static.skip:  # rows without an advantage last; their micro-batches are not run
+        batch, order, live_micros = _live_first(static, batch)
+    elif "live" in batch:
+        batch = {k: v for k, v in batch.items() if k != "live"}
     mbatch = mini_batches(static, batch)
     before = state
     state, mets = jax.lax.scan(
-        lambda st, idx: _minibatch_update(static, key, values, mbatch, st, idx),
+        lambda st, idx: _minibatch_update(static, key, values, mbatch, st, idx, live_micros),
         state,
         jnp.arange(h.ppo_epochs * h.mini_batches),
     )
     fused = {k: mets.pop(k) for k in (ROWS, FAULT_STATS) if k in mets}
     mets = jax.tree_util.tree_map(jnp.mean, mets)
+    if static.skip:
+        live = batch["live"]
+        mets["actor/rows_updated"] = jnp.sum(live)
+        mets["actor/update_skipped"] = (jnp.sum(live) == 0).astype(jnp.float32)
     if fused:  # one update (Hyper.on_policy): its rows in batch order, its stats as prepare's
-        rows = batch["ids"].shape[0]
-        mets[OLD_LOGP] = fused[ROWS]["old_logp"].reshape(rows, -1)
+        old = fused[ROWS]["old_logp"].reshape(rows, -1)
+        if order is not None:  # back to the batch's order; NaN on the rows not run
+            old = jnp.zeros_like(old).at[order].set(old)
+        mets[OLD_LOGP] = old
         mets[FAULT_STATS] = jax.tree_util.tree_map(lambda v: v[0], fused[FAULT_STATS])
     if static.sdc is not None:
         sdc = telemetry.update_metrics(

@@ -39,6 +39,7 @@ from aqn_jax.sdc.guard import GuardSpec
 from aqn_jax.sdc.recovery import Recovery
 from aqn_jax.sdc.telemetry import guard_hint
 
+from .advantages import ESTIMATORS
 from .rollout_correction import correct
 from .sampler import SampleOutput, Sampler, SamplingParams
 from .step import FAULT_STATS, OLD_LOGP, RLState, Shardings, Static, policy_weights
@@ -71,6 +72,7 @@ class LoopSpec:
     top_p: float
     reward_method: str
     aqn: AqnSchedule
+    share_prompt: bool = True  # config.rollout.share_prompt: one prefill per distinct prompt
 
 
 def prompt_batcher(spec: LoopSpec, train_examples: Sequence[Example], tokenizer: Tokenizer):
@@ -122,6 +124,7 @@ class Trainer:
             top_p=spec.top_p,
             n=static.h.n,
             vocab_size=tokenizer.vocab_size,
+            share_prompt=spec.share_prompt,
         )
         greedy = dataclasses.replace(sampling, temperature=0.0, top_k=0, top_p=1.0, n=1)
         # Generation has no backward pass: the samplers' model does not remat.
@@ -213,6 +216,9 @@ class Trainer:
         rmask = tb["rmask"]
         lengths = rmask.sum(1)
         drift = np.abs(old_logp - tb["sampler_logp"])[rmask > 0]
+        drift = drift[~np.isnan(drift)]  # the rows the skip did not run have no log-probs
+        if not drift.size:  # a step without a signal ran no pass
+            drift = np.zeros(1)
         adv = parallel.to_host(prep["advantages"])
         rewards = parallel.to_host(prep["token_rewards"]).sum(1)
         eos = (tb["tokens"] == self.tokenizer.eos_id).any(1)
@@ -222,10 +228,9 @@ class Trainer:
             "critic/score/max": float(scores.max()),
             "critic/score/min": float(scores.min()),
             # GRPO's signal: the share of prompts whose n samples did not all score the same
-            # (a group of equal scores has zero advantage and no gradient).
-            "critic/groups_with_advantage": float(
-                np.mean(np.ptp(np.reshape(scores, (-1, self.static.h.n)), axis=1) > 0)
-            ),
+            # (a group of equal rewards has zero advantage and no gradient; `step.live_rows`:
+            # the groups the update sees).
+            "critic/groups_with_advantage": self._signal(scores, prep),
             "critic/rewards/mean": float(rewards.mean()),
             "critic/advantages/mean": float(adv[rmask > 0].mean()),
             "critic/advantages/max": float(adv[rmask > 0].max()),
@@ -277,6 +282,14 @@ class Trainer:
         )
         return state, m
 
+    def _signal(self, scores, prep) -> float:
+        """The share of groups with an advantage: of a grouped estimator, the groups whose
+        rewards differ (`step.live_rows`); else the groups whose scores differ."""
+        n = self.static.h.n
+        if ESTIMATORS[self.static.h.estimator].grouped:
+            return float(np.mean(parallel.to_host(prep["live"])))
+        return float(np.mean(np.ptp(np.reshape(scores, (-1, n)), axis=1) > 0))
+
     def _train(self, state: RLState, step: int, tb, attempt: int) -> _Train:
         """Prepare, rollout correction and update of one attempt at a step (the rollout `tb` is
         the step's, whatever the attempt; a recomputed one draws its faults anew)."""
@@ -303,7 +316,10 @@ class Trainer:
             old_logp = parallel.to_host(mets.pop(OLD_LOGP))
             train_stats = mets.pop(FAULT_STATS)
             t1 = time.perf_counter()
-            corr = correct(old_logp, tb["sampler_logp"], tb["rmask"], self.static.h.correction)
+            # Rows that the skip did not run have no log-probs (NaN): the mismatch metrics are
+            # the updated rows' (the skipped ones count as no mismatch).
+            ran = np.where(np.isnan(old_logp), tb["sampler_logp"], old_logp)
+            corr = correct(ran, tb["sampler_logp"], tb["rmask"], self.static.h.correction)
             t_corr += time.perf_counter() - t1
         mets = {k: float(parallel.to_host(v)) for k, v in mets.items()}
         t_upd = time.perf_counter() - t0
@@ -322,6 +338,8 @@ class Trainer:
         weights, its loss mask and bypass's old policy, where they act."""
         upd = {k: dev[k] for k in ("ids", "mask", "tokens", "rmask")}
         upd.update({k: prep[k] for k in ("old_logp", "advantages", "ref_logp") if k in prep})
+        if self.static.skip:
+            upd["live"] = prep["live"]
         if self.static.use_critic:
             upd.update(values=prep["values"], returns=prep["returns"])
         if corr is not None:
