@@ -313,14 +313,15 @@ def generate(p: _Program, weights, input_ids, attention_mask, keys, cache, value
     p.on_trace()
     sp = p.sampling
     key, fault_key = keys
-    rows = cache.mask.shape[0]
+    rows = input_ids.shape[0] * (sp.n if p.share else 1)
     prefill_key = jax.random.fold_in(fault_key, 0)
     if p.share:
         # One prefill per distinct prompt ([B, L], a fresh cache of B rows), then its KV
         # cache, last logits and fault state repeated to the group's n rows. A random fault
         # on the prompt's positions is drawn once per group, as on hardware that serves the
         # prompt once.
-        fresh = init_cache(p.model.config, input_ids.shape[0], cache.max_len)
+        length = input_ids.shape[1] + sp.max_new_tokens  # the pool's cache's slots
+        fresh = init_cache(p.model.config, input_ids.shape[0], length)
         logits, fresh, stats, fault_state = _forward(
             p, weights, input_ids, attention_mask, fresh, {}, prefill_key, values
         )
