@@ -57,6 +57,58 @@ CASES = [
         {"model.param_dtype": "bfloat16", "model.dtype": "bfloat16"},
     ),
     (
+        "clip_ratio_low_negative",
+        ("base", "smoke"),
+        {"algo.clip_ratio_low": -0.5},
+        "config.algo.clip_ratio_low=-0.5; must be in [0, 1)",
+        {"algo.clip_ratio_low": 0.0},
+    ),
+    (
+        "clip_ratio_high_negative",
+        ("base", "smoke"),
+        {"algo.clip_ratio_high": -1.0},
+        "config.algo.clip_ratio_high=-1.0; must be >= 0 and finite",
+        {"algo.clip_ratio_high": 0.28},
+    ),
+    (
+        "clip_ratio_low_nan",
+        ("base", "smoke"),
+        {"algo.clip_ratio_low": float("nan")},
+        "config.algo.clip_ratio_low=nan; must be in [0, 1)",
+        {"algo.clip_ratio_low": 0.1},
+    ),
+    (
+        "clip_ratio_c_nan",
+        ("base", "smoke"),
+        {"algo.clip_ratio_c": float("nan")},
+        "config.algo.clip_ratio_c=nan; must be > 1 and finite (dual-clip)",
+        {"algo.clip_ratio_c": 10.0},
+    ),
+    (
+        "gspo_clip_with_ppo",
+        ("base", "smoke"),
+        {"algo.gspo.clip_ratio_low": 5.0},
+        "config.algo.gspo.clip_ratio_low=5.0: GSPO's sequence-ratio clip below 1, which"
+        " config.algo.policy_loss='ppo' does not use; allowed: 0.0003 (the default)",
+        {"algo.gspo.clip_ratio_low": 5e-4, "algo.policy_loss": "gspo"},
+    ),
+    (
+        "dual_clip_with_gspo",
+        ("base", "smoke"),
+        {"algo.policy_loss": "gspo", "algo.clip_ratio_c": 0.5},
+        "config.algo.clip_ratio_c=0.5: PPO's dual clip (GSPO has none), which"
+        " config.algo.policy_loss='gspo' does not use; allowed: 3.0 (the default)",
+        {"algo.policy_loss": "gspo"},
+    ),
+    (
+        "ppo_clip_with_gspo",
+        ("base", "smoke"),
+        {"algo.policy_loss": "gspo", "algo.clip_ratio_low": -3.0},
+        "config.algo.clip_ratio_low=-3.0: PPO's ratio clip below 1, which"
+        " config.algo.policy_loss='gspo' does not use; allowed: 0.2 (the default)",
+        {"algo.policy_loss": "ppo", "algo.clip_ratio_low": 0.1},
+    ),
+    (
         "vulnerability_no_bits",
         ("vulnerability", "smoke"),
         {"vulnerability.bits": ()},
