@@ -7,9 +7,9 @@ tokenizer's files), for transformers, vLLM or `configs/evaluate.py --config.mode
 start, config.lora and the base's weight_format (the command's other sections are not read).
 The latest checkpoint (or `export.step`) is exported: full fine-tuning as it is, a LoRA run's
 adapters merged into its dequantised base (W + alpha/rank A B). Output: `export.out`, or
-`<run>/export`; an existing `export.out` is replaced only when it is an earlier export (nothing
-else is ever deleted: `aqn_jax.export.check_target`). A train run with
-`--config.checkpoint.export=hf` writes the same at its end.
+`<run>/export`; an existing `export.out` is replaced only when it is an earlier export holding
+nothing but its own files (nothing else is ever deleted: `aqn_jax.export.check_target`). A
+train run with `--config.checkpoint.export=hf` writes the same at its end.
 """
 
 from __future__ import annotations
