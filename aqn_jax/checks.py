@@ -88,6 +88,18 @@ def prompt_lengths(
     return lengths
 
 
+def check_instruction(data, tokenizer) -> None:
+    """config.data.instruction in characters `tokenizer` encodes (the embedded one knows
+    printable ASCII only: anything else would be an unknown token in every prompt)."""
+    unknown = tokenizer.unknown_chars(str(data.get("instruction", "")))
+    if unknown:
+        raise ValueError(
+            f"config.data.instruction={data.instruction!r}: the tokenizer cannot encode"
+            f" {''.join(unknown)!r} (each would be an unknown token); allowed: the characters it"
+            " encodes (the embedded tokenizer: printable ASCII)"
+        )
+
+
 def check_train_prompts(lengths, rollout, data, prompts: int) -> int:
     """The train prompts the batcher drops (longer than config.rollout.max_prompt_len), counted
     and printed; refused when config.data.drop_long_prompts is False, when too few are left for
@@ -110,6 +122,13 @@ def check_train_prompts(lengths, rollout, data, prompts: int) -> int:
             f" and {buckets}, or set config.data.drop_long_prompts=True to train without them"
         )
     kept, prompts = total - dropped, int(prompts)
+    shots = int(data.get("shots", 0))
+    if shots and total < prompts:
+        raise ValueError(
+            f"config.data.shots={shots} takes the first {shots} train problems for every prompt,"
+            f" leaving {total} to train on; must leave >= config.data_batch.prompts={prompts}:"
+            " lower shots or give a larger train split"
+        )
     if total < prompts:
         raise ValueError(
             f"config.data_batch.prompts={prompts}; must be <= the {total} prompts of the train"
@@ -162,18 +181,24 @@ def check_trainer(trainer, checkpoint) -> None:
 
 
 EXPORTS = ("none", "hf")
-TRAIN_DTYPES = ("float32", "bfloat16", "auto")
+# Each field's dtypes for training ('auto' picks the compute dtype, `compute_dtype`).
+TRAIN_DTYPES = {"param_dtype": ("float32", "bfloat16"), "dtype": ("float32", "bfloat16", "auto")}
 
 
 def check_train_dtypes(model) -> None:
     """float16 weights or compute are refused for training: there is no loss scaling, and the
     SFT warm start's loss is NaN at its first step (QeRL mode or not; evaluation takes it)."""
-    for field in ("param_dtype", "dtype"):
-        if model[field] not in TRAIN_DTYPES:
+    for field, allowed in TRAIN_DTYPES.items():
+        value = model[field]
+        if value == "float16":
             raise ValueError(
-                f"config.model.{field}={model[field]!r}: training in float16 overflows (no loss"
+                f"config.model.{field}='float16': training in float16 overflows (no loss"
                 f" scaling; the SFT's loss is NaN at step 1); allowed for training:"
-                f" {list(TRAIN_DTYPES)} (the evaluate job takes float16)"
+                f" {list(allowed)} (the evaluate job takes float16)"
+            )
+        if value not in allowed:
+            raise ValueError(
+                f"config.model.{field}={value!r}; allowed for training: {list(allowed)}"
             )
 
 
@@ -289,8 +314,8 @@ def check_train(config, workdir: str | None = None, cache: dict | None = None) -
     if ESTIMATORS[config.algo.estimator].critic:
         check_optimizer(config.critic, "lr_warmup_steps", "config.critic")
     check_trainer(config.trainer, config.checkpoint)
-    model_cfg = model_config(config.model)
     check_train_dtypes(config.model)
+    model_cfg = model_config(config.model)
     lora = lora_spec(config.get("lora"))
     fmt = str(config.model.get("weight_format", "none"))
     export = config.get("checkpoint", {}).get("export", "none")
@@ -298,6 +323,7 @@ def check_train(config, workdir: str | None = None, cache: dict | None = None) -
     n = model_cfg.num_hidden_layers
     tokenizer = tokenizer_for(config.tokenizer_path, config.model)
     check_data(config.data)
+    check_instruction(config.data, tokenizer)
     warm = warm_start_spec(config)  # config.sft checked when enabled
     check_diagnosis(config.diagnosis)
     hw = fault_plan(config.faults, n)  # fault layers within the model, fields valid
@@ -335,6 +361,11 @@ def check_train(config, workdir: str | None = None, cache: dict | None = None) -
     dropped = check_train_prompts(train, config.rollout, config.data, config.data_batch.prompts)
     test = prompt_lengths(config.data, tokenizer, tok_path, "test", cache)
     val_size = config.trainer.val_size
+    if val_size > len(test):
+        raise ValueError(
+            f"config.trainer.val_size={val_size}; must be <= the {len(test)} problems of the test"
+            " split (config.data.test_path, or config.data.test_size for the embedded task)"
+        )
     _check_val_lengths(config.rollout, val_size, test[: int(val_size)], len(test))
     check_sft_cache(warm, workdir)  # last: the SFT would train, then fail to be cached
     return RunSpec(

@@ -4,15 +4,17 @@ evaluate job load (verl's `model_merger`, tunix's `save_lora_merged_model_as_saf
 `export_policy(out, model_cfg, params, tokenizer_source)` writes `config.json`, the safetensors
 and the tokenizer's files into `out` through a temporary directory beside it renamed into place
 (a half-written export is never found). It never deletes what it did not write: an existing
-`out` is replaced only when it is an earlier export (its `MARKER` file) or an empty directory,
-anything else is refused (`check_target`, before any work); files and directories get the
-modes the umask gives. In QeRL mode `params` is `lora.merged(...)`: the adapters
+`out` is replaced only when it is an empty directory or an earlier export (its `MARKER` file,
+which lists the files it wrote) holding nothing else; anything else is refused, naming what is
+not the export's (`check_target`, before any work); files and directories get the modes the
+umask gives. In QeRL mode `params` is `lora.merged(...)`: the adapters
 merged into the dequantised base, W' = W + (alpha / rank) A B.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import tempfile
 
@@ -25,8 +27,12 @@ from aqn_jax.models.hf import save_hf_checkpoint
 from aqn_jax.models.registry import family_of
 
 EXPORT_DIR = "export"
-# The file every export holds: an existing directory is replaced only when it has one.
+# The file every export holds, listing the files it wrote (one a line, after its first line): an
+# existing directory is replaced only when it has one and nothing the list does not name.
 MARKER = ".aqn_jax_export"
+MARKER_TEXT = "an HF snapshot written by aqn_jax's export; replaced by the next one; its files:\n"
+# An export made before the marker listed its files wrote these (and the safetensors).
+_UNLISTED = re.compile(r"config\.json|model(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?")
 # The files of an HF snapshot that describe its tokenizer and generation (copied when present).
 TOKENIZER_FILES = (
     HF_TOKENIZER_FILE,
@@ -41,11 +47,15 @@ TOKENIZER_FILES = (
 )
 
 
-def check_target(out: str, field: str, run_dir: str | None = None) -> str:
+def check_target(
+    out: str, field: str, run_dir: str | None = None, workdir: str | None = None
+) -> str:
     """`out` (absolute) if an export may be written there, else a one-line ValueError naming
     `field`: a file, a directory that is not an earlier export (no `MARKER`; an empty one is
-    fine), the train run `run_dir` itself or a directory holding it, a path inside the run
-    other than its `EXPORT_DIR`, or a place this user cannot create or write. Writes nothing."""
+    fine), an earlier export holding files it did not write (named), the train run `run_dir`
+    itself or a directory holding it, a path inside the run other than its `EXPORT_DIR`, the
+    command's own `workdir` or a directory holding it, or a place this user cannot create or
+    write. Writes nothing."""
     out = os.path.abspath(os.path.expanduser(out))
     real = os.path.realpath(out)
     if run_dir is not None:
@@ -57,13 +67,30 @@ def check_target(out: str, field: str, run_dir: str | None = None) -> str:
                 f" holds it; allowed: {os.path.join(run_dir, EXPORT_DIR)} (the default) or a path"
                 " outside the run"
             )
+    if workdir is not None:
+        work = os.path.realpath(workdir)
+        if work == real or work.startswith(real + os.sep):
+            raise ValueError(
+                f"{field}={out}: {'is' if work == real else 'holds'} this command's own"
+                f" --workdir={workdir} (its lock and log go there); choose another --workdir or"
+                f" {field}"
+            )
     if os.path.lexists(out) and not os.path.isdir(out):
         raise ValueError(f"{field}={out}: is a file; choose a new directory or an earlier export")
-    if os.path.isdir(out) and os.listdir(out) and not os.path.isfile(os.path.join(out, MARKER)):
-        raise ValueError(
-            f"{field}={out}: an existing directory that is not an export (no {MARKER} in it);"
-            " nothing is deleted: choose a new directory or an earlier export"
-        )
+    if os.path.isdir(out) and os.listdir(out):
+        if not os.path.isfile(os.path.join(out, MARKER)):
+            raise ValueError(
+                f"{field}={out}: an existing directory that is not an export (no {MARKER} in"
+                f" it; it holds {_names(sorted(os.listdir(out)), out)}); nothing is deleted:"
+                " choose a new directory or an earlier export"
+            )
+        foreign = sorted(set(os.listdir(out)) - _written(out))
+        if foreign:
+            raise ValueError(
+                f"{field}={out}: an earlier export, but it also holds {_names(foreign, out)},"
+                " which the export did not write; nothing is deleted: move them out, or choose"
+                " a new directory"
+            )
     parent = os.path.dirname(out)
     while not os.path.exists(parent):
         parent = os.path.dirname(parent)
@@ -74,6 +101,22 @@ def check_target(out: str, field: str, run_dir: str | None = None) -> str:
             f"{field}={out}: {parent} is not a writable directory ({e.strerror}); choose another"
         ) from None
     return out
+
+
+def _written(out: str) -> set[str]:
+    """The names of the files the earlier export in `out` wrote, its `MARKER` included."""
+    with open(os.path.join(out, MARKER)) as f:
+        listed = {line.strip() for line in f.read().splitlines()[1:] if line.strip()}
+    if not listed:  # made before the marker listed its files
+        listed = {n for n in os.listdir(out) if n in TOKENIZER_FILES or _UNLISTED.fullmatch(n)}
+    return listed | {MARKER}
+
+
+def _names(names: list[str], out: str, most: int = 5) -> str:
+    """`names` (entries of `out`) for a message: directories with a '/', at most `most`."""
+    shown = [n + "/" if os.path.isdir(os.path.join(out, n)) else n for n in names[:most]]
+    more = f" and {len(names) - most} more" if len(names) > most else ""
+    return ", ".join(shown) + more
 
 
 def export_policy(
@@ -101,8 +144,9 @@ def export_policy(
                     copied += 1
         if not copied:  # the embedded character tokenizer
             load_tokenizer(tokenizer_source or None).save(tmp)
+        names = sorted(os.listdir(tmp))
         with open(os.path.join(tmp, MARKER), "w") as f:
-            f.write("an HF snapshot written by aqn_jax's export; replaced by the next one\n")
+            f.write(MARKER_TEXT + "".join(f"{name}\n" for name in names))
         for name in os.listdir(tmp):  # some writers make their files 0600 (a temporary file)
             os.chmod(os.path.join(tmp, name), 0o666 & ~_umask())
         _replace(tmp, out)

@@ -196,11 +196,19 @@ def hyper_from(config: Any) -> Hyper:
     old_pass = actor.get("old_logp_pass", "auto")
     if old_pass not in OLD_LOGP_PASS:
         raise ValueError(f"config.actor.old_logp_pass={old_pass!r}; allowed: {OLD_LOGP_PASS}")
+    policy_loss = losses.policy_loss_from(algo)
+    correction = correction_from(algo, config.rollout)
+    if adv_lib.ESTIMATORS[algo.estimator].grouped and float(config.rollout.temperature) == 0:
+        raise ValueError(
+            f"config.rollout.temperature=0 samples greedily: the rollout.n={config.rollout.n}"
+            f" samples of a prompt are one answer, so config.algo.estimator={algo.estimator!r}"
+            " (it compares them) has no signal in any group; allowed: temperature > 0"
+        )
     return Hyper(
         estimator=algo.estimator,
         n=int(config.rollout.n),
         temperature=float(config.rollout.temperature) or 1.0,
-        policy_loss=losses.policy_loss_from(algo),
+        policy_loss=policy_loss,
         agg=algo.loss_agg_mode,
         use_kl_loss=bool(algo.use_kl_loss),
         kl_loss_coef=float(algo.kl_loss_coef),
@@ -215,7 +223,7 @@ def hyper_from(config: Any) -> Hyper:
         micro_batches=rows // int(actor.micro_batch_rows),
         vf_clip=float(config.critic.cliprange_value),
         critic_warmup=int(config.critic.warmup_steps),
-        correction=correction_from(algo, config.rollout),
+        correction=correction,
         old_logp_pass=old_pass,
         micro_rows=int(actor.micro_batch_rows),
         share_prompt=flag(actor, "config.actor", "share_prompt"),

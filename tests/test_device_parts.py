@@ -25,6 +25,8 @@ import parts  # noqa: E402
 
 from aqn_jax.models import gguf as gguf_import  # noqa: E402
 
+from conftest import tree_state  # noqa: E402
+
 MIB = 1 << 20
 
 
@@ -156,6 +158,98 @@ def test_split_refuses_bad_arguments_and_a_source_that_differs(data_set, tmp_pat
     with pytest.raises(ValueError, match=r"the source pins 2,621,440 bytes, sha256 000000000000"):
         parts.split([str(f)], str(tmp_path / "z"), 1, src)
     assert os.listdir(tmp_path / "z") == []
+
+
+@pytest.fixture
+def tiny_set(tmp_path):
+    """30 bytes in parts of 10 (in this process: no subprocess)."""
+    (tmp_path / "f.bin").write_bytes(bytes(range(30)))
+    parts.split([str(tmp_path / "f.bin")], str(tmp_path / "p"), 10 / MIB)
+    return tmp_path / "p"
+
+
+def _refused(capsys, argv, message):
+    """parts.main(argv) exits 1 with one line `error: ...` holding `message` (no traceback)."""
+    capsys.readouterr()
+    assert parts.main(argv) == 1
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and err.startswith("error: "), err
+    assert message in err, err
+
+
+BAD_MANIFESTS = [
+    ("{}", "not a manifest of `parts.py split` (sha256=None; expected 64 hex digits)"),
+    ("[1, 2]", "not a manifest of `parts.py split` (a JSON list, not an object)"),
+    ("no bytes", "not a manifest of `parts.py split` (part 2's bytes=None; expected an int >= 1)"),
+    ("not json", "not JSON (Expecting value: line 1 column 1 (char 0))"),
+]
+
+
+@pytest.mark.parametrize("text,message", BAD_MANIFESTS, ids=[c[0] for c in BAD_MANIFESTS])
+def test_a_bad_manifest_is_one_line_naming_the_file(tiny_set, tmp_path, capsys, text, message):
+    path = tiny_set / "manifest.json"
+    if text == "no bytes":
+        manifest = json.loads(path.read_text())
+        del manifest["parts"][1]["bytes"]
+        text = json.dumps(manifest)
+    path.write_text(text)
+    before = tree_state(tiny_set)
+    dest = tmp_path / "dest"
+    for argv in (["check"], ["check", "--part=1"], ["paths"], ["sha256"]):
+        _refused(capsys, [argv[0], f"--dir={tiny_set}", *argv[1:]], f"error: {path}: {message}")
+    _refused(capsys, ["take", f"--dir={tiny_set}", "--part=1", f"--to={dest}"], message)
+    assert tree_state(tiny_set) == before and not dest.exists()
+
+
+def test_split_refuses_each_bad_argument_naming_it(tiny_set, tmp_path, capsys):
+    f, out = tmp_path / "f.bin", tmp_path / "z"
+    for args, message in [
+        ([f"--file={f}", "--max-mib=inf"], "--max-mib=inf; allowed: > 0 and finite"),
+        ([f"--file={f}", "--max-mib=nan"], "--max-mib=nan; allowed: > 0 and finite"),
+        (
+            [f"--file={f}", "--max-mib=1e-9"],
+            "--max-mib=1e-09 is less than one byte; allowed: >= 9.54e-07 (one byte)",
+        ),
+        ([f"--file={tiny_set}", "--max-mib=1"], f"--file='{tiny_set}' is a directory"),
+    ]:
+        _refused(capsys, ["split", *args, f"--out={out}"], message)
+        assert not out.exists()
+    # The negative control: one byte a part.
+    assert parts.main(["split", f"--file={f}", f"--out={out}", f"--max-mib={1 / MIB}"]) == 0
+    assert len(json.loads((out / "manifest.json").read_text())["parts"]) == 30
+
+
+def test_a_part_replaced_by_a_directory_is_named_so(tiny_set, tmp_path, capsys):
+    p2 = tiny_set / "002" / "part002.bin"
+    p2.unlink()
+    p2.mkdir()
+    message = f"part 2 of 3 ({p2}) is a directory, not the part's file"
+    _refused(capsys, ["check", f"--dir={tiny_set}"], message)
+    _refused(capsys, ["take", f"--dir={tiny_set}", "--part=2", f"--to={tmp_path / 'd'}"], message)
+    assert not (tmp_path / "d").exists()
+
+
+def test_take_moves_a_part_only_to_its_place(tiny_set, tmp_path, capsys):
+    """Something in the way at the destination (a directory where the part goes, a file where
+    its folder goes): refused, nothing moved or copied; cleared, the part lands in its place."""
+    dest = tmp_path / "dest"
+    (dest / "002" / "part002.bin").mkdir(parents=True)
+    (dest / "003").write_text("in the way")
+    before = tree_state(dest), tree_state(tiny_set)
+    take = ["take", f"--dir={tiny_set}", f"--to={dest}"]
+    _refused(
+        capsys,
+        [*take, "--part=2"],
+        f"--to='{dest}': {dest}/002/part002.bin is a directory, where part 2 goes; remove it",
+    )
+    _refused(capsys, [*take, "--part=3"], f"{dest}/003 is a file, where part 3's folder goes")
+    assert (tree_state(dest), tree_state(tiny_set)) == before
+    (dest / "002" / "part002.bin").rmdir()
+    (dest / "003").unlink()
+    for k in (2, 3, 1):
+        assert parts.main([*take, f"--part={k}"]) == 0
+    assert (dest / "002" / "part002.bin").read_bytes() == bytes(range(10, 20))
+    assert parts.main(["check", f"--dir={dest}"]) == 0
 
 
 def test_importer_pins_the_whole_sha256_of_any_set(tmp_path, capsys):

@@ -1,8 +1,9 @@
-"""The export never deletes what it did not write (issue 50): an existing target is replaced
-only when it is an earlier export (its marker file), the run itself and anything inside it other
-than its export directory are refused, a file or an unwritable path is one line, and a refused
-command leaves the run and the target byte-identical. A re-export replaces the earlier one
-(written beside it, then renamed); modes follow the umask."""
+"""The export never deletes what it did not write (issues 50, 61): an existing target is replaced
+only when it is an earlier export (its marker file) holding only the files the marker lists, the
+run itself and anything inside it other than its export directory are refused, so are the
+command's own workdir and a run whose config.json is broken, a file or an unwritable path is one
+line, and a refused command leaves the run and the target byte-identical. A re-export replaces
+the earlier one (written beside it, then renamed); modes follow the umask."""
 
 import os
 import stat
@@ -51,9 +52,26 @@ def test_export_refuses_targets_it_did_not_write(train_run, tmp_path):
     (other / "notes.txt").write_text("precious")
     afile = tmp_path / "a_file"
     afile.write_text("precious too")
-    before = {p: tree_state(p) for p in (train_run, other)}
+    # An earlier export (its marker lists its files) to which a user added notes and results.
+    earlier = tmp_path / "earlier"
+    (earlier / "evals").mkdir(parents=True)
+    (earlier / ".aqn_jax_export").write_text("an HF snapshot...\nconfig.json\nmodel.safetensors\n")
+    (earlier / "config.json").write_text("{}")
+    (earlier / "model.safetensors").write_bytes(b"weights")
+    (earlier / "NOTES.md").write_text("my notes")
+    (earlier / "evals" / "result.json").write_text('{"acc": 0.5}')
+    before = {p: tree_state(p) for p in (train_run, other, earlier)}
     cases = [
-        (other, "an existing directory that is not an export"),
+        (
+            other,
+            r"an existing directory that is not an export \(no .aqn_jax_export in it; it"
+            r" holds notes.txt\)",
+        ),
+        (
+            earlier,
+            r"an earlier export, but it also holds NOTES.md, evals/, which the export did not"
+            r" write; nothing is deleted",
+        ),
         (train_run, "the run .* itself, a directory inside it or one that holds it"),
         (train_run / "checkpoints", "itself, a directory inside it"),
         (tmp_path, "itself, a directory inside it or one that holds it"),
@@ -62,7 +80,13 @@ def test_export_refuses_targets_it_did_not_write(train_run, tmp_path):
     ]
     for out, match in cases:
         _refused(_export_config(train_run, out), work, rf"config.export.out={out}: .*{match}")
-    assert {p: tree_state(p) for p in (train_run, other)} == before
+    # The command's own workdir (launch makes it and puts its lock there), or one inside out.
+    own = "this command's own --workdir={}"
+    _refused(_export_config(train_run, work), work, rf"out={work}: is {own.format(work)}")
+    held = tmp_path / "holder" / "work"
+    _refused(_export_config(train_run, held.parent), held, rf": holds {own.format(held)}")
+    assert not held.parent.exists()
+    assert {p: tree_state(p) for p in (train_run, other, earlier)} == before
     assert afile.read_text() == "precious too"
     # From the command line: exit 2 and one line, the directory byte-identical.
     proc = launch_cli(
@@ -85,6 +109,20 @@ def test_export_refuses_targets_it_did_not_write(train_run, tmp_path):
     assert not (tmp_path / "new").exists()  # checked, not created
 
 
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("{not json", r"run/config.json is not valid JSON \(Expecting property name"),
+        ("[1, 2]", r"run/config.json holds a JSON list, not a run's config"),
+    ],
+)
+def test_a_broken_run_config_is_named_by_path(train_run, tmp_path, text, message):
+    (train_run / "config.json").write_text(text)
+    before = tree_state(train_run)
+    _refused(_export_config(train_run, tmp_path / "out"), tmp_path / "work", message)
+    assert tree_state(train_run) == before and not (tmp_path / "out").exists()
+
+
 def test_reexport_replaces_an_earlier_export_atomically(tmp_path):
     from aqn_jax.export import MARKER, export_policy
     from aqn_jax.models.hf import load_hf_checkpoint
@@ -96,11 +134,23 @@ def test_reexport_replaces_an_earlier_export_atomically(tmp_path):
     try:
         export_policy(str(out), cfg, random_params(cfg, 0), "")
         first = tree_state(out)
-        (out / "stale.txt").write_text("from the earlier export")  # replaced with it
+        # A user's files in it: refused, naming them, the export byte-identical.
+        (out / "evals").mkdir()
+        (out / "evals" / "result.json").write_text('{"acc": 0.5}')
+        (out / "NOTES.md").write_text("my notes")
+        kept = tree_state(out)
+        with pytest.raises(ValueError, match=r"also holds NOTES.md, evals/, which the export"):
+            export_policy(str(out), cfg, random_params(cfg, 1), "")
+        assert tree_state(out) == kept and sorted(os.listdir(tmp_path)) == ["export"]
+        (out / "NOTES.md").unlink()
+        (out / "evals" / "result.json").unlink()
+        (out / "evals").rmdir()
         export_policy(str(out), cfg, random_params(cfg, 1), "")
     finally:
         os.umask(old_mask)
-    assert (out / MARKER).is_file() and not (out / "stale.txt").exists()
+    assert (out / MARKER).is_file()
+    listed = (out / MARKER).read_text().splitlines()[1:]
+    assert listed == sorted(set(os.listdir(out)) - {MARKER}), listed
     assert sorted(os.listdir(tmp_path)) == ["export"]  # nothing left beside it
     assert tree_state(out).keys() == first.keys()
     _, params = load_hf_checkpoint(str(out), "float32")

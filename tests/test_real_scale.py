@@ -48,6 +48,7 @@ def shrunk(snapshot, arm="targeted"):
         "--config.actor.micro_batch_rows=2",
         "--config.trainer.val_every=2",
         "--config.trainer.val_batch_size=4",
+        "--config.trainer.val_size=4",  # the test split's 4 problems
         "--config.checkpoint.every=2",
         "--config.diagnosis.num_prompts=4",
         f"--config.faults.deadzone.layers={FAULT}",

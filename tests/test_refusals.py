@@ -57,6 +57,116 @@ CASES = [
         {"model.param_dtype": "bfloat16", "model.dtype": "bfloat16"},
     ),
     (
+        "clip_ratio_low_negative",
+        ("base", "smoke"),
+        {"algo.clip_ratio_low": -0.5},
+        "config.algo.clip_ratio_low=-0.5; must be in [0, 1)",
+        {"algo.clip_ratio_low": 0.0},
+    ),
+    (
+        "clip_ratio_high_negative",
+        ("base", "smoke"),
+        {"algo.clip_ratio_high": -1.0},
+        "config.algo.clip_ratio_high=-1.0; must be >= 0 and finite",
+        {"algo.clip_ratio_high": 0.28},
+    ),
+    (
+        "clip_ratio_low_nan",
+        ("base", "smoke"),
+        {"algo.clip_ratio_low": float("nan")},
+        "config.algo.clip_ratio_low=nan; must be in [0, 1)",
+        {"algo.clip_ratio_low": 0.1},
+    ),
+    (
+        "clip_ratio_c_nan",
+        ("base", "smoke"),
+        {"algo.clip_ratio_c": float("nan")},
+        "config.algo.clip_ratio_c=nan; must be > 1 and finite (dual-clip)",
+        {"algo.clip_ratio_c": 10.0},
+    ),
+    (
+        "gspo_clip_with_ppo",
+        ("base", "smoke"),
+        {"algo.gspo.clip_ratio_low": 5.0},
+        "config.algo.gspo.clip_ratio_low=5.0: GSPO's sequence-ratio clip below 1, which"
+        " config.algo.policy_loss='ppo' does not use; allowed: 0.0003 (the default)",
+        {"algo.gspo.clip_ratio_low": 5e-4, "algo.policy_loss": "gspo"},
+    ),
+    (
+        "dual_clip_with_gspo",
+        ("base", "smoke"),
+        {"algo.policy_loss": "gspo", "algo.clip_ratio_c": 0.5},
+        "config.algo.clip_ratio_c=0.5: PPO's dual clip (GSPO has none), which"
+        " config.algo.policy_loss='gspo' does not use; allowed: 3.0 (the default)",
+        {"algo.policy_loss": "gspo"},
+    ),
+    (
+        "ppo_clip_with_gspo",
+        ("base", "smoke"),
+        {"algo.policy_loss": "gspo", "algo.clip_ratio_low": -3.0},
+        "config.algo.clip_ratio_low=-3.0: PPO's ratio clip below 1, which"
+        " config.algo.policy_loss='gspo' does not use; allowed: 0.2 (the default)",
+        {"algo.policy_loss": "ppo", "algo.clip_ratio_low": 0.1},
+    ),
+    (
+        "grpo_greedy",
+        ("base", "smoke"),
+        {"rollout.temperature": 0.0},
+        "config.rollout.temperature=0 samples greedily: the rollout.n=5 samples of a prompt are"
+        " one answer, so config.algo.estimator='grpo' (it compares them) has no signal in any"
+        " group; allowed: temperature > 0",
+        {"rollout.temperature": 0.7},
+    ),
+    (
+        "val_size_above_the_test_split",
+        ("base", "smoke"),
+        {"trainer.val_size": 1000},
+        "config.trainer.val_size=1000; must be <= the 8 problems of the test split",
+        {"trainer.val_size": 8},
+    ),
+    (
+        "instruction_none",
+        ("base", "smoke"),
+        {"data.instruction": "None"},
+        "config.data.instruction='None' would append the text 'None' to every question;"
+        " allowed: '' (verl's instruction) or the instruction's text",
+        {"data.instruction": " Answer after ####."},
+    ),
+    (
+        "instruction_unencodable",
+        ("base", "smoke"),
+        {"data.instruction": " Réponds: 日本語 🙂"},
+        "config.data.instruction=' Réponds: 日本語 🙂': the tokenizer cannot encode 'é日本語🙂'",
+        {"data.instruction": " Reponds: ####"},
+    ),
+    (
+        "shots_take_the_train_split",
+        ("base", "smoke"),
+        {"data.shots": 8, "data.train_size": 8},
+        "config.data.shots=8 takes the first 8 train problems for every prompt, leaving 0 to"
+        " train on; must leave >= config.data_batch.prompts=4",
+        {
+            "data.shots": 1,
+            "data.train_size": 5,
+            "rollout.max_prompt_len": 128,
+            "rollout.prompt_buckets": (128,),
+        },
+    ),
+    (
+        "param_dtype_float16",
+        ("base", "smoke"),
+        {"model.param_dtype": "float16"},
+        "allowed for training: ['float32', 'bfloat16'] (the evaluate job takes float16)",
+        {"model.param_dtype": "bfloat16"},
+    ),
+    (
+        "param_dtype_auto",
+        ("base", "smoke"),
+        {"model.param_dtype": "auto"},
+        "config.model.param_dtype='auto'; allowed for training: ['float32', 'bfloat16']",
+        {"model.param_dtype": "float32", "model.dtype": "auto"},
+    ),
+    (
         "vulnerability_no_bits",
         ("vulnerability", "smoke"),
         {"vulnerability.bits": ()},

@@ -408,6 +408,22 @@ def test_char_encode_hand_checked(ct: CharTokenizer):
     assert ct.decode(ct.encode("a€b"), skip_special_tokens=False) == "a<unk>b"
 
 
+def test_unknown_chars_are_named(ct: CharTokenizer, hf_dirs):
+    """`unknown_chars`: what encodes as `unk_id` (config.data.instruction's check), each once;
+    none for a byte-level BPE (no unk) or printable ASCII in the embedded tokenizer."""
+    from tokenizers import Tokenizer as RustTokenizer
+    from tokenizers import models, pre_tokenizers
+
+    assert ct.unknown_chars(" Réponds: 日本語 🙂 é\r") == ["é", "日", "本", "語", "🙂", "\r"]
+    assert ct.unknown_chars(INSTRUCTION_SUFFIX + " Reponds: ####") == []
+    hf = HFTokenizer.from_pretrained(hf_dirs["jinja"])
+    assert hf.unk_id is None and hf.unknown_chars(" Réponds: 日本語 🙂") == []
+    words = RustTokenizer(models.WordLevel({"a": 0, "<unk>": 1, "<eos>": 2}, unk_token="<unk>"))
+    words.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    with_unk = HFTokenizer(words, "{{ messages }}", eos_token="<eos>", unk_token="<unk>")
+    assert with_unk.unk_id == 1 and with_unk.unknown_chars("abca") == ["b", "c"]
+
+
 def test_char_decode_specials_and_arrays(ct: CharTokenizer):
     ids = ct.encode("<|user|>1 + 2<eos>") + [0, 0]
     assert ids == [4, char_id("1"), 175, char_id("+"), 175, char_id("2"), 1, 0, 0]

@@ -74,8 +74,14 @@ def check_data(data: Any) -> None:
             f"config.data.train_path={data.train_path!r}, test_path={data.test_path!r}: give both"
             " (a real dataset) or neither (the embedded arithmetic task)"
         )
-    if not isinstance(data.get("instruction", ""), str):
-        raise ValueError(f"config.data.instruction={data.instruction!r}; must be a string")
+    instruction = data.get("instruction", "")
+    if instruction in (None, "None"):
+        raise ValueError(
+            f"config.data.instruction={instruction!r} would append the text 'None' to every"
+            " question; allowed: '' (verl's instruction) or the instruction's text"
+        )
+    if not isinstance(instruction, str):
+        raise ValueError(f"config.data.instruction={instruction!r}; must be a string")
     shots = data.get("shots", 0)
     if not isinstance(shots, int) or isinstance(shots, bool) or not 0 <= shots <= MAX_SHOTS:
         raise ValueError(f"config.data.shots={shots!r}; allowed: an int in 0..{MAX_SHOTS}")

@@ -169,6 +169,18 @@ class Tokenizer(abc.ABC):
         """Encode several texts; implementations may override with a faster batched path."""
         return [self.encode(t) for t in texts]
 
+    @property
+    def unk_id(self) -> int | None:
+        """The id of text the tokenizer cannot encode, or None (a byte-level BPE has none)."""
+        return None
+
+    def unknown_chars(self, text: str) -> list[str]:
+        """The characters of `text` that encode as `unk_id`, each once, in order."""
+        unk = self.unk_id
+        if unk is None:
+            return []
+        return [c for c in dict.fromkeys(text) if unk in self.encode(c)]
+
 
 # ----------------------------------------------------------------------------------------------
 # Hugging Face tokenizer
@@ -417,6 +429,14 @@ class HFTokenizer(Tokenizer):
     @property
     def bos_id(self) -> int | None:
         return self._bos_id
+
+    @property
+    def unk_id(self) -> int | None:
+        unk = self._special_strings.get("unk_token")
+        if unk is None:
+            return None
+        tid = self._tok.token_to_id(unk)
+        return self._added.get(unk) if tid is None else tid
 
     @property
     def chat_template(self) -> str:

@@ -23,7 +23,12 @@ import numpy as np
 
 from aqn_jax import parallel
 from aqn_jax.checkpoint import Checkpointer
-from aqn_jax.checks import check_block_widths, check_prompt_lengths, warm_start_spec
+from aqn_jax.checks import (
+    check_block_widths,
+    check_instruction,
+    check_prompt_lengths,
+    warm_start_spec,
+)
 from aqn_jax.data.config import check_data, load_split
 from aqn_jax.evaluation import check_evaluate, robustness
 from aqn_jax.faults.config import fault_plan
@@ -40,6 +45,7 @@ def check_config(config):
     model_cfg = model_config(config.model)
     tokenizer = tokenizer_for(config.tokenizer_path, config.model)
     check_data(config.data)
+    check_instruction(config.data, tokenizer)
     fault_plan(config.faults, model_cfg.num_hidden_layers)
     check_block_widths(config.faults, model_cfg)
     if ev.run and not os.path.isdir(os.path.join(os.path.expanduser(ev.run), "checkpoints")):

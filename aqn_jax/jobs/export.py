@@ -7,9 +7,9 @@ tokenizer's files), for transformers, vLLM or `configs/evaluate.py --config.mode
 start, config.lora and the base's weight_format (the command's other sections are not read).
 The latest checkpoint (or `export.step`) is exported: full fine-tuning as it is, a LoRA run's
 adapters merged into its dequantised base (W + alpha/rank A B). Output: `export.out`, or
-`<run>/export`; an existing `export.out` is replaced only when it is an earlier export (nothing
-else is ever deleted: `aqn_jax.export.check_target`). A train run with
-`--config.checkpoint.export=hf` writes the same at its end.
+`<run>/export`; an existing `export.out` is replaced only when it is an earlier export holding
+nothing but its own files (nothing else is ever deleted: `aqn_jax.export.check_target`). A
+train run with `--config.checkpoint.export=hf` writes the same at its end.
 """
 
 from __future__ import annotations
@@ -24,9 +24,12 @@ from aqn_jax.export import EXPORT_DIR, check_target, export_policy
 from aqn_jax.jobs import run_policy
 
 
-def check_config(config) -> tuple[str, ml_collections.ConfigDict, int, str]:
+def check_config(
+    config, workdir: str | None = None
+) -> tuple[str, ml_collections.ConfigDict, int, str]:
     """(the run's directory, its config, the step to export, the output directory); one line
-    naming the field. Writes nothing."""
+    naming the field. `workdir`: this command's own (--workdir), which the output must neither
+    be nor hold. Writes nothing."""
     ex = config.export
     run = os.path.expanduser(str(ex.run or ""))
     if not run:
@@ -36,8 +39,20 @@ def check_config(config) -> tuple[str, ml_collections.ConfigDict, int, str]:
         raise ValueError(
             f"config.export.run={ex.run!r}: no config.json there (not a run's workdir)"
         )
-    with open(path) as f:
-        run_config = ml_collections.ConfigDict(json.load(f))
+    try:
+        with open(path, encoding="utf-8") as f:
+            run_config = json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(
+            f"config.export.run={ex.run!r}: {path} is not valid JSON ({e}); it is the config"
+            " a train run writes at its start: restore it, or name another run"
+        ) from None
+    if not isinstance(run_config, dict):
+        raise ValueError(
+            f"config.export.run={ex.run!r}: {path} holds a JSON {type(run_config).__name__},"
+            " not a run's config (an object)"
+        )
+    run_config = ml_collections.ConfigDict(run_config)
     steps = []
     if os.path.isdir(os.path.join(run, "checkpoints")):  # else nothing is created there
         ckpt = Checkpointer(run, 0, 1)
@@ -53,12 +68,13 @@ def check_config(config) -> tuple[str, ml_collections.ConfigDict, int, str]:
     step = steps[-1] if int(ex.step) < 0 else int(ex.step)
     if step not in steps:
         raise ValueError(f"config.export.step={ex.step}: {ex.run} has checkpoints {steps}")
-    out = check_target(str(ex.out or os.path.join(run, EXPORT_DIR)), "config.export.out", run)
+    out = str(ex.out or os.path.join(run, EXPORT_DIR))
+    out = check_target(out, "config.export.out", run, workdir)
     return run, run_config, step, out
 
 
 def run(config, workdir: str) -> None:
-    run_dir, run_config, step, out = check_config(config)
+    run_dir, run_config, step, out = check_config(config, workdir)
     ckpt = Checkpointer(run_dir, 0, 1)
     try:
         state, meta = ckpt.restore_host(step, "config.export.step")

@@ -26,7 +26,7 @@ import time
 import jax
 import numpy as np
 
-from aqn_jax.checks import warm_start_spec
+from aqn_jax.checks import check_instruction, warm_start_spec
 from aqn_jax.data.config import check_data, load_split, task_of, with_prompt_format
 from aqn_jax.evaluation import greedy_sampling, heldout_loss, prompt_dependence
 from aqn_jax.faults.config import POINTS
@@ -55,6 +55,7 @@ def run(config, workdir: str) -> None:
     layers, points = check_severity(config.severity, n_layers)
     check_data(config.data)
     tokenizer = tokenizer_for(config.tokenizer_path, config.model)
+    check_instruction(config.data, tokenizer)
     dz = config.faults.deadzone
     kinds = expand_kinds((dz.site,) if isinstance(dz.site, str) else tuple(dz.site), "site")
     if dz.point not in POINTS:

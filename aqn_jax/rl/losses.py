@@ -17,6 +17,7 @@ Each entry is its function and the reader of its own config fields: adding one i
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 
 import jax
@@ -71,14 +72,17 @@ def _masked_mean(x, mask):
 class PolicyLossEntry:
     loss: Callable
     settings: Callable  # config.algo -> {keyword of `loss`: value}
+    # The config.algo fields `settings` reads: {dotted name: (its default, what it is)}. Another
+    # entry's run refuses them away from their defaults: they would do nothing there.
+    fields: dict[str, tuple[float, str]]
 
 
 POLICY_LOSSES: dict[str, PolicyLossEntry] = {}
 
 
-def register_policy_loss(name: str, settings: Callable):
+def register_policy_loss(name: str, settings: Callable, fields: dict[str, tuple[float, str]]):
     def wrap(fn):
-        POLICY_LOSSES[name] = PolicyLossEntry(fn, settings)
+        POLICY_LOSSES[name] = PolicyLossEntry(fn, settings, fields)
         return fn
 
     return wrap
@@ -102,37 +106,77 @@ class PolicyLoss:
 # example (epsilon=3e-4, epsilon_high=4e-4) use too. A sequence ratio is a geometric mean of the
 # token ratios, so it stays within a few 1e-4 of 1 where PPO's token ratios spread by 0.1s.
 GSPO_CLIP = {"clip_ratio_low": 3e-4, "clip_ratio_high": 4e-4}
+PPO_CLIP = {"clip_ratio_low": 0.2, "clip_ratio_high": 0.2, "clip_ratio_c": 3.0}
 
 
 def policy_loss_config(algo) -> None:
     """The policy-loss fields of `config.algo`: the choice and each entry's settings."""
     algo.policy_loss = "ppo"  # ppo | gspo (rl/losses.POLICY_LOSSES)
-    algo.clip_ratio_low = 0.2  # PPO ratio clip below 1 (0.2)
-    algo.clip_ratio_high = 0.2  # PPO ratio clip above 1 (0.2; DAPO 0.28)
-    algo.clip_ratio_c = 3.0  # dual-clip
+    algo.clip_ratio_low = PPO_CLIP["clip_ratio_low"]  # PPO ratio clip below 1 (0.2), in [0, 1)
+    algo.clip_ratio_high = PPO_CLIP["clip_ratio_high"]  # PPO ratio clip above 1 (0.2; DAPO 0.28)
+    algo.clip_ratio_c = PPO_CLIP["clip_ratio_c"]  # PPO's dual-clip, > 1
     algo.gspo = dict(GSPO_CLIP)  # GSPO's sequence-ratio clip range (policy_loss='gspo')
 
 
 def policy_loss_from(algo) -> PolicyLoss:
-    """`config.algo.policy_loss` and its entry's settings, checked (one line naming the field)."""
+    """`config.algo.policy_loss` and its entry's settings, checked (one line naming the field);
+    another entry's fields away from their defaults are refused (the run would ignore them)."""
     name = algo.get("policy_loss", "ppo")
     if name not in POLICY_LOSSES:
         raise ValueError(f"config.algo.policy_loss={name!r}; allowed: {tuple(POLICY_LOSSES)}")
-    return PolicyLoss(name, tuple(sorted(POLICY_LOSSES[name].settings(algo).items())))
+    settings = POLICY_LOSSES[name].settings(algo)
+    for other, entry in POLICY_LOSSES.items():
+        for field, (default, what) in entry.fields.items():
+            if field in POLICY_LOSSES[name].fields:
+                continue
+            value = _field(algo, field, default)
+            if not value == default:  # NaN included
+                raise ValueError(
+                    f"config.algo.{field}={value}: {what}, which config.algo.policy_loss={name!r}"
+                    f" does not use; allowed: {default} (the default), or policy_loss={other!r}"
+                )
+    return PolicyLoss(name, tuple(sorted(settings.items())))
+
+
+def _field(algo, name: str, default):
+    """config.algo's field `name` (dotted: 'gspo.clip_ratio_low'), `default` where absent."""
+    *sections, last = name.split(".")
+    node = algo
+    for section in sections:
+        node = node.get(section) or {}
+    return node.get(last, default)
+
+
+def _setting(algo, name: str, default: float, ok, allowed: str) -> float:
+    """config.algo's float field `name` (`default` where absent) when `ok(value)` holds, else
+    one line naming it; NaN fails every range."""
+    value = float(_field(algo, name, default))
+    if not ok(value):
+        raise ValueError(f"config.algo.{name}={value}; must be {allowed}")
+    return value
+
+
+_PPO_FIELDS = {
+    "clip_ratio_low": (PPO_CLIP["clip_ratio_low"], "PPO's ratio clip below 1"),
+    "clip_ratio_high": (PPO_CLIP["clip_ratio_high"], "PPO's ratio clip above 1"),
+    "clip_ratio_c": (PPO_CLIP["clip_ratio_c"], "PPO's dual clip (GSPO has none)"),
+}
 
 
 def _ppo_settings(algo) -> dict:
-    c = float(algo["clip_ratio_c"])
-    if c <= 1.0:
-        raise ValueError(f"config.algo.clip_ratio_c={c}; must be > 1 (dual-clip)")
+    low, high, c = (PPO_CLIP[k] for k in ("clip_ratio_low", "clip_ratio_high", "clip_ratio_c"))
     return {
-        "clip_low": float(algo["clip_ratio_low"]),
-        "clip_high": float(algo["clip_ratio_high"]),
-        "clip_ratio_c": c,
+        "clip_low": _setting(algo, "clip_ratio_low", low, lambda v: 0 <= v < 1, "in [0, 1)"),
+        "clip_high": _setting(
+            algo, "clip_ratio_high", high, lambda v: 0 <= v < math.inf, ">= 0 and finite"
+        ),
+        "clip_ratio_c": _setting(
+            algo, "clip_ratio_c", c, lambda v: 1 < v < math.inf, "> 1 and finite (dual-clip)"
+        ),
     }
 
 
-@register_policy_loss("ppo", _ppo_settings)
+@register_policy_loss("ppo", _ppo_settings, _PPO_FIELDS)
 def ppo_loss(
     logp_NT,
     old_logp_NT,
@@ -179,18 +223,20 @@ def ppo_loss(
     return loss, {"pg_clipfrac": clipfrac, "pg_clipfrac_lower": clipfrac_lower, "ppo_kl": ppo_kl}
 
 
+_GSPO_FIELDS = {
+    "gspo.clip_ratio_low": (GSPO_CLIP["clip_ratio_low"], "GSPO's sequence-ratio clip below 1"),
+    "gspo.clip_ratio_high": (GSPO_CLIP["clip_ratio_high"], "GSPO's sequence-ratio clip above 1"),
+}
+
+
 def _gspo_settings(algo) -> dict:
-    section = algo.get("gspo") or GSPO_CLIP
-    out = {}
-    for field, key in (("clip_ratio_low", "clip_low"), ("clip_ratio_high", "clip_high")):
-        value = float(section.get(field, GSPO_CLIP[field]))
-        if not 0.0 <= value < 1.0:
-            raise ValueError(f"config.algo.gspo.{field}={value}; must be in [0, 1)")
-        out[key] = value
-    return out
+    return {
+        key: _setting(algo, f"gspo.{field}", GSPO_CLIP[field], lambda v: 0 <= v < 1, "in [0, 1)")
+        for field, key in (("clip_ratio_low", "clip_low"), ("clip_ratio_high", "clip_high"))
+    }
 
 
-@register_policy_loss("gspo", _gspo_settings)
+@register_policy_loss("gspo", _gspo_settings, _GSPO_FIELDS)
 def gspo_loss(
     logp_NT,
     old_logp_NT,

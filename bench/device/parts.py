@@ -26,7 +26,9 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import math
 import os
+import re
 import shutil
 import sys
 import time
@@ -53,10 +55,16 @@ def split(files: list[str], out: str, max_mib: float, expect=None) -> dict:
     """Stream `files` (one file, or a byte-split set in order) into parts of at most `max_mib`
     MiB under `out`; `expect` (a gguf.Source) pins the whole file's size and sha256. Returns the
     manifest. `out` must be absent or empty; on any failure nothing is left in it."""
-    if not max_mib > 0:
-        raise ValueError(f"--max-mib={max_mib}; allowed: > 0")
+    if not 0 < max_mib < math.inf:
+        raise ValueError(f"--max-mib={max_mib}; allowed: > 0 and finite")
     max_bytes = int(max_mib * MIB)
+    if max_bytes < 1:
+        raise ValueError(
+            f"--max-mib={max_mib} is less than one byte; allowed: >= {1 / MIB:.3g} (one byte)"
+        )
     for f in files:
+        if os.path.isdir(f):
+            raise ValueError(f"--file={f!r} is a directory; allowed: a file")
         if not os.path.isfile(f):
             raise FileNotFoundError(f"--file={f!r} does not exist")
     if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
@@ -113,12 +121,44 @@ def split(files: list[str], out: str, max_mib: float, expect=None) -> dict:
     return manifest
 
 
-def load_manifest(d: str) -> dict:
+def load_manifest(d: str, arg: str = "--dir") -> dict:
+    """The manifest of the set in `d` (the argument `arg`), its structure checked: one line
+    naming the file and what is wrong."""
     path = os.path.join(d, MANIFEST)
     if not os.path.isfile(path):
-        raise PartError(f"--dir={d!r}: no {MANIFEST} (made by `parts.py split`)")
-    with open(path) as f:
-        return json.load(f)
+        raise PartError(f"{arg}={d!r}: no {MANIFEST} (made by `parts.py split`)")
+    try:
+        with open(path, encoding="utf-8") as f:
+            manifest = json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise PartError(f"{path}: not JSON ({e}); remake it with `parts.py split`") from None
+    problem = _manifest_problem(manifest)
+    if problem:
+        raise PartError(f"{path}: not a manifest of `parts.py split` ({problem})")
+    return manifest
+
+
+def _manifest_problem(m) -> str | None:
+    """What makes `m` (a parsed manifest.json) unusable, or None."""
+    if not isinstance(m, dict):
+        return f"a JSON {type(m).__name__}, not an object"
+    sha = re.compile(r"[0-9a-f]{64}")
+    if not isinstance(m.get("sha256"), str) or not sha.fullmatch(m["sha256"]):
+        return f"sha256={m.get('sha256')!r}; expected 64 hex digits"
+    parts = m.get("parts")
+    if not isinstance(parts, list) or not parts:
+        return f"parts={parts!r}; expected a non-empty list"
+    for k, p in enumerate(parts, 1):
+        if not isinstance(p, dict):
+            return f"part {k} is {p!r}; expected an object with path, bytes and sha256"
+        if p.get("path") != part_path(k):
+            return f"part {k}'s path={p.get('path')!r}; expected {part_path(k)!r}"
+        size = p.get("bytes")
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            return f"part {k}'s bytes={size!r}; expected an int >= 1"
+        if not isinstance(p.get("sha256"), str) or not sha.fullmatch(p["sha256"]):
+            return f"part {k}'s sha256={p.get('sha256')!r}; expected 64 hex digits"
+    return None
 
 
 def _check_one(d: str, manifest: dict, k: int, whole=None) -> None:
@@ -131,6 +171,8 @@ def _check_one(d: str, manifest: dict, k: int, whole=None) -> None:
     p = parts[k - 1]
     path = os.path.join(d, p["path"])
     what = f"part {k} of {n} ({path})"
+    if os.path.isdir(path):
+        raise PartError(f"{what} is a directory, not the part's file")
     if not os.path.isfile(path):
         raise PartError(f"{what} is missing")
     size = os.path.getsize(path)
@@ -181,21 +223,27 @@ def take(d: str, part: int, to: str) -> list[int]:
     still lacks."""
     manifest = load_manifest(d)
     _check_one(d, manifest, part)
-    os.makedirs(to, exist_ok=True)
+    if os.path.exists(to) and not os.path.isdir(to):
+        raise PartError(f"--to={to!r} is a file; allowed: a directory (made if absent)")
     there = os.path.join(to, MANIFEST)
-    if os.path.isfile(there):
-        with open(there) as f:
-            held = json.load(f)["sha256"]
+    if os.path.lexists(there):
+        held = load_manifest(to, "--to")["sha256"]
         if held != manifest["sha256"]:
             raise PartError(
                 f"--to={to!r} holds the parts of another file (sha256 {held[:12]}…, this set"
                 f" {manifest['sha256'][:12]}…): empty it first"
             )
-    else:
-        shutil.copy(os.path.join(d, MANIFEST), there)
     rel = manifest["parts"][part - 1]["path"]
-    os.makedirs(os.path.dirname(os.path.join(to, rel)), exist_ok=True)
-    shutil.move(os.path.join(d, rel), os.path.join(to, rel))
+    dest = os.path.join(to, rel)
+    folder = os.path.dirname(dest)
+    if os.path.lexists(folder) and not os.path.isdir(folder):
+        raise PartError(f"--to={to!r}: {folder} is a file, where part {part}'s folder goes")
+    if os.path.isdir(dest):
+        raise PartError(f"--to={to!r}: {dest} is a directory, where part {part} goes; remove it")
+    os.makedirs(folder, exist_ok=True)
+    if not os.path.lexists(there):
+        shutil.copy(os.path.join(d, MANIFEST), there)
+    shutil.move(os.path.join(d, rel), dest)
     return [
         k
         for k, p in enumerate(manifest["parts"], 1)
