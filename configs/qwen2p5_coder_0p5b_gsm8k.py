@@ -110,10 +110,13 @@ the planner's 'CPU process RSS' (22.8 GiB there) bounds.
 """
 
 from aqn_jax.experiment import ARMS, QERL_ARMS, apply_arm, base_config
-from aqn_jax.study.config import severity_config
+from aqn_jax.study.config import compare_config, severity_config
 
 FAULT_LAYER = 15  # of 24 (the seed's layer index)
-JOBS = ("severity", "evaluate")
+JOBS = ("severity", "evaluate", "study")
+# The study's arms (job compare) under their names in docs/qwen05_arith_study.json
+# (aqn_jax/study/outcome.py): faulty, clean_rl, targeted_aqn, global_aqn.
+STUDY_ARMS = ("deadzone", "clean", "targeted", "global_aqn")
 
 
 def get_config(arg: str | None = None):
@@ -245,6 +248,8 @@ def get_config(arg: str | None = None):
             config.severity.quantile = (0.5,)
             config.severity.size = 2
         return config
+    if name == "study":
+        return _study(config, smoke)
     if name == "evaluate":
         config.job = "evaluate"
         config.rollout.max_new_tokens = 4 if smoke else 320  # greedy answers, whole
@@ -302,3 +307,58 @@ def _short_answers(config) -> None:
     config.checkpoint.keep = 2
     config.checkpoint.final = "state"
     config.evaluate.size = 128
+
+
+def _study(config, smoke: bool):
+    """The study (job compare; `:study,arith` on the CPU): RL on the faulty device against a
+    clean-trained control, and AQN targeted at the layer SRDD locates or on every layer, each
+    over seeds that pair the arms (a seed's arms see the same prompts in the same order).
+
+    AQN in QeRL's form and schedule (NVlabs/QeRL `trl_trainer/noise_scheduler.py` of the 3B-32B
+    scripts): Gaussian noise on the RMSNorm weights (targeted: the located layer's two norms),
+    on the rollout device only, drawn anew each step from the clean weights; sigma from 1e-2
+    to 1e-4 over K = 10 equal intervals of the run, none in the first. Where ours differs
+    from QeRL's code: QeRL adds each step's noise to the model's norm weights in place, so the
+    final norm's noise accumulates across syncs (ours never touches the params: every draw is
+    from the clean weights), and its trainer's log-probs are taken without noise, uncorrected,
+    as ours are (the rollout's noise is a sampler-trainer mismatch: rollout_corr/* reports it);
+    and ours draws the noise per call, so each decode step of a rollout draws its own (QeRL's
+    weights hold one draw for the whole rollout).
+
+    Every run is evaluated at its end on both devices, greedy, on the first 256 held-out
+    problems (the faulty device is the primary outcome); step 0 is the same model for every
+    run and is evaluated once (config.compare.baseline). The runs' own validation is a
+    16-problem check. Statistics: `python -m aqn_jax.study.outcome` over the workdir.
+    """
+    config.job = "compare"
+    config.compare = compare_config()
+    config.compare.arms = STUDY_ARMS
+    config.compare.seeds = (0, 1) if smoke else (0, 1, 2)
+    config.compare.workers = 1  # one 0.5B run at a time: it uses both cores
+    config.compare.baseline = True
+    config.compare.variant = "qwen05_study"
+    config.compare.reference_arm = "deadzone"
+    config.compare.comparisons = (
+        ("deadzone", "clean"),
+        ("targeted", "deadzone"),
+        ("global_aqn", "deadzone"),
+        ("targeted", "global_aqn"),
+    )
+    config.aqn.form = "norm_weight"
+    config.aqn.schedule = "qerl"
+    config.aqn.sigma_start = 1e-2
+    config.aqn.sigma_end = 1e-4
+    config.aqn.num_stages = 10
+    config.aqn.order = "after_fault"
+    config.trainer.total_steps = 1 if smoke else 12  # the learning curve's knee (issue 49)
+    config.trainer.val_size = 2 if smoke else 16
+    config.trainer.val_batch_size = 2 if smoke else 16
+    config.checkpoint.every = 4  # resumable: rerun the same command
+    config.checkpoint.final = "state"
+    config.evaluate.size = 2 if smoke else 256
+    config.evaluate.batch_size = 2 if smoke else 32
+    config.evaluate.fault = (False, True)
+    config.evaluate.noise_levels = (0.0,)
+    config.evaluate.mxfp4 = False
+    config.evaluate.loss = False
+    return config

@@ -156,3 +156,43 @@ def test_arith_track_holds_its_settings(snapshot):
     gsm.model.hf_path = snapshot
     with pytest.raises(ValueError, match="config.data.train_path is required"):
         check_required(gsm)
+
+
+@pytest.mark.slow
+def test_study_preset_validates_with_every_lever_on(snapshot, tmp_path):
+    """':study,arith' (issue 59): the compare job over the four arms, AQN in QeRL's form and
+    schedule, evaluation on both devices only; every arm passes the train checks, and no arm's
+    fault plan turns a step-cost lever off (the per-token deadzone and the rollout-only AQN)."""
+    from aqn_jax.aqn.plan import build_plan
+    from aqn_jax.evaluation import conditions
+    from aqn_jax.jobs import compare
+
+    config = load_config(CONFIG, "study,arith")
+    assert config.job == "compare" and config.compare.baseline
+    assert config.compare.arms == ("deadzone", "clean", "targeted", "global_aqn")
+    assert len(config.compare.seeds) >= 3 and config.trainer.total_steps == 12
+    aqn = config.aqn
+    assert (aqn.form, aqn.schedule, aqn.sigma_start, aqn.sigma_end, aqn.num_stages) == (
+        "norm_weight",
+        "qerl",
+        1e-2,
+        1e-4,
+        10,
+    )
+    assert tuple(aqn.phases) == ("rollout",)
+    assert [c.name for c in conditions(config.evaluate)] == ["clean", "fault"]
+    assert config.evaluate.size >= 256
+    config.model.hf_path = snapshot
+    # This fixture's GSM8K-trained BPE writes the arith prompts longer than Qwen2.5's (<= 191).
+    config.rollout.max_prompt_len, config.rollout.prompt_buckets = 256, (256,)
+    compare.check_config(config, str(tmp_path))
+    for arm in config.compare.arms:
+        rc = compare.run_config(config, arm, 0, str(tmp_path), {"verdict": {"layers": [15]}})
+        h = hyper_from(rc)
+        assert h.share_prompt and h.skip_zero_advantage and not h.skip_refusals(False)
+        plan = build_plan(rc.faults, rc.aqn, 24)
+        assert not plan.split_refusals("train", split=True), arm
+        assert not plan.split_refusals("rollout", split=False), arm
+    # Negative control: a call-wide statistic would turn the update's shared prompt off.
+    rc.faults.deadzone.granularity = "tensor"
+    assert build_plan(rc.faults, rc.aqn, 24).split_refusals("train", split=True)

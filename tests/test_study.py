@@ -387,3 +387,86 @@ def test_write_report_empty_and_significant(tmp_path):
     acc = [t for t in s["tests"] if t["metric"] == "acc_fault"][0]
     assert acc["reason"] == "zero variance in both groups"
     report.write_report(res, str(tmp_path / "sig"))
+
+
+def test_paired_t_hand_computed():
+    # d = [0.1, 0.15, 0.05]: mean 0.1, sd 0.05, se 0.05 / sqrt(3), t = 2 sqrt(3), df 2. With
+    # 2 df the t CDF is 1/2 + t / (2 sqrt(2 + t^2)), so p = 1 - t / sqrt(2 + t^2) = 1 -
+    # sqrt(12 / 14); Hedges' g = (1 - 3 / 7) * 0.1 / 0.05 = 8 / 7.
+    from aqn_jax.study import stats as S
+
+    out = S.paired([0.5, 0.6, 0.7], [0.4, 0.45, 0.65])
+    assert out["n"] == 3 and out["diff"] == pytest.approx(0.1)
+    assert out["t"] == pytest.approx(2 * np.sqrt(3))
+    assert out["p"] == pytest.approx(1 - np.sqrt(12 / 14), rel=1e-9)
+    assert out["hedges_g"] == pytest.approx(8 / 7)
+    # The MDD is the difference the test detects with power 0.8 (checked through the power).
+    assert S.paired_power(out["mdd"], out["sd_diff"], 3) == pytest.approx(0.8, abs=1e-8)
+    # Pairing matters: the same values unpaired (Welch) do not reach the same p.
+    assert S.welch([0.5, 0.6, 0.7], [0.4, 0.45, 0.65])["p"] > 2 * out["p"]
+    assert S.paired([0.5, 0.6], [0.4, 0.5])["reason"].startswith("every pair")
+    assert S.paired([0.5, None, 0.7], [0.4, 0.3, 0.6])["n_dropped"] == 1
+
+
+def test_study_outcome_recomputes_from_the_run_directories(tmp_path):
+    from aqn_jax.study import outcome as O
+
+    def write(path, obj):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(obj))
+
+    def ev(fault, clean):
+        return {
+            "conditions": {"fault": {"acc": fault, "n": 256}, "clean": {"acc": clean, "n": 256}}
+        }
+
+    write(tmp_path / "baseline" / "evaluation.json", ev(0.18, 0.58))
+    write(tmp_path / "srdd" / "srdd.json", {"verdict": {"layers": [15]}})
+    finals = {  # arm -> seed -> (faulty, clean)
+        "deadzone": {0: (0.5, 0.80), 1: (0.6, 0.82), 2: (0.7, 0.79)},
+        "clean": {0: (0.4, 0.85), 1: (0.45, 0.86), 2: (0.65, 0.84)},
+    }
+    for arm, seeds in finals.items():
+        for seed, (f, c) in seeds.items():
+            run = tmp_path / "runs" / arm / f"seed{seed}"
+            write(run / "evaluation.json", ev(f, c))
+            rows = [{"step": s, "critic/groups_with_advantage": 0.25 * s} for s in (1, 2)]
+            (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    (tmp_path / "runs" / "targeted" / "seed0").mkdir(parents=True)  # unfinished: not counted
+    got = O.collect(str(tmp_path))
+    assert got["srdd_layers"] == [15] and len(got["runs"]) == 6
+    run = next(r for r in got["runs"] if r["arm"] == "faulty" and r["seed"] == 1)
+    assert run == {
+        "arm": "faulty",
+        "seed": 1,
+        "steps": 2,
+        "faulty_step0": 0.18,
+        "faulty_final": 0.6,
+        "clean_step0": 0.58,
+        "clean_final": 0.82,
+        "n": 256,
+        "n_clean": 256,
+        "signal": [0.25, 0.5],
+    }
+    res = O.outcome(got["runs"])
+    assert res["arms"]["faulty"]["faulty_final"]["mean"] == pytest.approx(0.6)
+    assert res["arms"]["faulty"]["signal_per_step"] == [0.25, 0.5]
+    by = {(c["a"], c["b"], c["device"]): c for c in res["comparisons"]}
+    main = by[("faulty", "clean_rl", "faulty")]  # the hand-computed pairs above
+    assert main["mean_diff"] == pytest.approx(0.1) and main["seeds"] == [0, 1, 2]
+    assert main["p"] == pytest.approx(1 - np.sqrt(12 / 14), rel=1e-9)
+    assert main["g"] == pytest.approx(8 / 7)
+    # Holm over the two tests that ran (the AQN arms have no runs): m = 2.
+    clean = by[("faulty", "clean_rl", "clean")]
+    assert clean["mean_diff"] == pytest.approx(-0.0466667, abs=1e-6)
+    ps = sorted([main["p"], clean["p"]])
+    expect = {ps[0]: min(1, 2 * ps[0]), ps[1]: max(min(1, 2 * ps[0]), ps[1])}
+    assert main["p_holm"] == pytest.approx(expect[main["p"]])
+    assert by[("targeted_aqn", "faulty", "faulty")]["p"] is None
+    # Negative control: one seed's pairing changed, and the test's p moves.
+    swapped = [dict(r) for r in got["runs"]]
+    for r in swapped:
+        if r["arm"] == "clean_rl" and r["seed"] in (0, 2):
+            r["seed"] = 2 if r["seed"] == 0 else 0
+    moved = O.outcome(swapped)["comparisons"][0]
+    assert moved["mean_diff"] == pytest.approx(0.1) and abs(moved["p"] - main["p"]) > 0.01

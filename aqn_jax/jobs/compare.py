@@ -158,6 +158,9 @@ def run(config, workdir: str) -> None:
                 " target; check config.faults or drop 'targeted' from config.compare.arms"
             )
 
+    if cmp.get("baseline", False):
+        timing.update(_baseline(base, workdir, model_cfg, params))
+
     todo, runs = [], {}
     for arm in arms:
         for seed in seeds:
@@ -419,6 +422,32 @@ def _evaluate(config, run_dir: str, programs: dict | None, policy=None) -> dict:
     hardware = fault_plan(config.faults, model_cfg.num_hidden_layers)
     spec = eval_spec(config)
     return robustness(spec, model_cfg, params, tokenizer, test, hardware, mesh, programs=programs)
+
+
+def _baseline(config, workdir: str, model_cfg, params) -> dict:
+    """The warm start's robustness matrix on the study's faulty device, once:
+    `baseline/evaluation.json` (reused when it exists). Returns its timing."""
+    path = os.path.join(workdir, "baseline", "evaluation.json")
+    if os.path.isfile(path):
+        print(f"step 0 (the warm start): evaluated, reused ({path})")
+        return {}
+    t0 = time.perf_counter()
+    size = int(config.evaluate.size or config.trainer.val_size)
+    mesh = parallel.make_mesh(config.mesh)
+    placed = parallel.put_global(params, parallel.param_shardings(logical_axes(model_cfg), mesh))
+    result = robustness(
+        eval_spec(config),
+        model_cfg,
+        placed,
+        tokenizer_for(config.tokenizer_path, config.model),
+        load_split(config.data, "test")[:size],
+        fault_plan(config.faults, model_cfg.num_hidden_layers),
+        mesh,
+    )
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    write_json(path, result, default=str)
+    print(f"step 0 (the warm start): {path}")
+    return {"baseline_s": time.perf_counter() - t0}
 
 
 def _collect(run_dir: str) -> dict:

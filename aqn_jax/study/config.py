@@ -21,6 +21,9 @@ def compare_config() -> ml_collections.ConfigDict:
     c.comparisons = (("targeted", "global_aqn"), ("healthy", "global_aqn"))
     c.compile_cache = True  # persistent XLA cache under the workdir (shared programs compile once)
     c.workers = 0  # runs in parallel processes: 0 = one per CPU core (CPU, single host), else 1
+    # The warm start's robustness matrix once (every run's step 0: greedy decoding of one model
+    # is deterministic), in baseline/evaluation.json.
+    c.baseline = False
     return c
 
 

@@ -35,6 +35,15 @@ mdd(sd_a, sd_b, n_a, n_b)  the minimum detectable difference: the diff > 0 whose
 seeds_needed(diff, sd_a, sd_b)  the smallest n per arm (n_a = n_b = n) with power >= 0.8
   The SDs are the observed ones, taken as the truth: a planning figure, not a guarantee.
 
+paired(a, b)  (a_i, b_i measured on the same seed i; d_i = a_i - b_i, n pairs)
+  diff  = mean(d);  sd_d = sqrt(sum((d - diff)^2) / (n - 1));  se = sd_d / sqrt(n)
+  t     = diff / se, df = n - 1, p = 2 * cdf(-|t|, df)             (paired t-test, two-sided)
+  CI    diff ± t_{(1+level)/2, n-1} * se
+  d_z   = diff / sd_d;  Hedges' g = J * d_z with J = 1 - 3 / (4 (n - 1) - 1)
+  mdd   the diff > 0 detected with power 0.8: P(T' > tc) + P(T' < -tc) = 0.8,
+        T' ~ noncentral t(n - 1, diff / se), tc = t_{0.975, n-1}
+  Degenerate: n < 2, or every difference the same (sd_d = 0) -> None with `reason`.
+
 holm(p_1..p_m)  (Holm–Bonferroni step-down; None entries are tests not run and are left out of
   the family: m counts the non-None p-values)
   sort ascending p_(1) <= ... <= p_(m);  adj_(i) = max_{j <= i} min(1, (m - j + 1) p_(j))
@@ -222,6 +231,77 @@ def _brentq(f, lo: float, hi: float) -> float:
     from scipy.optimize import brentq
 
     return brentq(f, lo, hi, xtol=1e-12, rtol=1e-10)
+
+
+def paired(
+    a: Sequence[Any] | np.ndarray, b: Sequence[Any] | np.ndarray, level: float = LEVEL
+) -> dict[str, Any]:
+    """The paired t-test of mean(a - b) over matched pairs (module docstring); a pair with a
+    missing or non-finite value is dropped and counted in `n_dropped`."""
+    if len(a) != len(b):
+        raise ValueError(f"paired: {len(a)} values against {len(b)}; pairs must match")
+    pairs = [(x, y) for x, y in zip(a, b, strict=True) if _finite(x) and _finite(y)]
+    d = np.array([float(x) - float(y) for x, y in pairs], np.float64)
+    n = int(d.size)
+    out: dict[str, Any] = {
+        "n": n,
+        "n_dropped": len(a) - n,
+        "diff": float(d.mean()) if n else None,
+        "sd_diff": None,
+        "se": None,
+        "t": None,
+        "df": None,
+        "p": None,
+        "ci_level": level,
+        "diff_ci_low": None,
+        "diff_ci_high": None,
+        "hedges_g": None,
+        "mdd": None,
+        "reason": None,
+    }
+    if n < 2:
+        out["reason"] = f"n < 2 pairs (n={n})"
+        return out
+    m = float(d.mean())
+    sd = math.sqrt(_var(d, m))
+    if sd == 0.0:
+        out["reason"] = "every pair differs by the same amount (sd of the differences 0)"
+        return out
+    se, df = sd / math.sqrt(n), n - 1
+    t = m / se
+    half = _tcrit(df, level) * se
+    out.update(
+        sd_diff=sd,
+        se=se,
+        t=t,
+        df=df,
+        p=float(min(1.0, 2.0 * _sps.t.cdf(-abs(t), df))),
+        diff_ci_low=m - half,
+        diff_ci_high=m + half,
+        hedges_g=(1.0 - 3.0 / (4.0 * df - 1.0)) * m / sd,
+        mdd=paired_mdd(sd, n),
+    )
+    return out
+
+
+def paired_power(diff: float, sd_diff: float, n: int, alpha: float = ALPHA) -> float:
+    """Power of the two-sided paired t-test to detect a true mean difference `diff`."""
+    df, se = n - 1, sd_diff / math.sqrt(n)
+    tc = _tcrit(df, 1.0 - alpha)
+    against = float(_sps.nct.cdf(-tc, df, abs(diff) / se))
+    return float(_sps.nct.sf(tc, df, abs(diff) / se)) + (against if math.isfinite(against) else 0)
+
+
+def paired_mdd(sd_diff: float, n: int, target: float = POWER, alpha: float = ALPHA) -> float:
+    """The smallest mean difference the paired test detects with probability `target`."""
+    hi = sd_diff / math.sqrt(n)
+    while paired_power(hi, sd_diff, n, alpha) < target:
+        hi *= 2.0
+    return float(_brentq(lambda d: paired_power(d, sd_diff, n, alpha) - target, 0.0, hi))
+
+
+def _finite(x) -> bool:
+    return x is not None and math.isfinite(float(x))
 
 
 def holm(pvalues: Sequence[float | None]) -> list[float | None]:

@@ -1,0 +1,202 @@
+"""The paired study's outcome (`configs/qwen2p5_coder_0p5b_gsm8k.py:study`): for each run the
+faulty- and clean-device accuracies at step 0 (the warm start, evaluated once for the whole
+study: greedy decoding of one model is deterministic) and at the end; for each arm the mean
+with its 95% interval over seeds and the share of groups with a signal per step; the paired
+comparisons (the arms of a seed see the same prompts in the same order) with Holm's p over
+the family, Hedges' g and the minimum detectable difference.
+
+  python -m aqn_jax.study.outcome --workdir=runs/qwen05_study --out=docs/qwen05_arith_study
+
+reads the compare job's workdir (`baseline/evaluation.json`, `runs/<arm>/seed<k>/`,
+`srdd/srdd.json`) and writes `<out>.json` and `<out>.png`. Only finished runs count (those with
+`evaluation.json`); a comparison needs at least two seeds finished in both of its arms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from aqn_jax.study import stats
+
+# The compare job's arm -> the study's name for it.
+ARM_NAMES = {
+    "deadzone": "faulty",
+    "clean": "clean_rl",
+    "targeted": "targeted_aqn",
+    "global_aqn": "global_aqn",
+}
+# (a, b, device): mean(a - b) over seeds on that device's final accuracy.
+COMPARISONS = (
+    ("faulty", "clean_rl", "faulty"),  # the seed's hypothesis: RL on the device it serves
+    ("targeted_aqn", "faulty", "faulty"),
+    ("global_aqn", "faulty", "faulty"),
+    ("targeted_aqn", "global_aqn", "faulty"),
+    ("faulty", "clean_rl", "clean"),  # what adapting to the fault costs elsewhere
+)
+DEVICES = {"faulty": "fault", "clean": "clean"}  # the device -> its evaluation condition
+
+
+def _load(path: str) -> dict:
+    with open(path) as f:
+        return json.load(f)
+
+
+def _signal(run_dir: str) -> list[float]:
+    """The share of groups with an advantage at each RL step (metrics.jsonl)."""
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.isfile(path):
+        return []
+    with open(path) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    return [r["critic/groups_with_advantage"] for r in rows if "critic/groups_with_advantage" in r]
+
+
+def collect(workdir: str) -> dict[str, Any]:
+    """The finished runs of a compare workdir, with the step-0 evaluation and SRDD's layers."""
+    base = _load(os.path.join(workdir, "baseline", "evaluation.json"))["conditions"]
+    runs = []
+    for arm, name in ARM_NAMES.items():
+        arm_dir = os.path.join(workdir, "runs", arm)
+        if not os.path.isdir(arm_dir):
+            continue
+        for seed_dir in sorted(os.listdir(arm_dir)):
+            run_dir = os.path.join(arm_dir, seed_dir)
+            ev_path = os.path.join(run_dir, "evaluation.json")
+            if not os.path.isfile(ev_path):
+                continue
+            conds = _load(ev_path)["conditions"]
+            signal = _signal(run_dir)
+            runs.append(
+                {
+                    "arm": name,
+                    "seed": int(seed_dir.removeprefix("seed")),
+                    "steps": len(signal),  # the RL steps the run logged
+                    "faulty_step0": base["fault"]["acc"],
+                    "faulty_final": conds["fault"]["acc"],
+                    "clean_step0": base["clean"]["acc"],
+                    "clean_final": conds["clean"]["acc"],
+                    "n": int(conds["fault"]["n"]),
+                    "n_clean": int(conds["clean"]["n"]),
+                    "signal": signal,
+                }
+            )
+    srdd_path = os.path.join(workdir, "srdd", "srdd.json")
+    layers = _load(srdd_path)["verdict"]["layers"] if os.path.isfile(srdd_path) else None
+    return {"runs": runs, "srdd_layers": layers}
+
+
+def outcome(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Per arm the final accuracies' means and intervals over seeds and the signal per step;
+    the paired comparisons (`COMPARISONS`), Holm-corrected over the family."""
+    arms: dict[str, Any] = {}
+    for name in dict.fromkeys(r["arm"] for r in runs):
+        mine = [r for r in runs if r["arm"] == name]
+        signal = [r["signal"] for r in mine if r["signal"]]
+        steps = min((len(s) for s in signal), default=0)
+        arms[name] = {
+            "seeds": sorted(r["seed"] for r in mine),
+            "faulty_final": stats.describe([r["faulty_final"] for r in mine]),
+            "clean_final": stats.describe([r["clean_final"] for r in mine]),
+            "signal_per_step": [float(np.mean([s[i] for s in signal])) for i in range(steps)],
+        }
+    comparisons = []
+    for a, b, device in COMPARISONS:
+        by_a = {r["seed"]: r[f"{device}_final"] for r in runs if r["arm"] == a}
+        by_b = {r["seed"]: r[f"{device}_final"] for r in runs if r["arm"] == b}
+        seeds = sorted(set(by_a) & set(by_b))
+        test = stats.paired([by_a[s] for s in seeds], [by_b[s] for s in seeds])
+        comparisons.append(
+            {
+                "a": a,
+                "b": b,
+                "device": device,
+                "seeds": seeds,
+                "mean_diff": test["diff"],
+                "ci": [test["diff_ci_low"], test["diff_ci_high"]],
+                "p": test["p"],
+                "g": test["hedges_g"],
+                "mdd": test["mdd"],
+                "reason": test["reason"],
+            }
+        )
+    for c, p in zip(comparisons, stats.holm([c["p"] for c in comparisons]), strict=True):
+        c["p_holm"] = p
+    return {"arms": arms, "comparisons": comparisons}
+
+
+def _commit() -> str:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True, timeout=10
+        )
+        return out.stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def plot(result: Mapping[str, Any], path: str) -> str:
+    """Each run's faulty-device accuracy at step 0 and at the end, per arm, with the arm's
+    mean and interval; beside it the clean device's."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
+    names = list(result["arms"])
+    for ax, device in zip(axes, ("faulty", "clean"), strict=True):
+        for i, name in enumerate(names):
+            finals = [r[f"{device}_final"] for r in result["runs"] if r["arm"] == name]
+            ax.scatter([i] * len(finals), finals, color="C0", alpha=0.6, zorder=3)
+            d = result["arms"][name][f"{device}_final"]
+            if d["mean"] is not None:
+                low = d["ci_low"] if d["ci_low"] is not None else d["mean"]
+                high = d["ci_high"] if d["ci_high"] is not None else d["mean"]
+                ax.errorbar(
+                    i + 0.15,
+                    d["mean"],
+                    yerr=[[d["mean"] - low], [high - d["mean"]]],
+                    fmt="s",
+                    color="k",
+                    capsize=4,
+                )
+        if result["runs"]:
+            ax.axhline(result["runs"][0][f"{device}_step0"], color="gray", ls="--", label="step 0")
+        ax.set_xticks(range(len(names)), names, rotation=20)
+        ax.set_title(f"final greedy accuracy, {device} device")
+        ax.legend(loc="lower right")
+    axes[0].set_ylabel("accuracy")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--workdir", required=True)
+    p.add_argument("--out", required=True, help="the path without .json / .png")
+    p.add_argument("--cpu", default="", help="the machine, as lscpu names it")
+    args = p.parse_args(argv)
+    got = collect(args.workdir)
+    result = {**got, **outcome(got["runs"]), "commit": _commit(), "cpu": args.cpu}
+    with open(args.out + ".json", "w") as f:
+        json.dump(result, f, indent=2)
+    plot(result, args.out + ".png")
+    for c in result["comparisons"]:
+        print(
+            f"{c['a']} - {c['b']} ({c['device']} device, seeds {c['seeds']}): "
+            f"{c['mean_diff']} p_holm {c['p_holm']} g {c['g']} mdd {c['mdd']}"
+        )
+    print(f"wrote {args.out}.json, {args.out}.png ({len(result['runs'])} runs)")
+
+
+if __name__ == "__main__":
+    main()
