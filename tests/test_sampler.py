@@ -1,6 +1,11 @@
 """The jitted KV-cache sampler against uncached forwards: greedy, logprobs, EOS, keys, buckets,
 faults during rollout."""
 
+import os
+import subprocess
+import sys
+import textwrap
+
 import jax
 import numpy as np
 import pytest
@@ -207,6 +212,73 @@ def test_call_wide_quantile_keeps_one_prefill_per_row():
     assert not s._spec.share and s.unshared == [
         "dz: a statistic over the whole call (quantile, scope='call')"
     ]
+
+
+MESH = textwrap.dedent(
+    """
+    import os, sys
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+    import jax, jax.numpy as jnp, numpy as np
+    sys.path.insert(0, {tests!r})
+    import ml_collections
+    from test_sampler import MODEL, WEIGHTS, prompts, sampler
+    from aqn_jax import parallel
+    from aqn_jax.faults.intercept import FaultPlan, Injection
+    from aqn_jax.faults.sites import SiteSelector
+    from aqn_jax.faults.transforms import Deadzone
+    from aqn_jax.rl import advantages as A
+    from aqn_jax.rl.sampler import Sampler, SamplingParams
+
+    assert len(jax.devices()) == 2
+    cfg = ml_collections.ConfigDict(dict(data=2, fsdp=1, tensor=1))
+    mesh = parallel.make_mesh(cfg)
+    dz = Deadzone(0.3, scope="call")
+    plan = FaultPlan([Injection("dz", SiteSelector(("layer",), (1,)), dz, phases=("rollout",))])
+    sp = dict(max_new_tokens=6, eos_id=-1, pad_id=0, temperature=0.0, vocab_size=200)
+    out = {{}}
+    # 3 prompts x 2 (the prompts replicated: 3 do not split over 2 devices), 2 x 3 (a prompt a
+    # device, each group's rows on one device)
+    for lengths, n in (((7, 3, 10), 2), ((7, 3), 3)):
+        ids, mask = prompts(lengths)
+        got = []
+        for share in (True, False):
+            params = SamplingParams(**sp, n=n, share_prompt=share)
+            s = Sampler(MODEL, params, plan, (16,), mesh=mesh)
+            assert s._spec.share == share
+            got.append(s(WEIGHTS, ids, mask, jax.random.key(0)))
+        np.testing.assert_array_equal(got[0].tokens, got[1].tokens)
+        out[len(lengths)] = float(np.abs(got[0].logprobs - got[1].logprobs).max())
+    # Silent groups' advantages exactly 0 on the mesh (rows split over both devices).
+    for n in (3, 5, 7):
+        scores = np.ones(4 * n, np.float32)
+        scores[0] = 0.0  # group 0 live: the negative control
+        x = jax.device_put(scores, parallel.batch_sharding(mesh, 1))
+        m = jax.device_put(np.ones((4 * n, 2), np.float32), parallel.batch_sharding(mesh, 2))
+        adv = np.asarray(jax.jit(A.grpo_outcome_advantage, static_argnums=2)(x, m, n))
+        assert np.all(adv[n:] == 0.0) and np.all(adv[:n] != 0.0), n
+    print("MAXDIFF", out[3], out[2])
+    """
+)
+
+
+@pytest.mark.slow
+def test_shared_prefill_on_a_two_device_mesh(tmp_path):
+    # The rows over two devices (3 prompts x 2: the prompts replicated, then 2 x 3: one
+    # prompt a device): the same greedy tokens as a prefill per row, and the jitted
+    # advantages of silent groups exactly 0 on the mesh.
+    tests = os.path.dirname(os.path.abspath(__file__))
+    script = tmp_path / "mesh.py"
+    script.write_text(MESH.format(tests=tests))
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    diffs = [float(x) for x in proc.stdout.split("MAXDIFF")[1].split()]
+    tol = bound(
+        forward_path(CONFIG, BUCKETS[0] + NEW, log_softmax=True), logit_bound(CONFIG, WEIGHTS)
+    )
+    assert max(diffs) <= tol
 
 
 def test_bad_sampling_params():
