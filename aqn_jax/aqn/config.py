@@ -5,6 +5,10 @@ SRDD-guided layers; QeRL's RMSNorm-weight form or the original system's activati
 `aqn_jax.aqn.plan.build_plan` places it among the hardware faults, so faults and AQN go
 through one interceptor. The injection scales its noise by the traced value AQN_SIGMA, which
 `aqn_sigma` gives for each step.
+
+With a shared prompt (faults/intercept.py) the activation form's noise on a prompt's positions
+is drawn once per group of n samples; the norm-weight form draws its weights per call, so in
+the update (if AQN acts there) it keeps the per-row computation.
 """
 
 from __future__ import annotations

@@ -29,6 +29,20 @@ cached decode carries each site's running statistic in the `fault_state` collect
 in with the params and make it mutable (`rl/sampler.py` keeps it next to the KV cache), and
 cached decoding equals teacher forcing.
 
+A shared prompt (config.rollout.share_prompt, config.actor.share_prompt) computes a group's
+prompt once: the sampler prefills each distinct prompt once and repeats its KV cache, last
+logits and fault state to its n rows; the passes over rollout rows run the prompts as one call
+and the responses, attending to their prompt's K/V, as another (`forward.SharedPrompt`). So a
+random fault or activation-form AQN on a prompt's positions is drawn once per group, as on
+hardware that serves the prompt once. Deterministic faults give the same values, and so do
+per-token, per-block and causal statistics and, in the prefill, a call's maximum (the maximum
+over duplicated rows is the maximum). What would differ keeps the per-row computation, said
+in the run's log (`FaultPlan.split_refusals`): a call's quantile; in the update also a call's
+maximum (the prompt and the responses are two calls), a draw made once per call (AQN's norm
+weights, a noisy linear's dW), a fault on the weights as read, and any bit fault (its counts).
+The manifest and the telemetry still count every site; a stat of the two calls is their
+mean weighted by their tokens.
+
 At trace time `plan.apply` yields which module paths each injection hit (the manifest, also
 `forward.trace_manifest`); an active injection that hit nothing raises ValueError when the context
 exits, before anything runs. Telemetry is `sow`n into the `fault_stats` collection (returned
