@@ -411,6 +411,7 @@ class JobSpec:
     refuse: bool  # config.planner.enabled: refuse a plan that does not fit
     lora: LoraSpec | None = None  # config.lora (QeRL mode when its rank > 0)
     weight_format: str = "none"  # config.model.weight_format: the frozen base's storage
+    share_n: int = 1  # config.actor.share_prompt: n when a group's prompt is computed once
 
 
 @dataclasses.dataclass(frozen=True)
@@ -433,6 +434,7 @@ class _Job:
     trainable: tuple[_Group, ...] | None = None  # QeRL mode: the adapters (+ norms)
     dequantized: tuple[_Group, ...] = ()  # a packed base's kernels, dequantised in a program
     host: tuple[_Group, ...] | None = None  # the host's copy: the warm start, before packing
+    share_n: int = 1  # the group size when the update computes a prompt once (`JobSpec`)
 
 
 def _qerl(spec: JobSpec, params, specs):
@@ -514,6 +516,7 @@ def _job(spec: JobSpec) -> _Job:
         trainable=trainable,
         dequantized=dequantized,
         host=host,
+        share_n=spec.share_n,
     )
 
 
@@ -544,21 +547,36 @@ def activation_terms(
     tensor: int,
     remat: bool,
     head_grad: bool = True,
+    share: int = 1,
 ) -> dict[str, int]:
     """Bytes of one micro-batch's forward+backward on one device, `rows` rows of
     `prompt_len + max_new` positions: {'layers': the decoder layers' saved activations,
     'logits': the readout's chunk (four float32 copies: logits, exponentials, softmax,
     gradient), the response's hidden states and their gradient in float32 and, with `head_grad`
-    (the head is trained), the head's float32 gradient accumulated over chunks}."""
+    (the head is trained), the head's float32 gradient accumulated over chunks}.
+
+    `share` > 1 (a shared prompt, `forward.SharedPrompt`): rows / share prompts of
+    `prompt_len` tokens over their own keys, then `rows` responses of `max_new` tokens over all
+    T keys, each row's copy of its prompt's K/V saved for the backward."""
     m = model_cfg
     T = prompt_len + max_new
-    tokens = rows * T
-    layer = saved_layer_bytes(m, tensor, T)
-    if remat:
-        layers = m.num_hidden_layers * tokens * m.hidden_size * np.dtype(m.dtype).itemsize
-        layers += tokens * layer
+    itemsize = np.dtype(m.dtype).itemsize
+    if share > 1:
+        prompts = _cdiv(rows, share)
+        tokens = prompts * prompt_len + rows * max_new
+        kv = rows * T * 2 * _cdiv(m.num_key_value_heads, tensor) * _head_dim(m) * itemsize
+        layer_total = (
+            prompts * prompt_len * saved_layer_bytes(m, tensor, prompt_len)
+            + rows * max_new * saved_layer_bytes(m, tensor, T)
+            + kv
+        )
     else:
-        layers = m.num_hidden_layers * tokens * layer
+        tokens = rows * T
+        layer_total = tokens * saved_layer_bytes(m, tensor, T)
+    if remat:
+        layers = m.num_hidden_layers * tokens * m.hidden_size * itemsize + layer_total
+    else:
+        layers = m.num_hidden_layers * layer_total
     logits = readout_bytes(m, rows, max_new, tensor, 4) + 2 * rows * max_new * m.hidden_size * 4
     if head_grad:
         logits += _cdiv(m.vocab_size, tensor) * m.hidden_size * 4
@@ -566,14 +584,21 @@ def activation_terms(
 
 
 def prepare_bytes(
-    model_cfg: ModelConfig, rows: int, prompt_len: int, max_new: int, tensor: int
+    model_cfg: ModelConfig, rows: int, prompt_len: int, max_new: int, tensor: int, share: int = 1
 ) -> int:
     """Bytes of the prepare program on one device: a forward of `rows` rows (one layer's working
     set at a time) and the readout's chunk (two float32 copies: the logits and their exponentials;
-    the policy's and the reference's passes run one after the other)."""
+    the policy's and the reference's passes run one after the other); with `share` > 1 the
+    responses' call over all T keys is the larger working set (`activation_terms`)."""
     T = prompt_len + max_new
     logits = readout_bytes(model_cfg, rows, max_new, tensor, 2)
+    if share > 1:
+        return rows * max_new * forward_layer_bytes(model_cfg, tensor, T, 3) + logits
     return rows * T * forward_layer_bytes(model_cfg, tensor, T, 3) + logits
+
+
+def _head_dim(m: ModelConfig) -> int:
+    return getattr(m, "head_dim", None) or m.hidden_size // m.num_attention_heads
 
 
 def generation_bytes(
@@ -594,6 +619,7 @@ def _plan(
 ) -> MemoryPlan:
     sizes = dict(zip(parallel.AXES, mesh, strict=True))
     dp, tensor = mesh[0] * mesh[1], mesh[2]
+    share = math.gcd(micro_batch_rows, job.share_n)  # rows per prompt (`step.levers`)
     params = _shard_bytes(job.params, sizes)
     trained = params if job.trainable is None else _shard_bytes(job.trainable, sizes)
     act = activation_terms(
@@ -604,6 +630,7 @@ def _plan(
         tensor,
         remat,
         head_grad=job.trainable is None,  # QeRL mode: the head is frozen
+        share=share,
     )
     components = {
         "params": params,
@@ -618,7 +645,12 @@ def _plan(
             job.model, _cdiv(max(job.rows, job.val_rows), dp), job.bucket, job.max_new, tensor
         ),
         "prepare": prepare_bytes(
-            job.model, _cdiv(micro_batch_rows, dp), job.bucket, job.max_new, tensor
+            job.model,
+            _cdiv(micro_batch_rows, dp),
+            job.bucket,
+            job.max_new,
+            tensor,
+            share,
         ),
         "gradients": trained,
         "activations": act["layers"] + act["logits"],

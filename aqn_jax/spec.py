@@ -299,6 +299,7 @@ def job_spec(
     if device is None:
         device = fault_plan(config.faults, model_cfg.num_hidden_layers)
     eval_faults = device.active("eval")
+    h = hyper_from(config) if h is None else h
     return JobSpec(
         model=model_cfg,
         mesh=tuple(int(config.mesh[a]) for a in parallel.AXES),
@@ -312,12 +313,14 @@ def job_spec(
         max_new=int(ro.max_new_tokens),
         buckets=reachable_buckets(ro),
         val_samplers=2 if eval_faults else 1,
-        use_ref=(hyper_from(config) if h is None else h).use_ref,
+        use_ref=h.use_ref,
         headroom=float(section.headroom),
         device_memory_gb=float(section.device_memory_gb),
         refuse=bool(section.enabled),
         lora=lora_spec(config.get("lora")) if lora is None else lora,
         weight_format=str(config.model.get("weight_format", "none")),
+        # The update's shared prompt as the device's faults allow it (AQN acts in the rollout).
+        share_n=h.n if h.share_prompt and not device.split_refusals("train", split=True) else 1,
     )
 
 

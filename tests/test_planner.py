@@ -314,13 +314,16 @@ def unfused_logits(monkeypatch):
 
     def use(config):
         ref = bool(config.algo.use_kl_loss or config.algo.use_kl_in_reward)
+        config.actor.share_prompt = False  # the measured runs computed every row's prompt
 
-        def update(m, rows, prompt_len, max_new, tensor, remat, head_grad=True):
+        def update(m, rows, prompt_len, max_new, tensor, remat, head_grad=True, share=1):
+            assert share == 1
             out = activation_terms(m, rows, prompt_len, max_new, tensor, remat)
             T = prompt_len + max_new
             return {**out, "logits": 3 * (T + max_new) * rows * -(-m.vocab_size // tensor) * 4}
 
-        def prepare(m, rows, prompt_len, max_new, tensor):
+        def prepare(m, rows, prompt_len, max_new, tensor, share=1):
+            assert share == 1
             T = prompt_len + max_new
             logits = ((1 + int(ref)) * T + 2 * max_new) * rows * -(-m.vocab_size // tensor) * 4
             return rows * T * planner.forward_layer_bytes(m, tensor, T, 3) + logits
@@ -343,6 +346,7 @@ def qwen05_as_measured(dtype="float32"):
     config.rollout.prompt_buckets = (256,)
     config.data_batch.prompts, config.rollout.n = 4, 4
     config.actor.mini_batch_prompts, config.actor.micro_batch_rows = 4, 2
+    config.actor.share_prompt = False  # every row's prompt computed, as then
     config.trainer.val_batch_size = 8
     return config
 
@@ -449,8 +453,8 @@ def test_cpu_plan_is_checked_against_host_memory(unfused_logits):
     fits the same host. On this machine, check() reads the host itself."""
     config = qwen05_as_measured("bfloat16")
     model_cfg = dataclasses.replace(model_config(config.model), tie_word_embeddings=False)
-    spec = job(config, model_cfg)
     unfused_logits(config)
+    spec = job(config, model_cfg)
     plan = planner.estimate(spec, 1)
     host = (25_276_510_208, "MemTotal")  # the 23.5 GiB of the machine the issue ran on
     with pytest.raises(ValueError) as err:
@@ -514,3 +518,21 @@ def test_cpu_plan_is_checked_against_host_memory(unfused_logits):
     read = planner.check(job(tiny), 1)
     assert read.host_memory == planner.host_memory()[0] and read.fits_host
     assert "host memory" in read.table()
+
+
+def test_shared_prompt_layout_saves_fewer_activation_bytes():
+    """The update's shared prompt (rows / k prompts over their own keys, the responses over all
+    T keys with each row's copy of its prompt's K/V): at the arith shape (192 + 64, 4 rows of
+    one group) below the per-row layout, and by a share larger than the responses' part."""
+    cfg = Qwen2Config.qwen2p5_0p5b()
+    for remat in (False, True):
+        plain = planner.activation_terms(cfg, 4, 192, 64, tensor=1, remat=remat)
+        same = planner.activation_terms(cfg, 4, 192, 64, tensor=1, remat=remat, share=1)
+        shared = planner.activation_terms(cfg, 4, 192, 64, tensor=1, remat=remat, share=4)
+        assert same == plain and shared["logits"] == plain["logits"]
+        # Per layer the prompt's part is 3 of 4 prompt copies fewer (192 of 256 positions per
+        # row); what is left is the responses' positions and the K/V copies.
+        assert 0.25 < shared["layers"] / plain["layers"] < 0.6
+    # The prepare pass's working set: the responses' call only.
+    full = planner.prepare_bytes(cfg, 4, 192, 64, 1)
+    assert planner.prepare_bytes(cfg, 4, 192, 64, 1, share=4) < full

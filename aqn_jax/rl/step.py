@@ -228,7 +228,7 @@ def static_from(
     sdc = telemetry.sdc_spec(spec.guard, spec.actor.grad_clip, plan, total_steps * updates)
     if sdc is not None:  # bit faults on the gradients / AdamW moments: around the optimizer
         actor_opt = trees.with_tree_faults(actor_opt, sdc.gradient, sdc.moments, spec.seed)
-    share_group, skip, off = _levers(h, plan, hardware_plan if spec.critic_faults else None, sdc)
+    share_group, skip, off = levers(h, plan, hardware_plan if spec.critic_faults else None, sdc)
     return Static(
         h=h,
         model_cfg=model_cfg,
@@ -251,7 +251,7 @@ def static_from(
     )
 
 
-def _levers(h: Hyper, plan: FaultPlan, critic_plan: FaultPlan | None, sdc) -> tuple:
+def levers(h: Hyper, plan: FaultPlan, critic_plan: FaultPlan | None, sdc) -> tuple:
     """(rows per shared prompt, the skip on, why a lever asked for is off). A micro-batch of m
     rows holds whole blocks of gcd(m, n) rows of one group: each block's prompt runs once."""
     off = []
