@@ -82,6 +82,7 @@ def evaluate_config() -> ml_collections.ConfigDict:
     c.run = ""  # a train run's workdir: its checkpoint is evaluated; '' = the warm start
     c.step = -1  # checkpoint step of `run`; -1 = the latest
     c.size = 0  # test examples; 0 = config.trainer.val_size
+    c.clean_size = 0  # the first this many of them with the fault off; 0 = all of them
     c.batch_size = 0  # 0 = config.trainer.val_batch_size
     c.fault = (False, True)  # the hardware fault of config.faults off and/or on
     c.noise_levels = (0.0, 0.05, 0.10)  # relative noise on every linear output (0 = none)

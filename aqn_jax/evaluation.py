@@ -69,8 +69,8 @@ def check_evaluate(ev: Any) -> None:
             "config.evaluate.noise_levels=() and mxfp4=False leave no condition; use"
             " noise_levels=(0.0,) for the unperturbed device"
         )
-    for field in ("size", "batch_size"):
-        if ev[field] < 0:
+    for field in ("size", "batch_size", "clean_size"):
+        if ev.get(field, 0) < 0:
             raise ValueError(f"config.evaluate.{field}={ev[field]}; must be >= 0 (0 = default)")
     if ev.samples < 1:
         raise ValueError(f"config.evaluate.samples={ev.samples}; must be >= 1 (1 = greedy)")
@@ -93,6 +93,7 @@ class EvalSpec:
     seed: int
     reward_method: str
     share_prompt: bool = True  # config.rollout.share_prompt (mean@n: one prefill per prompt)
+    clean_size: int = 0  # config.evaluate.clean_size: the fault-off conditions' first examples
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,6 +187,7 @@ def robustness(
     )
     buckets, bs = spec.buckets, spec.batch_size
     fault_key = step_key(spec.seed, 0, "eval")
+    everything = examples
     results: dict[str, Any] = {}
     samplers: dict[tuple[bool, str], Sampler] = {}
     for cond in spec.conditions:
@@ -201,6 +203,8 @@ def robustness(
         values = {EVAL_NOISE: np.float32(cond.level)} if cond.kind == "noise" else {}
         texts: list[str] = []
         weights = params
+        cut = spec.clean_size if not cond.fault and spec.clean_size else len(everything)
+        examples = everything[:cut]
         if cond.weights != "none":  # the same program over the format's weights
             weights = quant_base.fake_quantized(params, cond.weights, family_of(model_cfg).site_of)
         scores = eval_scores(
@@ -237,7 +241,7 @@ def robustness(
                 causal_lm(model_cfg),
                 params,
                 hardware if f else FaultPlan(),
-                examples,
+                everything,
                 tokenizer,
                 bs,
                 fault_key,

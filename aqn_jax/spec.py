@@ -384,6 +384,7 @@ def eval_spec(config: Any) -> EvalSpec:
         max_new_tokens=int(config.rollout.max_new_tokens),
         temperature=float(config.rollout.temperature),
         share_prompt=flag(config.rollout, "config.rollout", "share_prompt"),
+        clean_size=int(ev.get("clean_size", 0)),
         buckets=tuple(int(b) for b in config.rollout.prompt_buckets),
         max_prompt_len=int(config.rollout.max_prompt_len),
         seed=int(config.seed),

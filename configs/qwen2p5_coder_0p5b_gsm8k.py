@@ -325,8 +325,8 @@ def _study(config, smoke: bool):
     and ours draws the noise per call, so each decode step of a rollout draws its own (QeRL's
     weights hold one draw for the whole rollout).
 
-    Every run is evaluated at its end on both devices, greedy, on the first 256 held-out
-    problems (the faulty device is the primary outcome); step 0 is the same model for every
+    Every run is evaluated at its end, greedy, on the first 256 held-out problems on the faulty
+    device (the primary outcome) and the first 128 on the clean device; step 0 is the same model for every
     run and is evaluated once (config.compare.baseline). The runs' own validation is a
     16-problem check. Statistics: `python -m aqn_jax.study.outcome` over the workdir.
     """
@@ -355,7 +355,8 @@ def _study(config, smoke: bool):
     config.trainer.val_batch_size = 2 if smoke else 16
     config.checkpoint.every = 4  # resumable: rerun the same command
     config.checkpoint.final = "state"
-    config.evaluate.size = 2 if smoke else 256
+    config.evaluate.size = 2 if smoke else 256  # the faulty device: the primary outcome
+    config.evaluate.clean_size = 1 if smoke else 128  # the clean device: the first 128
     config.evaluate.batch_size = 2 if smoke else 32
     config.evaluate.fault = (False, True)
     config.evaluate.noise_levels = (0.0,)

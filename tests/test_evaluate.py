@@ -104,6 +104,14 @@ def test_matrix_agrees_with_validation_and_noise_zero_is_exact(sft_tiny):
         assert set(readings) == {"strict", "flexible", "boxed"}
         assert readings["strict"] == conds[name]["acc"] == readings["boxed"]
         assert readings["flexible"] == pytest.approx(readings["strict"], abs=0.07)
+    # config.evaluate.clean_size: the clean device on the first 8 only, the faulty on all 16.
+    half_cfg = _config(size=16, batch_size=8, loss=False, noise_levels=(0.0,), mxfp4=False)
+    half_cfg.evaluate.clean_size = 8
+    half = robustness(eval_spec(half_cfg), cfg, params, tok, examples, hw, log=lambda *_: None)
+    assert (half["conditions"]["clean"]["n"], half["conditions"]["fault"]["n"]) == (8, 16)
+    ref = eval_scores(refs["clean"], params, examples[:8], tok, 8, BUCKET, fault_key=key)
+    assert half["conditions"]["clean"]["acc"] == float(np.mean(ref))
+    assert half["conditions"]["fault"]["acc"] == conds["fault"]["acc"]
 
     # Why level 0 may skip the noise program: the traced noise at level 0 adds nothing (the same
     # greedy tokens on the faulty device; log-probs within float32 rounding, since the noise

@@ -181,7 +181,7 @@ def test_study_preset_validates_with_every_lever_on(snapshot, tmp_path):
     )
     assert tuple(aqn.phases) == ("rollout",)
     assert [c.name for c in conditions(config.evaluate)] == ["clean", "fault"]
-    assert config.evaluate.size >= 256
+    assert config.evaluate.size >= 256 and config.evaluate.clean_size >= 128
     config.model.hf_path = snapshot
     # This fixture's GSM8K-trained BPE writes the arith prompts longer than Qwen2.5's (<= 191).
     config.rollout.max_prompt_len, config.rollout.prompt_buckets = 256, (256,)
