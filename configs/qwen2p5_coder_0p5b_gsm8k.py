@@ -326,9 +326,9 @@ def _study(config, smoke: bool):
     weights hold one draw for the whole rollout).
 
     Every run is evaluated at its end, greedy, on the first 256 held-out problems on the faulty
-    device (the primary outcome) and the first 128 on the clean device; step 0 is the same model for every
-    run and is evaluated once (config.compare.baseline). The runs' own validation is a
-    16-problem check. Statistics: `python -m aqn_jax.study.outcome` over the workdir.
+    device (the primary outcome) and the first 128 on the clean device; step 0 is the same
+    model for every run and is evaluated once (config.compare.baseline). The runs' own
+    validation is a 16-problem check. The statistics: `python -m aqn_jax.study.outcome`.
     """
     config.job = "compare"
     config.compare = compare_config()
