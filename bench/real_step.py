@@ -2,6 +2,7 @@
 off and on, on the same batch.
 
   python bench/real_step.py --hf-path=/models/qwen05 [--settings off,on] [--reps 2] [--record]
+  python bench/real_step.py --hf-path=/models/qwen05 --validation=128   # the validation's prefill
 
 The config is `configs/qwen2p5_coder_0p5b_gsm8k.py:deadzone,arith` (4 prompts x 8 samples, the
 192-token prompt bucket, 64 new tokens, LoRA r32, the per-token deadzone at layer 15,
@@ -27,6 +28,7 @@ the table to WORKSPACE.md with the CPU's flags.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import resource
@@ -98,17 +100,68 @@ def child(args) -> None:
     print("RESULT " + json.dumps(result), flush=True)
 
 
+def validation(args) -> None:
+    """A greedy validation of `--validation` held-out problems on the clean device (the
+    config's batch of 32), timed in full (64 new tokens) and as its prefill alone (one new
+    token: the prefill and one decode step), each after a compile; and how many of the prompt
+    tokens every problem shares at its start and end (the chat template, the worked example,
+    the instruction)."""
+    from aqn_jax import compute_dtype
+    from aqn_jax.data.config import load_split
+    from aqn_jax.evaluation import greedy_sampling
+    from aqn_jax.models.hf import load_hf_checkpoint
+    from aqn_jax.models.registry import causal_lm
+    from aqn_jax.rl.sampler import Sampler
+    from aqn_jax.rl.scoring import eval_scores
+    from aqn_jax.warm_start import tokenizer_for
+
+    config = _config(args.hf_path, "on")
+    tok = tokenizer_for(config.tokenizer_path, config.model)
+    test = load_split(config.data, "test")[: args.validation]
+    ids = [tok.encode_chat(ex.prompt_messages) for ex in test]
+    head = next(i for i in range(min(map(len, ids))) if any(x[i] != ids[0][i] for x in ids))
+    tail = next(i for i in range(1, min(map(len, ids))) if any(x[-i] != ids[0][-i] for x in ids))
+    dtype = compute_dtype.choose()[0]  # config.model.dtype='auto'
+    model_cfg, params = load_hf_checkpoint(args.hf_path, dtype)
+    model_cfg = dataclasses.replace(model_cfg, remat=False)
+    seconds = {}
+    for new in (64, 1):
+        sampler = Sampler(
+            causal_lm(model_cfg),
+            greedy_sampling(new, tok),
+            buckets=tuple(config.rollout.prompt_buckets),
+            phase="eval",
+        )
+        bs, width = int(config.trainer.val_batch_size), int(config.rollout.max_prompt_len)
+        eval_scores(sampler, params, test[:bs], tok, bs, width)  # compile
+        t0 = time.perf_counter()
+        eval_scores(sampler, params, test, tok, bs, width)
+        seconds[new] = time.perf_counter() - t0
+    lens = sorted(map(len, ids))
+    print(
+        f"VALIDATION problems={len(test)} dtype={dtype} full_s={seconds[64]:.1f}"
+        f" prefill_s={seconds[1]:.1f} prefill_share={seconds[1] / seconds[64]:.2f}"
+        f" prompt_tokens={lens[0]}-{lens[-1]} (median {lens[len(lens) // 2]})"
+        f" common_prefix={head} common_suffix={tail - 1}"
+    )
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--hf-path", required=True)
     p.add_argument("--settings", default="off,on")
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--record", action="store_true")
+    p.add_argument(
+        "--validation", type=int, default=0, help="time a greedy validation of this many problems"
+    )
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--batch", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
         return child(args)
+    if args.validation:
+        return validation(args)
     settings = args.settings.split(",")
     bad = [s for s in settings if s not in SETTINGS]
     if bad or not os.path.isdir(args.hf_path):

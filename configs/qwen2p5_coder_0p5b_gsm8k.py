@@ -350,6 +350,8 @@ def _study(config, smoke: bool):
     config.aqn.sigma_end = 1e-4
     config.aqn.num_stages = 10
     config.aqn.order = "after_fault"
+    # A whole group per micro-batch: its prompt computed once in the update (4 rows: twice).
+    config.actor.micro_batch_rows = 2 if smoke else 8
     config.trainer.total_steps = 1 if smoke else 12  # the learning curve's knee (issue 49)
     config.trainer.val_size = 2 if smoke else 16
     config.trainer.val_batch_size = 2 if smoke else 16
