@@ -244,6 +244,9 @@ def clean_smoke(sft_cache, tmp_path_factory):
     workdir = tmp_path_factory.mktemp("clean_smoke")
     config = load_config("clean", "smoke")
     config.sft.cache_dir = sft_cache
+    # Every row's prompt computed, as in the guarded runs compared with this one (SDC keeps the
+    # per-row passes: `FaultPlan.split_refusals`); the clean device would share it.
+    config.rollout.share_prompt = config.actor.share_prompt = False
     with pytest.MonkeyPatch.context() as patch:
         made = lowered_during_step_1(patch)
         run(shallow(config), str(workdir))

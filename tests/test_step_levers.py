@@ -4,6 +4,7 @@ per-row gradient; micro-batches of rows without an advantage left out
 (`config.actor.skip_zero_advantage`) give the full batch's update; each with a negative control.
 Tiny shapes: 3 layers, 4 prompts x n=2 rows of 8 + 6 tokens, micro-batches of 2 rows."""
 
+import dataclasses
 import functools
 
 import jax
@@ -216,3 +217,33 @@ def test_skipping_silent_groups_equals_the_full_update():
     g0, _ = _grads(plain, batch, s, adv)
     g1, _ = _grads(skip, batch, s, adv)
     assert np.abs(g1 - g0).max() > 10 * _tol(g0)
+
+
+@pytest.mark.slow
+def test_shared_prompt_values_equal_the_critics_per_row_values():
+    # The critic's pass (`_values`) through the shared prompt: the value head at the positions
+    # P - 1 .. T - 2, as the per-row forward gives them; a prompt token changed in a group's
+    # first row moves that group's values only (the negative control).
+    static = _static(True, False)
+    critic = rl_step.init_critic(CFG, random_params(CFG, seed=2))
+    # A random value head (a fresh critic's is zero: every value 0, a vacuous comparison).
+    head = np.random.default_rng(3).normal(0, 0.1, (CFG.hidden_size, 1)).astype(np.float32)
+    critic["value_head"] = {"kernel": head, "bias": np.zeros(1, np.float32)}
+    batch, _ = _batch([1, 0, 0, 1, 1, 1, 0, 1])
+    plain = dataclasses.replace(static, share_group=1)
+
+    def run(st):
+        return jax.jit(lambda b: rl_step._values(st, critic, b, jax.random.key(0), VALUES))
+
+    run_plain, run_shared = run(plain), run(static)
+    v0, v1 = np.asarray(run_plain(batch)), np.asarray(run_shared(batch))
+    assert v0.shape == (ROWS, NEW) and np.abs(v0).min() > 0
+    # A value is at most sqrt(D) max|final norm gain| |head| (Cauchy-Schwarz, as
+    # tolerance.logit_bound): the scale of the terms along the path.
+    gain = float(np.abs(np.asarray(critic["norm"]["weight"])).max())
+    scale = np.sqrt(CFG.hidden_size) * gain * float(np.linalg.norm(head))
+    tol = bound(forward_path(CFG, PLEN + NEW), scale)
+    np.testing.assert_allclose(v1, v0, rtol=0, atol=tol)
+    ids = batch["ids"].at[0, PLEN - 1].set((batch["ids"][0, PLEN - 1] + 1) % 200)
+    moved = np.abs(np.asarray(run_shared({**batch, "ids": ids})) - v1).max(axis=1)
+    assert moved[:N].min() > 10 * tol and moved[N:].max() == 0.0
