@@ -170,6 +170,7 @@ def test_deadzone_plan_acts_during_rollout():
     np.testing.assert_array_equal(same.tokens, clean.tokens)
 
 
+@pytest.mark.slow
 def test_shared_prompt_prefill_equals_one_prefill_per_row():
     # One prefill per distinct prompt, broadcast to its n rows, against a prefill of every row:
     # the same greedy tokens and log-probs under a deterministic fault whose call-wide amax
