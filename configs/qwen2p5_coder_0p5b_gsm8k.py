@@ -331,6 +331,9 @@ def _study(config, smoke: bool):
     validation is a 16-problem check. The statistics: `python -m aqn_jax.study.outcome`.
     """
     config.job = "compare"
+    # One dtype whatever machine a later session resumes on ('auto' picks bf16 on AVX-512 BF16
+    # or AMX): the step-0 evaluation and every run compute alike (started in f32, 2026-11-28).
+    config.model.dtype = "float32"
     config.compare = compare_config()
     config.compare.arms = STUDY_ARMS
     config.compare.seeds = (0, 1) if smoke else (0, 1, 2)
