@@ -321,9 +321,8 @@ def _study(config, smoke: bool):
     from QeRL's code: QeRL adds each step's noise to the model's norm weights in place, so the
     final norm's noise accumulates across syncs (ours never touches the params: every draw is
     from the clean weights), and its trainer's log-probs are taken without noise, uncorrected,
-    as ours are (the rollout's noise is a sampler-trainer mismatch: rollout_corr/* reports it);
-    and ours draws the noise per call, so each decode step of a rollout draws its own (QeRL's
-    weights hold one draw for the whole rollout).
+    as ours are (the rollout's noise is a sampler-trainer mismatch: rollout_corr/* reports it).
+    As in QeRL, one draw holds for a whole rollout (its prefill and every decode step).
 
     Every run is evaluated at its end, greedy, on the first 256 held-out problems on the faulty
     device (the primary outcome) and the first 128 on the clean device; step 0 is the same

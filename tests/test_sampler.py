@@ -205,6 +205,48 @@ def test_shared_prompt_prefill_equals_one_prefill_per_row():
     np.testing.assert_array_equal(c.tokens[3:], a.tokens[3:])
 
 
+def test_norm_weight_noise_is_drawn_once_per_rollout():
+    # AQN's norm-weight noise (QeRL's form) models the weights the rollout device holds: one
+    # draw for the prefill and every decode step. The sampler's log-probs then equal one
+    # teacher-forced forward under that draw (the values' DRAW_KEY, the rollout's fault key);
+    # the negative control: the forward drawing its own weights differs beyond the bound.
+    from aqn_jax.faults.transforms import DRAW_KEY, NormWeightNoise, Scale
+    from aqn_jax.forward import forward
+
+    aqn = NormWeightNoise(Scale(0.1))
+    plan = FaultPlan([Injection("aqn", SiteSelector(("rmsnorm",)), aqn, phases=("rollout",))])
+    ids, mask = prompts()
+    fault_key = jax.random.key(11)
+    out = sampler(plan=plan)(WEIGHTS, ids, mask, jax.random.key(0), fault_key=fault_key)
+    seq = np.concatenate([out.prompt_ids, out.tokens], axis=1)
+    seq_mask = np.concatenate([out.prompt_mask, out.response_mask], axis=1)
+    L = out.prompt_ids.shape[1]
+
+    def teacher(values):
+        logits = forward(
+            MODEL,
+            WEIGHTS,
+            seq,
+            seq_mask,
+            plan=plan,
+            phase="rollout",
+            key=jax.random.key(5),
+            values=values,
+        )
+        logp = jax.nn.log_softmax(np.asarray(logits)[:, L - 1 : -1], axis=-1)
+        return np.take_along_axis(np.asarray(logp), out.tokens[..., None], axis=-1)[..., 0]
+
+    real = out.response_mask.astype(bool)
+    # The final norm's gain under noise: |g + 0.1 z| <= 2 max|g| for |z| <= 10 (g = 1 here).
+    tol = bound(
+        forward_path(CONFIG, seq.shape[1], log_softmax=True), 2 * logit_bound(CONFIG, WEIGHTS)
+    )
+    same = teacher({DRAW_KEY: jax.random.key_data(fault_key)})
+    np.testing.assert_allclose(out.logprobs[real], same[real], atol=tol, rtol=0)
+    own = teacher({})
+    assert np.abs(out.logprobs[real] - own[real]).max() > 10 * tol
+
+
 def test_call_wide_quantile_keeps_one_prefill_per_row():
     # A quantile over the call's values counts each duplicated row: sharing would change it.
     dz = Deadzone(0.3, severity="quantile", scope="call")

@@ -292,13 +292,15 @@ class _Run:
         self.applied = False
         self.token_mask: jax.Array | None = None  # [B, T] of the latest model call
 
-    def site_key(self, site: Site, index: int) -> jax.Array:
-        if self.key is None:
+    def site_key(self, site: Site, index: int, base: jax.Array | None = None) -> jax.Array:
+        """The key of (site, injection) from `base` (default: this call's key)."""
+        base = self.key if base is None else base
+        if base is None:
             raise ValueError(
                 f"a random fault transform at {site} needs a key: plan.apply(phase, key=...)"
             )
         path_hash = zlib.crc32(str(site).encode()) & 0x7FFFFFFF
-        key = jax.random.fold_in(jax.random.fold_in(self.key, path_hash), index)
+        key = jax.random.fold_in(jax.random.fold_in(base, path_hash), index)
         for extra in (_TRIAL.get(), _PART.get()):
             if extra is not None:
                 key = jax.random.fold_in(key, extra)

@@ -44,6 +44,10 @@ STATE_COLLECTION = "fault_state"  # running statistics carried across cached dec
 # (the log-prob readout's chunks, `aqn_jax/logprobs.py`); every other statistic is a mean,
 # weighted by the part's size.
 COUNT_STATS = frozenset({"flips", "blocks_hit", "bwd_flips", "detected", "rows"})
+# A traced value (raw key data) that a caller running one device state over several model
+# calls passes to all of them (the sampler: a rollout's prefill and decode steps): a draw that
+# models the weights as the device holds them (`Ctx.draw_key`) is then made once, not per call.
+DRAW_KEY = "draw_key"
 
 
 class Ctx:
@@ -64,6 +68,15 @@ class Ctx:
     def key(self) -> jax.Array:
         """The key of this (site, injection), folded with the innermost `fault_trial`."""
         return self._run.site_key(self.site, self._index)
+
+    @property
+    def draw_key(self) -> jax.Array:
+        """The key of a draw that holds over the caller's calls (`DRAW_KEY`: a rollout's), as
+        `key` folds it; this call's `key` when the caller passes none."""
+        data = self._run.values.get(DRAW_KEY)
+        if data is None:
+            return self.key
+        return self._run.site_key(self.site, self._index, jax.random.wrap_key_data(data))
 
     @property
     def values(self) -> Mapping[str, Any]:
@@ -453,8 +466,10 @@ class NoisyLinear(_Scaled):
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class NormWeightNoise(_Scaled):
-    """QeRL's AQN: N(0, sigma^2) added to the RMSNorm weight vector for this call, drawn anew
-    for each (step, site) from the clean weights; params are never modified."""
+    """QeRL's AQN: N(0, sigma^2) added to the RMSNorm weight vector, drawn anew for each (step,
+    site) from the clean weights (`Ctx.draw_key`: once for a whole rollout, its prefill and
+    every decode step, as QeRL's weights hold one draw between syncs); params are never
+    modified."""
 
     scale: Scale
     level = "op"
@@ -464,7 +479,7 @@ class NormWeightNoise(_Scaled):
     def __call__(self, module, args, ctx: Ctx):
         weight = nn.unbox(module.variables["params"])["weight"]
         noise = self.scale.at(ctx.site, ctx.values) * jax.random.normal(
-            ctx.key, weight.shape, jnp.float32
+            ctx.draw_key, weight.shape, jnp.float32
         )
         ctx.sow("noise_rms_rel", _rms(noise) / (_rms(weight) + 1e-30))
         noisy = (weight.astype(jnp.float32) + noise).astype(weight.dtype)

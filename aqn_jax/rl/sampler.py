@@ -36,7 +36,7 @@ import numpy as np
 
 from aqn_jax import parallel
 from aqn_jax.faults.intercept import FaultPlan
-from aqn_jax.faults.transforms import STATE_COLLECTION, STATS_COLLECTION
+from aqn_jax.faults.transforms import DRAW_KEY, STATE_COLLECTION, STATS_COLLECTION
 from aqn_jax.forward import forward
 from aqn_jax.models.registry import init_cache
 
@@ -313,6 +313,10 @@ def generate(p: _Program, weights, input_ids, attention_mask, keys, cache, value
     p.on_trace()
     sp = p.sampling
     key, fault_key = keys
+    # One device state over the whole rollout: a draw of the weights as the device holds them
+    # (AQN's norm weights) is made once, for the prefill and every decode step.
+    typed = jnp.issubdtype(fault_key.dtype, jax.dtypes.prng_key)
+    values = {**values, DRAW_KEY: jax.random.key_data(fault_key) if typed else fault_key}
     rows = input_ids.shape[0] * (sp.n if p.share else 1)
     prefill_key = jax.random.fold_in(fault_key, 0)
     if p.share:
