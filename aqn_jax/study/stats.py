@@ -121,13 +121,7 @@ def welch(
         "mean_a": float(va.mean()) if n1 else None,
         "mean_b": float(vb.mean()) if n2 else None,
         "diff": float(va.mean() - vb.mean()) if n1 and n2 else None,
-        "se": None,
-        "t": None,
-        "df": None,
-        "p": None,
-        "ci_level": level,
-        "diff_ci_low": None,
-        "diff_ci_high": None,
+        **_not_tested(level),
         "diff_ci_half": None,
         "sd_pooled": None,
         "cohen_d": None,
@@ -167,6 +161,12 @@ def welch(
         mdd=mdd(math.sqrt(v1), math.sqrt(v2), n1, n2),
     )
     return out
+
+
+def _not_tested(level: float) -> dict[str, Any]:
+    """A test's fields before (or without) the test: its statistic, p and interval."""
+    keys = ("se", "t", "df", "p", "ci_level", "diff_ci_low", "diff_ci_high")
+    return {k: level if k == "ci_level" else None for k in keys}
 
 
 def _welch_se_df(sd_a: float, sd_b: float, n_a: int, n_b: int) -> tuple[float, float]:
@@ -248,13 +248,7 @@ def paired(
         "n_dropped": len(a) - n,
         "diff": float(d.mean()) if n else None,
         "sd_diff": None,
-        "se": None,
-        "t": None,
-        "df": None,
-        "p": None,
-        "ci_level": level,
-        "diff_ci_low": None,
-        "diff_ci_high": None,
+        **_not_tested(level),
         "hedges_g": None,
         "mdd": None,
         "reason": None,
