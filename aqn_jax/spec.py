@@ -38,7 +38,7 @@ from aqn_jax.rl import advantages as adv_lib
 from aqn_jax.rl import losses
 from aqn_jax.rl.optim import OptimizerSpec
 from aqn_jax.rl.rollout_correction import correction_from
-from aqn_jax.rl.step import OLD_LOGP_PASS, Hyper, StepSpec
+from aqn_jax.rl.step import OLD_LOGP_PASS, Hyper, StepSpec, share_refusals
 from aqn_jax.rl.trainer import LoopSpec
 from aqn_jax.sdc.guard import GuardSpec, guard_spec
 from aqn_jax.warm_start import WarmStartSpec
@@ -320,7 +320,7 @@ def job_spec(
         lora=lora_spec(config.get("lora")) if lora is None else lora,
         weight_format=str(config.model.get("weight_format", "none")),
         # The update's shared prompt as the device's faults allow it (AQN acts in the rollout).
-        share_n=h.n if h.share_prompt and not device.split_refusals("train", split=True) else 1,
+        share_n=h.n if h.share_prompt and not share_refusals(device) else 1,
     )
 
 

@@ -251,17 +251,23 @@ def static_from(
     )
 
 
+def share_refusals(plan: FaultPlan, critic_plan: FaultPlan | None = None, sdc=None) -> list[str]:
+    """Why the update's passes would change with a shared prompt (empty: they would not)."""
+    why = plan.split_refusals("train", split=True)
+    if critic_plan is not None:
+        why += critic_plan.split_refusals("train", split=True)
+    if sdc is not None:
+        why.append("config.sdc counts the faults of each pass's calls")
+    return why
+
+
 def levers(h: Hyper, plan: FaultPlan, critic_plan: FaultPlan | None, sdc) -> tuple:
     """(rows per shared prompt, the skip on, why a lever asked for is off). A micro-batch of m
     rows holds whole blocks of gcd(m, n) rows of one group: each block's prompt runs once."""
     off = []
     group = 1
     if h.share_prompt:
-        why = plan.split_refusals("train", split=True)
-        if critic_plan is not None:
-            why += critic_plan.split_refusals("train", split=True)
-        if sdc is not None:
-            why.append("config.sdc counts the faults of each pass's calls")
+        why = share_refusals(plan, critic_plan, sdc)
         rows = h.micro_rows
         group = math.gcd(rows, h.n) if not why else 1
         if why:
