@@ -243,6 +243,33 @@ def _redraw_chain(ops, opening: bool, lo: int, hi: int, digits: int, rng) -> lis
 
 
 @dataclasses.dataclass(frozen=True)
+def _operation(rng, op: str, q: int, lo: int, hi: int, edible: bool, divisors, equations):
+    """Draw operation `op`'s operand and sentence template on the running value `q`; its equation
+    appended to `equations`; (operand, template, new value)."""
+    if op == "add":
+        n = int(rng.integers(lo, hi + 1))
+        template = _ADD[int(rng.integers(len(_ADD)))]
+        equations.append(f"{q} + {n} = {q + n}")
+        q += n
+    elif op == "sub":
+        n = int(rng.integers(lo, min(hi, q - 1) + 1))
+        pool = _SUB + _SUB_EDIBLE if edible else _SUB
+        template = pool[int(rng.integers(len(pool)))]
+        equations.append(f"{q} - {n} = {q - n}")
+        q -= n
+    elif op == "mul":
+        n = int(rng.integers(2, 10))
+        template = _MUL[int(rng.integers(len(_MUL)))]
+        equations.append(f"{q} * {n} = {q * n}")
+        q *= n
+    else:
+        n = divisors[int(rng.integers(len(divisors)))]
+        template = _DIV[int(rng.integers(len(_DIV)))]
+        equations.append(f"{q} / {n} = {q // n}")
+        q //= n
+    return n, template, q
+
+
 class ArithmeticTask:
     """Deterministic GSM8K-format word problems: `example(index, split)` is a pure function.
 
@@ -317,27 +344,7 @@ class ArithmeticTask:
             if divisors:
                 feasible.append("div")
             op = feasible[int(rng.integers(len(feasible)))]
-            if op == "add":
-                n = int(rng.integers(lo, hi + 1))
-                template = _ADD[int(rng.integers(len(_ADD)))]
-                equations.append(f"{q} + {n} = {q + n}")
-                q += n
-            elif op == "sub":
-                n = int(rng.integers(lo, min(hi, q - 1) + 1))
-                pool = _SUB + _SUB_EDIBLE if edible else _SUB
-                template = pool[int(rng.integers(len(pool)))]
-                equations.append(f"{q} - {n} = {q - n}")
-                q -= n
-            elif op == "mul":
-                n = int(rng.integers(2, 10))
-                template = _MUL[int(rng.integers(len(_MUL)))]
-                equations.append(f"{q} * {n} = {q * n}")
-                q *= n
-            else:
-                n = divisors[int(rng.integers(len(divisors)))]
-                template = _DIV[int(rng.integers(len(_DIV)))]
-                equations.append(f"{q} / {n} = {q // n}")
-                q //= n
+            n, template, q = _operation(rng, op, q, lo, hi, edible, divisors, equations)
             phrase = template.format(n=n, **fields)
             if op == "div" and last and rng.random() < 0.5:
                 # GSM8K's classic ending: the division is the question itself.
