@@ -242,7 +242,6 @@ def _redraw_chain(ops, opening: bool, lo: int, hi: int, digits: int, rng) -> lis
     return chain
 
 
-@dataclasses.dataclass(frozen=True)
 def _operation(rng, op: str, q: int, lo: int, hi: int, edible: bool, divisors, equations):
     """Draw operation `op`'s operand and sentence template on the running value `q`; its equation
     appended to `equations`; (operand, template, new value)."""
@@ -270,6 +269,7 @@ def _operation(rng, op: str, q: int, lo: int, hi: int, edible: bool, divisors, e
     return n, template, q
 
 
+@dataclasses.dataclass(frozen=True)
 class ArithmeticTask:
     """Deterministic GSM8K-format word problems: `example(index, split)` is a pure function.
 
