@@ -175,19 +175,8 @@ def robustness(
     gen = causal_lm(dataclasses.replace(model_cfg, remat=False))
     if jnp.dtype(model_cfg.dtype) != jnp.dtype(model_cfg.param_dtype):
         params = jax.tree_util.tree_map(lambda x: x.astype(model_cfg.dtype), params)
-    samples = spec.samples
-    sp = SamplingParams(
-        max_new_tokens=spec.max_new_tokens,
-        eos_id=tokenizer.eos_id,
-        pad_id=tokenizer.pad_id,
-        temperature=0.0 if samples == 1 else spec.temperature,
-        n=samples,
-        vocab_size=tokenizer.vocab_size,
-        share_prompt=spec.share_prompt,
-    )
-    buckets, bs = spec.buckets, spec.batch_size
+    sp = _eval_sampling(spec, tokenizer)
     fault_key = step_key(spec.seed, 0, "eval")
-    everything = examples
     results: dict[str, Any] = {}
     samplers: dict[tuple[bool, str], Sampler] = {}
     for cond in spec.conditions:
@@ -197,43 +186,15 @@ def robustness(
             plan.validate(n_layers)
             samplers[key] = program(
                 programs,
-                ("sampler", gen.config, sp, buckets, repr(plan.injections), mesh),
-                lambda plan=plan: Sampler(gen, sp, plan, buckets, phase="eval", mesh=mesh),
+                ("sampler", gen.config, sp, spec.buckets, repr(plan.injections), mesh),
+                lambda plan=plan: Sampler(gen, sp, plan, spec.buckets, phase="eval", mesh=mesh),
             )
-        values = {EVAL_NOISE: np.float32(cond.level)} if cond.kind == "noise" else {}
-        texts: list[str] = []
-        weights = params
-        cut = spec.clean_size if not cond.fault and spec.clean_size else len(everything)
-        examples = everything[:cut]
-        if cond.weights != "none":  # the same program over the format's weights
-            weights = quant_base.fake_quantized(params, cond.weights, family_of(model_cfg).site_of)
-        scores = eval_scores(
-            samplers[key],
-            weights,
-            examples,
-            tokenizer,
-            bs,
-            spec.max_prompt_len,
-            fault_key=fault_key,
-            values=values,
-            key=jax.random.key(spec.seed),
-            texts=texts,
-            method=spec.reward_method,
+        cut = spec.clean_size if not cond.fault and spec.clean_size else len(examples)
+        results[cond.name] = _condition(
+            spec, cond, samplers[key], params, model_cfg, tokenizer, examples[:cut], fault_key
         )
-        truths = [ex.ground_truth for ex in examples for _ in range(samples)]
-        results[cond.name] = {
-            "acc": float(np.mean(scores)),
-            # The same completions under every reading (strict, flexible, boxed).
-            "acc_by_reading": {
-                m: float(np.mean(score_batch(texts, truths, method=m))) for m in METHODS
-            },
-            "n": len(scores),
-            "samples": samples,
-            "fault": cond.fault,
-            "perturbation": cond.kind,
-            "level": cond.level,
-        }
-        log(f"  {cond.name:<18} acc {results[cond.name]['acc']:.3f} (n={len(scores)})")
+        n = results[cond.name]["n"]
+        log(f"  {cond.name:<18} acc {results[cond.name]['acc']:.3f} (n={n})")
     out: dict[str, Any] = {"conditions": results}
     if spec.loss_faults:
         out["loss"] = {
@@ -241,9 +202,9 @@ def robustness(
                 causal_lm(model_cfg),
                 params,
                 hardware if f else FaultPlan(),
-                everything,
+                examples,
                 tokenizer,
-                bs,
+                spec.batch_size,
                 fault_key,
                 programs,
             )
@@ -251,6 +212,56 @@ def robustness(
         }
     out["wall_time_s"] = time.perf_counter() - t0
     return out
+
+
+def _eval_sampling(spec: EvalSpec, tokenizer: Tokenizer) -> SamplingParams:
+    """Greedy with one sample, else `spec.samples` at `spec.temperature`."""
+    return SamplingParams(
+        max_new_tokens=spec.max_new_tokens,
+        eos_id=tokenizer.eos_id,
+        pad_id=tokenizer.pad_id,
+        temperature=0.0 if spec.samples == 1 else spec.temperature,
+        n=spec.samples,
+        vocab_size=tokenizer.vocab_size,
+        share_prompt=spec.share_prompt,
+    )
+
+
+def _condition(
+    spec: EvalSpec, cond, sampler, params, model_cfg, tokenizer, examples, fault_key
+) -> dict[str, Any]:
+    """One condition's accuracy on `examples` (under every answer reading too)."""
+    values = {EVAL_NOISE: np.float32(cond.level)} if cond.kind == "noise" else {}
+    texts: list[str] = []
+    weights = params
+    if cond.weights != "none":  # the same program over the format's weights
+        weights = quant_base.fake_quantized(params, cond.weights, family_of(model_cfg).site_of)
+    scores = eval_scores(
+        sampler,
+        weights,
+        examples,
+        tokenizer,
+        spec.batch_size,
+        spec.max_prompt_len,
+        fault_key=fault_key,
+        values=values,
+        key=jax.random.key(spec.seed),
+        texts=texts,
+        method=spec.reward_method,
+    )
+    truths = [ex.ground_truth for ex in examples for _ in range(spec.samples)]
+    return {
+        "acc": float(np.mean(scores)),
+        # The same completions under every reading (strict, flexible, boxed).
+        "acc_by_reading": {
+            m: float(np.mean(score_batch(texts, truths, method=m))) for m in METHODS
+        },
+        "n": len(scores),
+        "samples": spec.samples,
+        "fault": cond.fault,
+        "perturbation": cond.kind,
+        "level": cond.level,
+    }
 
 
 def greedy_sampling(max_new_tokens: int, tokenizer: Tokenizer) -> SamplingParams:

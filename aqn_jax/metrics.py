@@ -152,12 +152,10 @@ def _move_aside(workdir: str, log) -> None:
 
 
 def _summary_writer_class():
-    """tensorboardX's SummaryWriter, imported without torch. tensorboardX's writer imports
-    torch when it is installed (the test and bench extras bring it) only to name torch.Tensor in
-    type hints; opening a writer took 2.3 CPU-s with it and 0.8 without (and 340 against 160
-    MiB) in a fresh interpreter, once in every run that opens TensorBoard. We write Python
-    floats only (`_add_scalars`), which never reach torch. A torch already imported is left as
-    it is."""
+    """tensorboardX's SummaryWriter, imported without torch: its writer imports torch when
+    installed only to name torch.Tensor in type hints, which costs each run seconds and memory.
+    We write Python floats only (`_add_scalars`), which never reach torch. A torch already
+    imported is left as it is."""
     if "torch" in sys.modules or "tensorboardX" in sys.modules:
         from tensorboardX import SummaryWriter
 

@@ -60,24 +60,19 @@ of (N / t) * S * 4 bytes per token over S key positions. Per token, a decoder la
   generation            r * bucket * forward (the prefill; the decode steps and the
                         last-position logits are small)
 
-The log-probs never hold the logits of every position (`aqn_jax/logprobs.py`, issue 51): the
+The log-probs never hold the logits of every position (`aqn_jax/logprobs.py`): the
 head runs on c = min(config.model.logprob_chunk, R) response positions of the r rows at a time,
 under `jax.checkpoint`. The update holds four float32 copies of one chunk's logits (the
 recomputed logits, their exponentials, the softmax, their gradient), the response's hidden
 states and their gradient in float32 (2 r R D * 4) and, when the head is trained (full
 fine-tuning), the head's float32 gradient accumulated over the chunks (the `lax.map`'s carry);
-prepare's forward two chunk copies (the logits and their exponentials). Read off XLA:CPU's
-buffer assignment at the 0.5B widths and vocabulary, 2 rows, R = 256, c = 32 (`python
-bench/plan_vs_xla.py`, float32): the gradient's temp is 0.89 of that plan with the head trained,
-1.00 with it frozen, the forward's 0.53. In bfloat16 XLA also keeps the head's weights cast to
-bf16 (twice when tied): the update's compute_weights counts them; prepare's plan does not.
+prepare's forward two chunk copies (the logits and their exponentials). In bfloat16 XLA also
+keeps the head's weights cast to bf16 (twice when tied): the update's compute_weights counts
+them; prepare's plan does not.
 
-compute_weights was read off XLA:CPU's buffer assignment of a micro-batch's gradient at the
-0.5B widths, T = 384, 2 rows (`python bench/plan_vs_xla.py`): per decoder layer and token,
-float32 compute keeps 119 kB (the model above: 176), bfloat16 compute over float32 params 149
-kB (the model: 120) — the difference is the layer's weights in bfloat16 (29.8 MB, 38.8 kB a
-token), held until the backward has read them. With them the 0.5B QeRL run's plan in bf16
-bounds its measured peak (17.42 GiB on an AVX2 CPU; the plan without them was 17.30).
+compute_weights: with compute in `dtype` below `param_dtype`, XLA holds each layer's weights cast
+to `dtype` until the backward has read them (read off XLA:CPU's buffer assignment of a
+micro-batch's gradient).
 
 The copy counts were read off XLA's buffer assignment (`compiled.memory_analysis()`) on
 XLA:CPU for the trainer's own loss functions, and tests/test_planner.py compares the estimates
@@ -89,11 +84,8 @@ host-side batch and the sampler's small per-token outputs.
 On a CPU backend the devices are the host: a process's peak RSS is then every device's plan plus
 what only the host holds, `cpu_rss` = devices x total + host_params + RUNTIME_BYTES: the job's
 host copy of the loaded params (the warm start's tree stays referenced for the whole run) and
-the runtime (jax/XLA, the compiled programs, torch and the tokenizer, the data). Measured at
-0.5B (WORKSPACE.md, issue 30): the device plan alone was 5 GiB short of the peak RSS. With
-remat the CPU total counts the activations without it (XLA:CPU does not honour remat): a
-5-step GRPO run at 4 x 4 x 256 with remat peaked at 21.98 GiB, which the remat plan (19.99)
-did not bound and the no-remat one (24.24) does.
+the runtime (jax/XLA, the compiled programs, torch and the tokenizer, the data). With remat the
+CPU total counts the activations without it, since XLA:CPU does not honour remat.
 """
 
 from __future__ import annotations
@@ -120,13 +112,10 @@ from aqn_jax.models.registry import ModelConfig, causal_lm, family_of, init_cach
 from aqn_jax.rl.optim import OptimizerSpec
 
 GIB = 2**30
-# What a CPU run's process holds besides the arrays of the plan: jax/XLA and the compiled
-# programs, torch, the tokenizer and the data: peak RSS - (total + host_params) at 0.5B
-# (Qwen2.5-Coder, GSM8K; WORKSPACE.md, issue 30) was >= 3.2 GiB (the process was OOM-killed at
-# 19.7 GiB, so that is a lower bound) and 2.8 GiB in the issue's own run; 5 GiB keeps a margin.
+# What a CPU run's process holds besides the plan's arrays (jax/XLA and the compiled programs,
+# torch, the tokenizer, the data): about 3 GiB measured at 0.5B; 5 GiB keeps a margin.
 RUNTIME_BYTES = 5 * GIB
-# The LoRA rank a refused CPU plan suggests (`check_host`): QeRL's 16-32 (verl's advice: >= 32),
-# what the 0.5B QeRL runs used (WORKSPACE.md, issue 40).
+# The LoRA rank a refused CPU plan suggests (`check_host`): QeRL's 16-32 (verl's advice: >= 32).
 HOST_LORA_RANK = 32
 RESIDENT = (
     "params",

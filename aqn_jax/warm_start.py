@@ -32,9 +32,9 @@ from aqn_jax.models.registry import ModelConfig, causal_lm
 from aqn_jax.rl.sft import sft_sequences, sft_train
 
 SFT_META = "sft.json"
-# Warm starts shipped with the package (produced by `configs/warm_start.py`, WORKSPACE.md):
-# a config whose cache key matches one loads it instead of training (the embedded default's
-# SFT takes longer than a first run should wait).
+# Warm starts shipped with the package (produced by `configs/warm_start.py`): a config whose
+# cache key matches one loads it instead of training (the embedded default's SFT takes longer
+# than a first run should wait).
 SHIPPED_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets")
 
 
@@ -174,28 +174,47 @@ def warm_start(
 ) -> tuple[ModelConfig, Any, dict]:
     """(model config, params, info): the SFT'd policy (from the cache when present), or the
     configured model itself when config.sft.enabled is False (`spec.sft` None)."""
-    sft = spec.sft
-    if sft is None:
+    if spec.sft is None:
         model_cfg, params = load_model(spec.model, spec.seed)
         return model_cfg, params, {"sft": "off"}
     path = cache_dir(spec, workdir)
     where = cached_sft(spec, workdir)
     if where is not None:
-        found = "hit" if where == path else "shipped"
-        model_cfg = model_config(spec.model)
-        try:
-            _, params = load_hf_checkpoint(where, model_cfg.param_dtype)
-            with open(os.path.join(where, SFT_META)) as f:
-                info = json.load(f)
-        except (ValueError, OSError) as e:  # a damaged entry (truncated, garbage, half-copied)
-            _set_aside_damaged(where, found, e)
-        else:
-            info["cache"] = found
-            if verbose:
-                print(f"SFT warm start: {'cached' if found == 'hit' else 'shipped'} {where}")
-            return model_cfg, params, info
+        loaded = _load_cached(spec, where, "hit" if where == path else "shipped", verbose)
+        if loaded is not None:
+            return loaded
     check_sft_cache(spec, workdir)  # before training: a cache that cannot be written
+    model_cfg, params, info = _train_sft(spec, verbose)
+    saved = jax.process_index() != 0 or _save(path, model_cfg, params, info)
+    if verbose:
+        print(
+            f"SFT warm start: {info['steps']} steps, loss {info['loss_first']:.3f} ->"
+            f" {info['loss_last']:.3f} in {info['wall_time_s']:.0f}s;"
+            + (f" cached {path}" if saved else " not cached")
+        )
+    return model_cfg, params, info
 
+
+def _load_cached(spec: WarmStartSpec, where: str, found: str, verbose: bool):
+    """The finished warm start at `where` (`found`: 'hit' the cache's, 'shipped'), or None when
+    it does not load (then set aside, `_set_aside_damaged`)."""
+    model_cfg = model_config(spec.model)
+    try:
+        _, params = load_hf_checkpoint(where, model_cfg.param_dtype)
+        with open(os.path.join(where, SFT_META)) as f:
+            info = json.load(f)
+    except (ValueError, OSError) as e:  # a damaged entry (truncated, garbage, half-copied)
+        _set_aside_damaged(where, found, e)
+        return None
+    info["cache"] = found
+    if verbose:
+        print(f"SFT warm start: {'cached' if found == 'hit' else 'shipped'} {where}")
+    return model_cfg, params, info
+
+
+def _train_sft(spec: WarmStartSpec, verbose: bool) -> tuple[ModelConfig, Any, dict]:
+    """The SFT from the configured model's init; (model config, params, info)."""
+    sft = spec.sft
     tokenizer = tokenizer_for(spec.tokenizer_path, spec.model)
     examples = load_split(spec.data, "train")[: sft.examples]
     data = sft_sequences(examples, tokenizer)
@@ -231,32 +250,30 @@ def warm_start(
         "loss_last": float(np.mean(hist["loss"][-10:])),
         "wall_time_s": time.perf_counter() - t0,
     }
-    saved = True
-    if jax.process_index() == 0:
-        tmp = path + f".tmp{os.getpid()}"
-        try:
-            shutil.rmtree(tmp, ignore_errors=True)
-            save_hf_checkpoint(tmp, model_cfg, jax.device_get(params))
-            with open(os.path.join(tmp, SFT_META), "w") as f:
-                json.dump(info, f, indent=2)
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            if os.path.exists(path):  # a concurrent run finished first: keep theirs
-                shutil.rmtree(tmp, ignore_errors=True)
-            else:
-                os.replace(tmp, path)
-        except OSError as e:  # a full disk, a cache made read-only meanwhile: keep the SFT
-            shutil.rmtree(tmp, ignore_errors=True)
-            saved = False
-            info["cache"] = "unsaved"
-            print(
-                f"warning: the SFT warm start could not be cached in {path} ({e}); this run"
-                " goes on with it, the next one trains it again",
-                file=sys.stderr,
-            )
-    if verbose:
-        print(
-            f"SFT warm start: {info['steps']} steps, loss {info['loss_first']:.3f} ->"
-            f" {info['loss_last']:.3f} in {info['wall_time_s']:.0f}s;"
-            + (f" cached {path}" if saved else " not cached")
-        )
     return model_cfg, params, info
+
+
+def _save(path: str, model_cfg, params, info: dict) -> bool:
+    """Cache the SFT at `path` (written aside, then renamed; a concurrent run's kept); False
+    when it could not be written (`info['cache']` then 'unsaved': the run goes on)."""
+    tmp = path + f".tmp{os.getpid()}"
+    try:
+        shutil.rmtree(tmp, ignore_errors=True)
+        save_hf_checkpoint(tmp, model_cfg, jax.device_get(params))
+        with open(os.path.join(tmp, SFT_META), "w") as f:
+            json.dump(info, f, indent=2)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        if os.path.exists(path):  # a concurrent run finished first: keep theirs
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            os.replace(tmp, path)
+    except OSError as e:  # a full disk, a cache made read-only meanwhile: keep the SFT
+        shutil.rmtree(tmp, ignore_errors=True)
+        info["cache"] = "unsaved"
+        print(
+            f"warning: the SFT warm start could not be cached in {path} ({e}); this run"
+            " goes on with it, the next one trains it again",
+            file=sys.stderr,
+        )
+        return False
+    return True

@@ -361,6 +361,25 @@ def left_pad(
     return ids, mask
 
 
+def _check_batcher_args(examples, batch_size, seed, max_prompt_len, buckets) -> None:
+    """`PromptBatcher`'s arguments: integers in range, a non-empty dataset."""
+    if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)):
+        raise ValueError(f"batch_size must be an integer, got {batch_size!r}")
+    if batch_size < 1:
+        raise ValueError(f"batch_size = {batch_size} must be >= 1")
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise ValueError(f"seed = {seed!r} must be a non-negative integer")
+    if isinstance(max_prompt_len, bool) or not isinstance(max_prompt_len, (int, np.integer)):
+        raise ValueError(f"max_prompt_len must be an integer, got {max_prompt_len!r}")
+    if max_prompt_len < 1:
+        raise ValueError(f"max_prompt_len = {max_prompt_len} must be >= 1")
+    bad = [b for b in buckets if isinstance(b, bool) or not isinstance(b, (int, np.integer))]
+    if not buckets or bad or min(buckets) < 1:
+        raise ValueError(f"buckets must be a non-empty list of positive ints, got {buckets!r}")
+    if not examples:
+        raise ValueError("examples is empty; load a dataset with at least one example")
+
+
 class PromptBatcher:
     """Endless, shuffled, resumable batches of left-padded prompt token ids.
 
@@ -404,22 +423,7 @@ class PromptBatcher:
           drop_long: drop prompts longer than `max_prompt_len` (counted in `num_dropped`,
             listed in `dropped_indices`) instead of raising.
         """
-        if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)):
-            raise ValueError(f"batch_size must be an integer, got {batch_size!r}")
-        if batch_size < 1:
-            raise ValueError(f"batch_size = {batch_size} must be >= 1")
-        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
-            raise ValueError(f"seed = {seed!r} must be a non-negative integer")
-        if isinstance(max_prompt_len, bool) or not isinstance(max_prompt_len, (int, np.integer)):
-            raise ValueError(f"max_prompt_len must be an integer, got {max_prompt_len!r}")
-        if max_prompt_len < 1:
-            raise ValueError(f"max_prompt_len = {max_prompt_len} must be >= 1")
-        bad = [b for b in buckets if isinstance(b, bool) or not isinstance(b, (int, np.integer))]
-        if not buckets or bad or min(buckets) < 1:
-            raise ValueError(f"buckets must be a non-empty list of positive ints, got {buckets!r}")
-        if not examples:
-            raise ValueError("examples is empty; load a dataset with at least one example")
-
+        _check_batcher_args(examples, batch_size, seed, max_prompt_len, buckets)
         self.batch_size = int(batch_size)
         self.seed = int(seed)
         self.max_prompt_len = int(max_prompt_len)

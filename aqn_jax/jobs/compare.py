@@ -21,9 +21,9 @@ checkpoint (`checkpoint.every`); so re-running the same command completes only w
 
 Parallel runs (`config.compare.workers`): on a single-process CPU backend the pending runs go to
 one worker process per core (0 = that default; each worker pinned to its share of the cores),
-because the tiny model's programs use two cores far less than twice as well as one
-(WORKSPACE.md, issue 8). A worker keeps its compiled programs from one run to the next; each
-run's output goes to `runs/<arm>/seed<k>/log.txt`. On GPU/TPU, or over several hosts, runs go one
+because the tiny model's programs use two cores far less than twice as well as one. A worker
+keeps its compiled programs from one run to the next; each run's output goes to
+`runs/<arm>/seed<k>/log.txt`. On GPU/TPU, or over several hosts, runs go one
 after another in this process (workers=1). SIGTERM is passed to the workers: a run in its train
 loop saves a checkpoint, one elsewhere (warm start, diagnosis, evaluation) stops; the job exits
 143 when they have returned, after GRACE_S or at a second SIGTERM (what is left is killed, and
@@ -122,46 +122,71 @@ def check_config(config, workdir: str) -> None:
 
 
 def run(config, workdir: str) -> None:
+    """The job's stages: check every arm, the shared warm start, the shared SRDD diagnosis,
+    the warm start's baseline, the pending runs, the results and the report."""
     t_start = time.perf_counter()
     cmp = config.compare
     check_config(config, workdir)
     arms, seeds = tuple(cmp.arms), tuple(int(s) for s in cmp.seeds)
     if cmp.compile_cache:
         _use_compile_cache(os.path.join(workdir, "xla_cache"))
-
     base = run_config(config, "deadzone", seeds[0], workdir, None)
     t0 = time.perf_counter()
     model_cfg, params, _ = warm_start(warm_start_spec(base), workdir)
     timing = {"sft_s": time.perf_counter() - t0}
-
     diagnosis = None
     if {"targeted", "srdd_guided"} & set(arms):
-        path = os.path.join(workdir, "srdd", "srdd.json")
-        if os.path.isfile(path):
-            diagnosis = srdd.load_report(path)
-        else:
-            t0 = time.perf_counter()
-            diagnosis = srdd.run_srdd(
-                srdd_spec(base),
-                model_cfg,
-                params,
-                fault_plan(base.faults, model_cfg.num_hidden_layers),
-                load_split(base.data, "train"),
-                tokenizer_for(base.tokenizer_path, base.model),
-                os.path.dirname(path),
-            )
-            timing["srdd_s"] = time.perf_counter() - t0
-        print(f"SRDD (shared by every run): {diagnosis['verdict']['message']}")
-        if not diagnosis["verdict"]["layers"] and "targeted" in arms:
-            raise ValueError(
-                "the SRDD diagnosis found no faulty layer, so the targeted arm has nothing to"
-                " target; check config.faults or drop 'targeted' from config.compare.arms"
-            )
-
+        diagnosis = _diagnose(base, arms, workdir, model_cfg, params, timing)
     if cmp.get("baseline", False):
         timing.update(_baseline(base, workdir, model_cfg, params))
+    todo = _pending(workdir, arms, seeds)
+    walls = _run_all(config, workdir, todo, diagnosis, timing)
+    timing["runs_s_this_invocation"] = float(np.sum(walls)) if walls else 0.0
+    timing["runs_this_invocation"] = len(walls)
+    timing["total_s_this_invocation"] = time.perf_counter() - t_start
+    runs = {}
+    for arm in arms:
+        for seed in seeds:
+            run_dir = os.path.join(workdir, "runs", arm, f"seed{seed}")
+            runs.setdefault(arm, {})[str(seed)] = _collect(run_dir)
+    results = _results(config, workdir, diagnosis, runs, timing)
+    if jax.process_index() == 0:
+        write_json(os.path.join(workdir, "results.json"), results, default=str)
+        report = write_report(results, workdir)
+        print(f"report: {report}")
 
-    todo, runs = [], {}
+
+def _diagnose(base, arms, workdir: str, model_cfg, params, timing: dict) -> dict:
+    """The one SRDD diagnosis every run shares (`srdd/srdd.json`, reused when it exists)."""
+    path = os.path.join(workdir, "srdd", "srdd.json")
+    if os.path.isfile(path):
+        diagnosis = srdd.load_report(path)
+    else:
+        t0 = time.perf_counter()
+        diagnosis = srdd.run_srdd(
+            srdd_spec(base),
+            model_cfg,
+            params,
+            fault_plan(base.faults, model_cfg.num_hidden_layers),
+            load_split(base.data, "train"),
+            tokenizer_for(base.tokenizer_path, base.model),
+            os.path.dirname(path),
+        )
+        timing["srdd_s"] = time.perf_counter() - t0
+    print(f"SRDD (shared by every run): {diagnosis['verdict']['message']}")
+    if not diagnosis["verdict"]["layers"] and "targeted" in arms:
+        raise ValueError(
+            "the SRDD diagnosis found no faulty layer, so the targeted arm has nothing to"
+            " target; check config.faults or drop 'targeted' from config.compare.arms"
+        )
+    return diagnosis
+
+
+def _pending(workdir: str, arms: tuple, seeds: tuple) -> list[tuple]:
+    """The (arm, seed, run_dir) without an evaluation.json, each arm's first seed before any
+    arm's second: parallel workers then compile different arms at once, and the later seeds
+    find their programs in the compile cache."""
+    todo = []
     for arm in arms:
         for seed in seeds:
             run_dir = os.path.join(workdir, "runs", arm, f"seed{seed}")
@@ -170,9 +195,14 @@ def run(config, workdir: str) -> None:
                 print(f"== {arm} seed {seed}: done, reused ({run_dir})")
             else:
                 todo.append((arm, seed, run_dir))
-    # Each arm's first seed before any arm's second: parallel workers then compile different
-    # arms at once, and the later seeds find their programs in the compile cache.
     todo.sort(key=lambda r: (seeds.index(r[1]), arms.index(r[0])))
+    return todo
+
+
+def _run_all(config, workdir: str, todo: list, diagnosis, timing: dict) -> list[float]:
+    """Train and evaluate the pending runs, in worker processes or one after another; their
+    wall times (and the workers, the wall time of them all, into `timing`)."""
+    cmp = config.compare
     workers = worker_count(cmp, len(todo))
     timing["workers"] = workers
     t0 = time.perf_counter()
@@ -195,23 +225,21 @@ def run(config, workdir: str) -> None:
     else:
         walls = _run_parallel(todo, jobs, workers, cache_dir)
     timing["runs_wall_s_this_invocation"] = time.perf_counter() - t0
-    timing["runs_s_this_invocation"] = float(np.sum(walls)) if walls else 0.0
-    timing["runs_this_invocation"] = len(walls)
-    timing["total_s_this_invocation"] = time.perf_counter() - t_start
-    for arm in arms:
-        for seed in seeds:
-            run_dir = os.path.join(workdir, "runs", arm, f"seed{seed}")
-            runs.setdefault(arm, {})[str(seed)] = _collect(run_dir)
+    return walls
 
-    ev = config.evaluate
-    results = {
+
+def _results(config, workdir: str, diagnosis, runs: dict, timing: dict) -> dict:
+    """results.json (schema in aqn_jax/study/report.py)."""
+    cmp = config.compare
+    arms = tuple(cmp.arms)
+    return {
         "name": os.path.basename(os.path.abspath(workdir)),
         "variant": cmp.variant,
         "arms": list(arms),
-        "seeds": list(seeds),
+        "seeds": [int(s) for s in cmp.seeds],
         "reference_arm": cmp.reference_arm,
         "comparisons": [list(p) for p in cmp.comparisons if set(p) <= set(arms)],
-        "conditions": [c.name for c in conditions(ev)],
+        "conditions": [c.name for c in conditions(config.evaluate)],
         "study_fault": config.study_fault,
         "fault": config.faults[config.study_fault].to_dict(),
         "aqn": {
@@ -221,10 +249,6 @@ def run(config, workdir: str) -> None:
         "runs": runs,
         "timing": timing,
     }
-    if jax.process_index() == 0:
-        write_json(os.path.join(workdir, "results.json"), results, default=str)
-        report = write_report(results, workdir)
-        print(f"report: {report}")
 
 
 def train_and_evaluate(rc, run_dir: str, device=None, programs: dict | None = None) -> float:
@@ -252,9 +276,8 @@ GRACE_S = 40.0
 
 class Preempted(BaseException):  # noqa: N818 (a request to stop, as KeyboardInterrupt is)
     """SIGTERM reached a worker outside the train loop (warm start, diagnosis, evaluation).
-    A BaseException, so that no `except Exception` on the way turns it into a failure: the
-    checkpoint reader's (`Checkpointer.restore_host`) once reported a worker preempted inside
-    its restore as an unreadable checkpoint, and the job exited 1, not 143."""
+    A BaseException, so that no `except Exception` on the way (the checkpoint reader's, say)
+    turns it into a failure: the job then exits 143, not 1."""
 
 
 def _run_parallel(todo, jobs, workers: int, cache_dir: str | None) -> list[float]:
@@ -264,7 +287,7 @@ def _run_parallel(todo, jobs, workers: int, cache_dir: str | None) -> list[float
     step, or stops its evaluation, and returns), then the job exits 143 once every run has
     returned, or after GRACE_S, or at a second SIGTERM, killing what is left. Multiprocessing's
     Pool replaces a worker that died and never returns its task, so results are awaited with a
-    timeout, never forever (that wait hung the job for 12+ minutes, issue 42)."""
+    timeout, never forever."""
     ctx = multiprocessing.get_context("spawn")  # a fresh JAX runtime per worker (no fork)
     cores = sorted(os.sched_getaffinity(0))
     # Each worker its share of the cores; more workers than cores share them round-robin.

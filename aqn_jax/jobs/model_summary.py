@@ -43,12 +43,34 @@ def _check_config(config):
 
 
 def run(config, workdir: str) -> None:
+    """The job's stages: check, load, the parameter table, the fault manifest of every phase,
+    the clean and faulty forwards with the residual profile, the summary."""
     model_cfg, tokenizer, plan = _check_config(config)
     model_cfg, params = load_model(config.model, config.seed)
     source = (
         config.model.hf_path or f"preset {config.model.preset} (random init, seed {config.seed})"
     )
+    rows, total = _param_table(model_cfg, params, source)
+    model = causal_lm(model_cfg)
+    _write_manifest(plan, model, params, workdir)
+    measured = _forwards(config, model, params, plan, tokenizer)
+    summary = dict(
+        source=source,
+        config=dataclasses.asdict(model_cfg),
+        param_count=total,
+        params=rows,
+        **measured,
+        devices=[str(d) for d in jax.devices()],
+    )
+    out = os.path.join(workdir, "model_summary.json")
+    with open(out, "w") as f:
+        json.dump(summary, f, indent=2)
+    logging.info("wrote %s", out)
+    print(f"wrote {out}")
 
+
+def _param_table(model_cfg, params, source: str) -> tuple[list[dict], int]:
+    """Print the parameter table (layer 0 in full); (its rows, the parameter count)."""
     flat_params = traverse_util.flatten_dict(params, sep="/")
     flat_axes = traverse_util.flatten_dict(logical_axes(model_cfg), sep="/")
     total = sum(int(np.prod(v.shape)) for v in flat_params.values())
@@ -70,10 +92,12 @@ def run(config, workdir: str) -> None:
         last = layer_name(model_cfg, model_cfg.num_hidden_layers - 1)
         print(f"({layer_name(model_cfg, 1)} .. {last}: as {first})")
     print(f"total parameters: {total:,}")
+    return rows, total
 
-    model = causal_lm(model_cfg)
-    # The manifest of every phase, traced abstractly before anything compiles: an injection
-    # that hits no module raises here.
+
+def _write_manifest(plan, model, params, workdir: str) -> None:
+    """The manifest of every phase, traced abstractly before anything compiles (an injection
+    that hits no module raises here); printed and written to manifest.json."""
     print(plan.describe())
     manifest = {}
     for phase in ("rollout", "train", "eval"):
@@ -87,6 +111,10 @@ def run(config, workdir: str) -> None:
     with open(os.path.join(workdir, "manifest.json"), "w") as f:
         f.write(plan.manifest_json(manifest))
 
+
+def _forwards(config, model, params, plan, tokenizer) -> dict:
+    """The prompt's forward on the faulty and the clean device, and the clean residual
+    profile; printed, and returned as the summary's measured fields."""
     messages = [{"role": "user", "content": config.prompt}]
     ids = np.asarray([tokenizer.encode_chat(messages)], np.int32)
     # This step's AQN sigma (as at step config.step of a config.total_steps-step run), traced.
@@ -134,12 +162,7 @@ def run(config, workdir: str) -> None:
         if name.endswith("/mean"):
             print(f"  {name}: {value:.4g}")
     print(f"top-5 next tokens: {top}")
-
-    summary = dict(
-        source=source,
-        config=dataclasses.asdict(model_cfg),
-        param_count=total,
-        params=rows,
+    return dict(
         prompt_tokens=int(ids.shape[1]),
         compile_s=compile_s,
         forward_s=forward_s,
@@ -149,13 +172,7 @@ def run(config, workdir: str) -> None:
         max_logit_diff_vs_clean=diff,
         fault_stats=stats,
         residual_profile=profile,
-        devices=[str(d) for d in jax.devices()],
     )
-    out = os.path.join(workdir, "model_summary.json")
-    with open(out, "w") as f:
-        json.dump(summary, f, indent=2)
-    logging.info("wrote %s", out)
-    print(f"wrote {out}")
 
 
 def _layer_order(path: str, layer_prefix: str):

@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+from typing import NamedTuple
 
 import jax
 import numpy as np
@@ -49,7 +50,37 @@ BASE = 0.5  # the Deadzone's own threshold; a point's value v is the factor v / 
 
 
 def run(config, workdir: str) -> None:
-    # -- Validate (nothing compiled or written before this passes) ----------------------------
+    """The job's stages: check (nothing is compiled or written before it passes), the warm
+    start, the clean baseline, the sweep over severity x layer, the report."""
+    checked = _check(config)
+    t0 = time.perf_counter()
+    model_cfg, params, _ = warm_start(warm_start_spec(config), workdir)
+    ev = _Eval.of(config, model_cfg, params, checked.tokenizer, checked.test)
+    out = _baseline(config, ev, model_cfg, checked.size)
+    print(_clean_line(out))
+    _sweep(ev, checked, out["points"])
+    out["wall_time_s"] = time.perf_counter() - t0
+    if jax.process_index() == 0:
+        _write(workdir, out)
+    print(f"severity curve: {os.path.join(workdir, 'severity.md')}")
+
+
+class _Checked(NamedTuple):
+    """The checked config: what the sweep covers and the held-out examples."""
+
+    n_layers: int
+    layers: list
+    points: list  # (severity statement, value)
+    kinds: tuple  # the deadzone's module kinds
+    point: str  # the deadzone's point
+    transforms: dict  # severity statement -> its Deadzone
+    tokenizer: object
+    size: int
+    test: list
+
+
+def _check(config) -> _Checked:
+    """Every check that needs no compile; the swept transforms and the held-out examples."""
     model_cfg = model_config(config.model)
     n_layers = model_cfg.num_hidden_layers
     layers, points = check_severity(config.severity, n_layers)
@@ -68,94 +99,128 @@ def run(config, workdir: str) -> None:
                 granularity=dz.granularity,
                 grad=dz.grad,
                 severity=mode,
-                scope=dz.scope,  # the run's scope (issue 19), as SRDD and evaluation use
+                scope=dz.scope,  # the run's scope, as SRDD and evaluation use
                 threshold_value=FACTOR,
             )
         except ValueError as e:
             raise ValueError(f"config.faults.deadzone.{e}") from e
     size = int(config.severity.size or config.trainer.val_size)
     test = load_split(config.data, "test")[:size]
+    return _Checked(n_layers, layers, points, kinds, dz.point, transforms, tokenizer, size, test)
 
-    # -- Model ---------------------------------------------------------------------------------
-    t0 = time.perf_counter()
-    model_cfg, params, _ = warm_start(warm_start_spec(config), workdir)
-    model = causal_lm(dataclasses.replace(model_cfg, remat=False))
-    bs = int(config.trainer.val_batch_size)
-    key = step_key(int(config.seed), 0, "eval")
-    sp = greedy_sampling(config.rollout.max_new_tokens, tokenizer)
-    buckets = tuple(int(b) for b in config.rollout.prompt_buckets)
-    limit = int(config.rollout.max_prompt_len)
 
-    def accuracy(plan, values):
-        if not config.severity.accuracy:
-            return None
-        # One Sampler (one compiled program) per plan: every layer and value is a traced input.
-        if repr(plan.injections) not in samplers:
-            samplers[repr(plan.injections)] = Sampler(model, sp, plan, buckets, phase="eval")
-        sampler = samplers[repr(plan.injections)]
-        return float(
-            np.mean(
-                eval_scores(
-                    sampler,
-                    params,
-                    test,
-                    tokenizer,
-                    bs,
-                    limit,
-                    key,
-                    values,
-                    key,
-                    method=config.data.reward_method,
-                )
-            )
+@dataclasses.dataclass
+class _Eval:
+    """What every point of the curve is measured with, and one Sampler (one compiled program)
+    per fault plan: every layer and value is a traced input."""
+
+    model: object
+    params: object
+    tokenizer: object
+    test: list
+    bs: int
+    key: jax.Array
+    sampling: object
+    buckets: tuple
+    limit: int
+    accuracy_on: bool
+    reward_method: str
+    samplers: dict = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def of(cls, config, model_cfg, params, tokenizer, test) -> _Eval:
+        return cls(
+            model=causal_lm(dataclasses.replace(model_cfg, remat=False)),
+            params=params,
+            tokenizer=tokenizer,
+            test=test,
+            bs=int(config.trainer.val_batch_size),
+            key=step_key(int(config.seed), 0, "eval"),
+            sampling=greedy_sampling(config.rollout.max_new_tokens, tokenizer),
+            buckets=tuple(int(b) for b in config.rollout.prompt_buckets),
+            limit=int(config.rollout.max_prompt_len),
+            accuracy_on=bool(config.severity.accuracy),
+            reward_method=config.data.reward_method,
         )
 
-    samplers: dict[str, Sampler] = {}
-    clean = {"loss": heldout_loss(model, params, FaultPlan(), test, tokenizer, bs, key)}
-    clean["acc"] = accuracy(FaultPlan(), {})
-    out = {"model": config.model.to_dict(), "n": len(test), "clean": clean, "points": []}
-    if config.severity.accuracy and not config.data.train_path:  # greedy decoding, as accuracy
+    def accuracy(self, plan, values) -> float | None:
+        """Greedy accuracy on the held-out examples; None with config.severity.accuracy off."""
+        if not self.accuracy_on:
+            return None
+        if repr(plan.injections) not in self.samplers:
+            self.samplers[repr(plan.injections)] = Sampler(
+                self.model, self.sampling, plan, self.buckets, phase="eval"
+            )
+        sampler = self.samplers[repr(plan.injections)]
+        scores = eval_scores(
+            sampler,
+            self.params,
+            self.test,
+            self.tokenizer,
+            self.bs,
+            self.limit,
+            self.key,
+            values,
+            self.key,
+            method=self.reward_method,
+        )
+        return float(np.mean(scores))
+
+    def loss(self, plan) -> float:
+        return heldout_loss(
+            self.model, self.params, plan, self.test, self.tokenizer, self.bs, self.key
+        )
+
+
+def _baseline(config, ev: _Eval, model_cfg, size: int) -> dict:
+    """The report's head: the clean loss and accuracy, and on the embedded task the
+    prompt-dependence control (greedy decoding, as accuracy)."""
+    clean = {"loss": ev.loss(FaultPlan())}
+    clean["acc"] = ev.accuracy(FaultPlan(), {})
+    out = {"model": config.model.to_dict(), "n": len(ev.test), "clean": clean, "points": []}
+    if config.severity.accuracy and not config.data.train_path:
         spec, task = decode_spec(config), task_of(config.data)
         out["prompt_dependence"] = prompt_dependence(
             spec,
             task,
             model_cfg,
-            params,
-            tokenizer,
+            ev.params,
+            ev.tokenizer,
             size,
             lambda examples: with_prompt_format(examples, config.data, "test"),
         )
-    print(_clean_line(out))
+    return out
 
-    # -- Sweep ---------------------------------------------------------------------------------
-    data = sft_sequences(test, tokenizer)
-    for mode, transform in transforms.items():
+
+def _sweep(ev: _Eval, c: _Checked, rows: list) -> None:
+    """Each severity x value x layer: the flushed fraction, the loss and the accuracy,
+    appended to `rows` and printed as they come."""
+    data = sft_sequences(c.test, ev.tokenizer)
+    for mode, transform in c.transforms.items():
         plan = FaultPlan(
-            [Injection("deadzone", SiteSelector(kinds, "all", dz.point), transform, ("eval",))]
+            [Injection("deadzone", SiteSelector(c.kinds, "all", c.point), transform, ("eval",))]
         )
-        plan.validate(n_layers)
-        stats_fn = _stats_program(model, plan)
-        for _, value in [p for p in points if p[0] == mode]:
-            for layer in layers:
-                factor = np.zeros(n_layers, np.float32)
+        plan.validate(c.n_layers)
+        stats_fn = _stats_program(ev.model, plan)
+        for _, value in [p for p in c.points if p[0] == mode]:
+            for layer in c.layers:
+                factor = np.zeros(c.n_layers, np.float32)
                 factor[layer] = value / BASE
                 values = {FACTOR: factor}
-                name = layer_name(model.config, layer)
-                loss, flushed = _loss_and_flushed(stats_fn, params, data, bs, key, values, name)
+                name = layer_name(ev.model.config, layer)
+                loss, flushed = _loss_and_flushed(
+                    stats_fn, ev.params, data, ev.bs, ev.key, values, name
+                )
                 row = {
                     "severity": mode,
                     "value": value,
                     "layer": layer,
                     "flushed": flushed,
                     "loss": loss,
-                    "acc": accuracy(plan, values),
+                    "acc": ev.accuracy(plan, values),
                 }
-                out["points"].append(row)
+                rows.append(row)
                 print(_point_line(row), flush=True)
-    out["wall_time_s"] = time.perf_counter() - t0
-    if jax.process_index() == 0:
-        _write(workdir, out)
-    print(f"severity curve: {os.path.join(workdir, 'severity.md')}")
 
 
 def _stats_program(model, plan):
