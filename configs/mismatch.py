@@ -1,4 +1,4 @@
-"""One train run of the mismatch study (issue 29): a scenario (which device runs which fault) and
+"""One train run of the mismatch study: a scenario (which device runs which fault) and
 an arm (which rollout correction, with or without AQN), on the embedded model.
 
   python -m aqn_jax.launch --config=configs/mismatch.py:<scenario>,<arm>[,smoke]
@@ -17,7 +17,8 @@ Arms: clean, uncorrected, tis, trl_mask, geo_rs, aqn_qerl, aqn_qerl_tis (experim
 correction by hand: --config.algo.rollout_is=token --config.algo.rollout_rs=geometric ...
 
 Every run logs verl's `rollout_corr/*` mismatch metrics (metrics.jsonl, TensorBoard, report.md)
-whether a correction is on or not. The study over arms and seeds: configs/compare.py:mismatch_study.
+whether a correction is on or not. The study over arms and seeds: configs/compare.py:mismatch_study
+(results: docs/compare_results.md).
 
   python -m aqn_jax.launch --config=configs/mismatch.py:both_call,tis,smoke   # < 1 minute
 """

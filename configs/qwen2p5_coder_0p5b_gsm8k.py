@@ -17,7 +17,8 @@ Get GSM8K (the project reads it, it does not vendor it): the raw jsonl of the
 
 or the `openai/gsm8k` data set (config `main`) as verl's parquet:
 `python examples/data_preprocess/gsm8k.py --local_dir ~/data/gsm8k` in a verl checkout. Both
-formats load (aqn_jax/data/gsm8k.py); prompts and ground truths follow verl (REFERENCE.md).
+formats load (aqn_jax/data/gsm8k.py); prompts and ground truths follow verl
+(docs/ARCHITECTURE.md, "GSM8K and RL conventions (verl)").
 Tests and CI read `../shared/datasets/gsm8k/{train,test}.jsonl`.
 
 Then, with the three paths as required fields:
@@ -32,81 +33,37 @@ srdd_guided | global_qerl: job train, GRPO from the instruct model, no SFT), `se
 severity at layers 5/10/15/20: 0.001/0.01/0.1 of the max on the first 8 test problems, loss
 and flushed fraction per point; `--config.faults.deadzone.granularity=token|block` for the
 per-token and per-32-block tables) or `evaluate` (job evaluate: the robustness matrix on the
-test split; `--config.evaluate.run=<a train workdir>` for a trained policy); `,smoke` shrinks
-any of them to seconds of work per stage.
+test split; `--config.evaluate.run=<a train workdir>` for a trained policy) or `study` (job
+compare: the paired study, `_study` below); `,smoke` shrinks any of them to seconds of work per
+stage. Results: docs/qwen05_gsm8k_results.md.
 
 Settings and why:
 - GSM8K lengths: with Qwen's default system prompt the chat prompts are 56-256 tokens (train;
   test 67-232, median 101), so one prompt bucket of 256; answers run to several hundred
-  tokens, so 320 new tokens in evaluation and 256 in RL (the issue's GRPO shape).
+  tokens, so 320 new tokens in evaluation and 256 in RL.
 - reward_method 'boxed': the model writes `\\boxed{N}` (24 of 32), never `####` (strict 0.000).
-- QeRL mode (issue 43): LoRA r32 over the frozen f32 base, 2 prompts x 8 samples x 256 in one
+- QeRL mode: LoRA r32 over the frozen f32 base, 2 prompts x 8 samples x 256 in one
   on-policy update (no old-log-prob pass), dtype auto (f32 on AVX2, bf16 on AMX or a GPU),
-  prompt buckets 128/192/256. Peak RSS 14.9 GB at these shapes (planner 19.55 GiB); full
-  fine-tuning (`:full` or --config.lora.rank=0, 4 x 4 x 256) peaked at 22.0 GiB on a 23.5 GiB
-  machine, and its bf16 variant was OOM-killed (the planner now refuses it and offers LoRA).
-- the fault, calibrated with `:severity` (answer loss of the first 8 test problems; clean
-  1.160): the seed's deadzone stated as the seed states it (a fraction of the tensor max) is
-  total here at every layer, since one massive activation (channel 62 of token 0, ~2,180
-  against a median below 1) sets the threshold: 0.001 of the max already flushes 86-99% (loss
-  1.29-7.25), 0.01 and 0.1 flush 100% (7.5-13.9). Per 32-lane block, 0.1 of the block max
-  flushes 28-39% and costs nothing (1.15-1.17). Per token (0.01 of each token's own max) it
-  flushes 16-24% and costs nothing either (1.15-1.16); 0.1 of the token max flushes 84-97%
-  and costs 1.24 / 1.42 / 1.41 / 2.86 at layers 5 / 10 / 15 / 20; at layer 15, 0.05 / 0.2 /
-  0.3 cost 1.17 / 3.65 / 5.50. The loss misleads: per-token 0.1 at layer 15 (+0.25 nats)
-  takes greedy accuracy from 0.234 to 0.008 on 128 test problems (errors compound over
-  150-300 decoded tokens). Calibrated by accuracy on the first 32 problems (clean 0.219):
-  0.05 -> 0.188, 0.07 -> 0.094, 0.1 -> 0.000. The operating point is per-token 0.07 at layer
-  15: the fault costs more than half the accuracy and the device still earns reward.
+  prompt buckets 128/192/256: 14.9 GB of peak RSS. Full fine-tuning (`:full` or
+  --config.lora.rank=0) at 4 x 4 x 256 peaks at 22.0 GiB in f32, at the edge of a 24 GB
+  machine; in bf16 it does not fit, and the planner refuses it.
+- the fault, calibrated with `:severity` and `:evaluate`: the seed's deadzone stated as the
+  seed states it (a fraction of the tensor max) flushes everything here, since one massive
+  activation (~2,180 against a median below 1) sets the threshold; per token it can be dosed.
+  The operating point is per-token 0.07 at layer 15 (greedy accuracy 0.219 -> 0.094 on the
+  first 32 test problems): the fault costs more than half the accuracy and the device still
+  earns reward.
 
-`,arith` (issue 49, the CPU learning track; no data paths): the embedded arithmetic task (two
+`,arith` (the CPU learning track; no data paths): the embedded arithmetic task (two
 operations on two-digit amounts) asked with one solved problem shown first and "Write the
 equations, one per line, then the final answer as \\boxed{N}" (config.data.shots/instruction:
 with verl's "think step by step" the model spent 64 tokens on prose and answered 0 of 8),
-64 new tokens, the deadzone at 0.07 of each token's max at layer 15 (severity job, 48
-problems: clean 0.375, faulty 0.146: 39% kept), 4 prompts x 8 samples at temperature 0.7,
-LoRA r32 lr 1e-4, 24 steps, validation on 128 held-out problems at steps 0, 12, 24:
+64 new tokens, the deadzone at 0.07 of each token's max at layer 15, 4 prompts x 8 samples at
+temperature 0.7, LoRA r32 lr 1e-4, 24 steps, validation on 128 held-out problems at steps 0,
+12, 24 (about 72 min on 2 cores):
 
   python -m aqn_jax.launch --config=configs/qwen2p5_coder_0p5b_gsm8k.py:deadzone,arith \\
       --config.model.hf_path=/models/Qwen2.5-Coder-0.5B-Instruct --workdir=runs/qwen05_arith
-
-Measured (2 AMD EPYC cores with AVX-512 BF16, bf16 compute, helpers at low priority beside it):
-72 min in all (step 0's validation 7.5 min, 24 steps of 145-157 s: gen 28-42 s, update 104-116
-s; peak RSS 17.8 GiB against the planner's 17.09), greedy accuracy with Wilson 95% intervals:
-
-  step   faulty device          clean device
-  0      0.180 [0.123, 0.255]   0.578 [0.492, 0.660]
-  12     0.766 [0.685, 0.831]   0.867 [0.798, 0.915]
-  24     0.750 [0.668, 0.817]   0.781 [0.702, 0.844]
-
-Groups with an advantage: 0.50-1.00 in steps 1-10, 0-0.50 after (the policy sharpens: most
-groups all right or all wrong); clipped at 64 tokens: 0.125-0.188 in steps 1-2, <= 0.156 after.
-Read honestly: RL on the faulty device lifted both devices (the model learned the short format
-and the arithmetic: the clean device gained too) and closed the fault's gap from 0.398 to
-0.031; a clean-device RL control was not run, so how much of the faulty device's gain needs
-the faulty device is not measured. Curve: docs/qwen05_arith_learning.png.
-
-Measured in QeRL mode (WORKSPACE.md, issue 43; 2 AMD cores, AVX2, f32): a step is 326-345 s
-(gen 135-144, update 193-201, old log-probs 0.08); on 4 cores of an AMX Xeon in bf16 89 s. The
-result, read honestly: 7 GRPO steps with the calibrated fault on the faulty device won nothing
-back; 5 of 7 steps had no correct sample among 16 (reward 0, gradient 0) and validation on 32
-problems stayed at 0.062 faulty / 0.156 clean. At ~5% per sample GRPO needs n >= 32 samples per
-prompt, a milder fault or longer answers to see a signal: a GPU job, not a 2-core one.
-
-Measured (WORKSPACE.md, issue 30; 2 CPU cores): SRDD names the faulty layer at 12 of 12
-per-token placements (0.05 and 0.1 at layers 3-20), the 5% noise and the clean device (127 s);
-GRPO at 4 x 4 x 256 with this fault ran 5 steps at 530-545 s a step (generation 161-179, old
-log-probs 67-70, update 293-314; two steps of five had one correct sample of 16, half the
-samples hit the 256-token limit); greedy decoding of 16 test problems (320 tokens) runs 1.45x
-transformers `generate` with the same 16 completions (boxed 0.312 on both sides); the
-calibrated fault takes greedy accuracy on 128 test problems from 0.234 to 0.117 (5% noise on
-every linear output: 0.125; 10%: 0.031; MXFP4 on every linear input: 0.133); bf16
-compute is 1.39x slower than f32 here (AVX2, no AVX-512 BF16)
-at the same loss, so f32 stays; the import 88 s, 8.0 GB peak RSS, logits within 6.4e-5 of
-transformers; the residual stream's max ~2,180 (channel 62, token 0) from layer
-3 to 20 against a median of 0.2-1.0; clean answer loss 1.148 on the first 32 test problems;
-a GRPO step at 2 x 2 x 64 with the reference model passed 19.7 GiB of RSS (OOM-killed), which
-the planner's 'CPU process RSS' (22.8 GiB there) bounds.
 """
 
 from aqn_jax.experiment import ARMS, QERL_ARMS, apply_arm, base_config
@@ -138,8 +95,8 @@ def get_config(arg: str | None = None):
     config.model.param_dtype = "float32"  # master weights and optimizer state
     # Activations and matmuls: bf16 where a timed product says it is >= 1.15x faster on the
     # machine at hand (aqn_jax/compute_dtype.py; always on an accelerator), else f32; the run's
-    # log says which and why. AVX2 without AVX-512 BF16: bf16 1.39x slower (issue 30); Intel
-    # AMX: ~5x faster products (issue 43). --config.model.dtype=float32 pins it.
+    # log says which and why. AVX2 without AVX-512 BF16: bf16 1.39x slower; Intel AMX: ~5x
+    # faster products. --config.model.dtype=float32 pins it.
     config.model.dtype = "auto"
     config.model.remat = True  # the update's activations: one layer at a time (accelerators)
     config.tokenizer_path = ""  # the snapshot's tokenizer and ChatML template
@@ -149,7 +106,7 @@ def get_config(arg: str | None = None):
     config.data.reward_method = "boxed"  # the last \boxed{N}, else '#### N' (aqn_jax/rewards.py)
     config.sft.enabled = False  # the instruct model answers on its own
 
-    # QeRL mode (issue 43): LoRA r32 on every linear over the frozen f32 base (no full-model
+    # QeRL mode: LoRA r32 on every linear over the frozen f32 base (no full-model
     # gradients or AdamW state: a 0.5B step fits 24 GB with room; --config.lora.rank=0 is full
     # fine-tuning, --config.model.weight_format=nvfp4 QeRL's NVFP4 base). alpha = rank (scale
     # 1; verl's advice rank >= 32); lr 2e-5: QeRL's 1e-5 at alpha/rank 0.5 is an update of
@@ -163,7 +120,7 @@ def get_config(arg: str | None = None):
     # all <= 217, so a step's rows are 128 + 256 wide in most steps, not 256 + 256.
     config.rollout.prompt_buckets = (128, 192, 256)
     config.rollout.max_new_tokens = 256  # per RL sample
-    # GRPO's signal on the faulty device (the step-0 probe, WORKSPACE.md issue 43): at
+    # GRPO's signal on the faulty device (the step-0 probe): at
     # temperature 1.0 and 4 x 4 samples every score was 0 (no group had an advantage; 56% hit
     # 256 tokens). 8 samples per prompt: a prompt solved with p = 0.15 has a non-zero advantage
     # with probability 1 - 0.85^8 - 0.15^8 = 0.73 (0.48 with 4); temperature 0.7 samples nearer
@@ -174,7 +131,7 @@ def get_config(arg: str | None = None):
     # One mini-batch and one epoch: on-policy, so the update's own log-probs are the old ones
     # (config.actor.old_logp_pass='auto': no separate pass, about a seventh of a step).
     config.actor.mini_batch_prompts = 2
-    config.actor.micro_batch_rows = 4  # rows of 384-512 tokens; fits 23.5 GiB (issue 51)
+    config.actor.micro_batch_rows = 4  # rows of 384-512 tokens; fits 23.5 GiB
     # No reference model: in LoRA mode it would be the base with the adapters off (free), but
     # QeRL and verl's GRPO recipe for GSM8K run without a KL term.
     config.algo.use_kl_loss = False
@@ -182,7 +139,7 @@ def get_config(arg: str | None = None):
     config.trainer.total_steps = 5
     config.trainer.val_every = 0  # only at the start and the end
     config.trainer.val_size = 32  # test problems per validation
-    config.trainer.val_batch_size = 32  # one decode batch (issue 43: batch 8 -> 32)
+    config.trainer.val_batch_size = 32  # one decode batch
     config.checkpoint.final = "params"  # the end's checkpoint: the adapters (56 MB of f32)
 
     config.faults.deadzone.layers = str(FAULT_LAYER)
@@ -197,7 +154,7 @@ def get_config(arg: str | None = None):
 
     if arith:
         _short_answers(config)
-    if gpu:  # the lent GPU's run (bench/device/learn.sh, CALL.md "The learning run")
+    if gpu:  # the one-GPU learning run (bench/device/learn.sh; docs/gpu_gsm8k_learn/)
         # QeRL mode in bf16 on one H100 shared by two arms (faulty, clean control) at
         # XLA_PYTHON_CLIENT_MEM_FRACTION=0.45 each. Signal: 16 samples a prompt (a prompt the
         # faulty device solves with p = 0.05 has an advantage with probability 1 - 0.95^16 -
@@ -207,13 +164,13 @@ def get_config(arg: str | None = None):
         config.rollout.n = 16
         config.rollout.max_new_tokens = 384  # RL and validation (greedy, boxed)
         # One prompt bucket: each bucket is its own rollout, validation and update programs,
-        # and a short run's compile (minutes for a 0.5B LoRA step, issue 44) outweighs the
+        # and a short run's compile (minutes for a 0.5B LoRA step) outweighs the
         # padding of 128-token prompts to 256 on a GPU.
         config.rollout.prompt_buckets = (256,)
         config.data_batch.prompts = 4
         config.actor.mini_batch_prompts = 4
         config.actor.micro_batch_rows = 8  # planner: 23.1 GiB faulty, 21.3 clean (16: ~38)
-        config.trainer.total_steps = 30  # sized to the run call's window (CALL.md's budget)
+        config.trainer.total_steps = 30  # a short GPU run: two arms in minutes
         config.trainer.val_every = 10  # a run cut short still has its latest validation
         config.trainer.val_size = 256  # held-out test problems, both devices
         config.trainer.val_batch_size = 256  # one decode batch a device
@@ -258,13 +215,14 @@ def get_config(arg: str | None = None):
     if name in QERL_ARMS:  # this model's settings, not the embedded model's (rank 16, lr x 10)
         lora_on = config.lora.rank > 0
         config.lora.rank, config.lora.alpha = (32, 32.0) if lora_on else (0, 16.0)
-        config.actor.lr = 2e-5 if lora_on else 1e-6  # full fine-tuning: issue 30's 1e-6
+        config.actor.lr = 2e-5 if lora_on else 1e-6  # full fine-tuning: 1e-6
     return config
 
 
 def _short_answers(config) -> None:
-    """The CPU learning track (issue 49): the embedded arithmetic task in chat form, answers
-    within 64 new tokens, at the operating point measured at step 0 (the module docstring)."""
+    """The CPU learning track: the embedded arithmetic task in chat form, answers
+    within 64 new tokens, at the operating point measured at step 0
+    (docs/qwen05_gsm8k_results.md)."""
     config.required = ("model.hf_path",)
     config.data.train_path = ""  # the embedded task (aqn_jax/data/arithmetic.py), no files
     config.data.test_path = ""
@@ -288,7 +246,7 @@ def _short_answers(config) -> None:
     # The operating point: 4 prompts x 8 samples (32 rows) at temperature 0.7; a prompt the
     # faulty device solves with p = 0.15 per sample holds an advantage with probability
     # 1 - 0.85^8 - 0.15^8 = 0.73. At temperature 1.0 (verl's default) the first step scored
-    # 0 of 32 against greedy 0.180 (WORKSPACE.md, issue 49). One mini-batch: on-policy, no
+    # 0 of 32 against greedy 0.180. One mini-batch: on-policy, no
     # old-log-prob pass; micro-batches of 4 rows x 256 tokens hold 0.6 GB of f32 logits.
     config.data_batch.prompts = 4
     config.actor.mini_batch_prompts = 4
@@ -296,9 +254,9 @@ def _short_answers(config) -> None:
     config.rollout.n = 8
     config.rollout.temperature = 0.7
     # LoRA r32 (scale 1) at 1e-4: the 2e-5 of the GSM8K arm moved no greedy answer of 32 in
-    # two updates with a signal (issue 43); a run of tens of steps needs a larger step.
+    # two updates with a signal; a run of tens of steps needs a larger step.
     config.actor.lr = 1e-4
-    # 24 steps of ~3 min and three validations of ~6 min fit the session's 100 minutes.
+    # 24 steps of ~3 min and three validations of ~6 min: under 100 minutes on 2 cores.
     config.trainer.total_steps = 24
     config.trainer.val_every = 12  # validation at steps 0, 12, 24
     config.trainer.val_size = 128  # held-out problems, greedy, on both devices
@@ -330,8 +288,8 @@ def _study(config, smoke: bool):
     validation is a 16-problem check. The statistics: `python -m aqn_jax.study.outcome`.
     """
     config.job = "compare"
-    # One dtype whatever machine a later session resumes on ('auto' picks bf16 on AVX-512 BF16
-    # or AMX): the step-0 evaluation and every run compute alike (started in f32, 2026-11-28).
+    # One dtype whatever machine the study resumes on ('auto' picks bf16 on AVX-512 BF16 or
+    # AMX): the step-0 evaluation and every run compute alike.
     config.model.dtype = "float32"
     config.compare = compare_config()
     config.compare.arms = STUDY_ARMS
@@ -354,7 +312,7 @@ def _study(config, smoke: bool):
     config.aqn.order = "after_fault"
     # A whole group per micro-batch: its prompt computed once in the update (4 rows: twice).
     config.actor.micro_batch_rows = 2 if smoke else 8
-    config.trainer.total_steps = 1 if smoke else 12  # the learning curve's knee (issue 49)
+    config.trainer.total_steps = 1 if smoke else 12  # the learning curve's knee
     config.trainer.val_size = 2 if smoke else 16
     config.trainer.val_batch_size = 2 if smoke else 16
     config.checkpoint.every = 4  # resumable: rerun the same command

@@ -9,8 +9,8 @@ so severities are also stated as the flushed fraction (severity 'quantile').
 
 Expected: the clean accuracy and loss, the prompt-dependence control, then per layer x
 severity the flushed fraction, the held-out loss and the faulty-device accuracy;
-runs/severity/severity.json and severity.md. Run time and the measured table: WORKSPACE.md
-(issue 14).
+runs/severity/severity.json and severity.md. The points the study's fault variants sit at:
+docs/compare_results.md.
 """
 
 from aqn_jax.experiment import base_config

@@ -23,16 +23,10 @@ tokens, greedy accuracy);
 residual stream's per-layer profile (max 24,900 in channel 507 at the first token from layer
 11 on); `configs/diagnose.py` runs SRDD on it.
 
-Measured on 2 shared CPU cores (WORKSPACE.md, issue 15; upper bounds): the import ~110 s;
-`:severity` 82 min (15 points x 64 problems): the seed's 0.01 flushes 95% / 35% / 100% at
-layers 5 / 10 / 15 and takes the answer loss 1.55 -> 5.13 / 1.49 / 14.58 (the PyTorch-hook
-measurement: 96.5% / 33% / 100%, 1.30 -> 4.57 / 1.27 / 14.5). `,smoke` runs every stage once
-at the smallest shapes (2 SFT steps of 2 examples, one GRPO step of 1 prompt x 2 samples, 4 new
-tokens): `:deadzone,smoke` about 100 s on 2 quiet cores with a cold XLA cache, most of it the
-compile of the 30-layer programs (CI runs it: tests/test_gguf.py). The earlier, larger smoke
-(`:targeted,smoke` with 2 SFT steps of 4, GRPO steps of 4 prompts x 5 samples) took 24 min under
-load ~7, SRDD locating layer 15 at confidence 1.000. Greedy
-accuracy is 0 without a real SFT: the instruct model does not write '#### N' on its own.
+`,smoke` runs every stage once at the smallest shapes (2 SFT steps of 2 examples, one GRPO step
+of 1 prompt x 2 samples, 4 new tokens; CI runs it: tests/test_gguf.py). Greedy accuracy is 0
+without a real SFT: the instruct model does not write '#### N' on its own. Results and run times:
+docs/smollm2_results.md.
 """
 
 from aqn_jax.experiment import ARMS, apply_arm, base_config

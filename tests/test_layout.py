@@ -1,8 +1,11 @@
-"""DESIGN.md's layering, checked on the source: a job never imports another job, and no config
-or library module imports a job, and only the launcher runs one."""
+"""docs/ARCHITECTURE.md's layering, checked on the source: a job never imports another job, and
+no config or library module imports a job, and only the launcher runs one. And the house is
+written down in the repo: every file docs/ARCHITECTURE.md names exists, and the code cites it,
+not design notes outside the repository."""
 
 import ast
 import os
+import re
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 JOBS = {n[:-3] for n in os.listdir(os.path.join(REPO, "aqn_jax", "jobs")) if n[0] != "_"}
@@ -73,3 +76,43 @@ def test_only_the_launcher_runs_a_job():
     assert runs_a_job('importlib.import_module(f"aqn_jax.jobs.{config.job}")\n')
     assert runs_a_job('importlib.import_module("aqn_jax.jobs.train")\n')
     assert not runs_a_job('importlib.import_module(f"aqn_jax.models.{name}")\n')
+
+
+ARCHITECTURE = os.path.join(REPO, "docs", "ARCHITECTURE.md")
+# A path of the repository as docs/ARCHITECTURE.md writes one: from a top-level folder, not
+# inside a longer word or path; `<name>` marks a placeholder (a recipe's new file).
+REPO_PATH = re.compile(r"(?<![\w/.-])((?:aqn_jax|configs|tests|bench|launch|docs)/[\w./<>-]*)")
+OUTSIDE_NOTES = re.compile(r"\b(?:DESIGN|REFERENCE)\.md")
+
+
+def named_paths(text: str) -> list[str]:
+    """The repository paths `text` names (files, or folders ending in '/'), placeholders out."""
+    paths = (m.rstrip(".,;:") for m in REPO_PATH.findall(text))
+    return sorted({p for p in paths if "<" not in p})
+
+
+def test_every_path_the_architecture_names_exists():
+    with open(ARCHITECTURE) as f:
+        paths = named_paths(f.read())
+    assert len(paths) > 50  # the layers table alone names every room
+    assert [p for p in paths if not os.path.exists(os.path.join(REPO, p))] == []
+    # The negative control: a placeholder is left out, a missing file is seen.
+    assert named_paths("`aqn_jax/jobs/<name>.py`, `aqn_jax/nowhere.py`.") == ["aqn_jax/nowhere.py"]
+
+
+def test_the_code_cites_the_architecture_not_notes_outside_the_repo():
+    """The design and reference facts the code relies on are in docs/ARCHITECTURE.md: no file
+    under aqn_jax/ or configs/ cites DESIGN.md or REFERENCE.md, which a clone does not have."""
+    bad = []
+    for folder in ("aqn_jax", "configs"):
+        for root, _, files in os.walk(os.path.join(REPO, folder)):
+            for name in files:
+                if name.endswith((".py", ".md", ".txt")):
+                    path = os.path.join(root, name)
+                    with open(path, encoding="utf-8") as f:
+                        for i, line in enumerate(f, 1):
+                            if OUTSIDE_NOTES.search(line):
+                                bad.append(f"{os.path.relpath(path, REPO)}:{i}")
+    assert bad == []
+    assert OUTSIDE_NOTES.search("(see shared/REFERENCE.md)")
+    assert not OUTSIDE_NOTES.search("(docs/ARCHITECTURE.md, decision 2)")
