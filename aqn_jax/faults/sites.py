@@ -16,7 +16,8 @@ includes the final norm, as in QeRL), except the explicit-only ones (`embed_toke
 which match only when named.
 
 The module names below (`LINEAR_KINDS`, `GROUPS`, `KINDS`, ...) are read from the registry on
-each access: the union over the registered families, in registration order.
+each access: the union over the registered families, in registration order. A module that
+imports one by name holds its value at that import (the families of `models/registry.py`).
 """
 
 from __future__ import annotations
