@@ -20,7 +20,7 @@ on those positions only, a chunk at a time, under the same interceptors (`aqn_ja
 
 `params` is either a plain param tree (full fine-tuning, the reference, the embedded default:
 nothing changes for it) or a `Weights`. The fault plan's interceptor is entered inside this
-function, so it must be called inside the jitted program (DESIGN.md, decision 2).
+function, so it must be called inside the jitted program (docs/ARCHITECTURE.md).
 """
 
 from __future__ import annotations

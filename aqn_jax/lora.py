@@ -9,9 +9,9 @@ matching the one `Linear` type (no wrapper module that would be a second site). 
 only computes with the adapter; what is trained, initialised, frozen and merged is here.
 
 Config (`config.lora`): rank (0 = off), alpha (scale = alpha / rank), target_modules
-('all-linear' or comma-separated names of q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj,
-down_proj),
-train_norms (QeRL's `--ln`: the RMSNorm weights are trained too). A is Kaiming-uniform
+('all-linear' or comma-separated names of the model family's linears: `Family.linear_kinds`,
+Qwen2's q_proj ... down_proj), train_norms (QeRL's `--ln`: the family's norm weights,
+`Family.norm_kinds`, are trained too). A is Kaiming-uniform
 (PEFT's `kaiming_uniform_(a=sqrt(5))`: U(-1/sqrt(in), 1/sqrt(in))), B is zero, so a fresh
 adapter leaves the model's outputs bitwise unchanged.
 
@@ -33,9 +33,7 @@ import numpy as np
 
 from aqn_jax import quant_base
 from aqn_jax.forward import Weights, override
-
-TARGETS = quant_base.LINEAR_KINDS
-NORM_KINDS = ("input_layernorm", "post_attention_layernorm", "norm")
+from aqn_jax.models import registry
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,7 +53,7 @@ class LoraSpec:
 
 
 # No adapters (full fine-tuning): what an absent config.lora section means.
-OFF = LoraSpec(0, 16.0, TARGETS, False)
+OFF = LoraSpec(0, 16.0, registry.linear_kinds(), False)
 
 
 def lora_spec(section) -> LoraSpec:
@@ -68,16 +66,16 @@ def lora_spec(section) -> LoraSpec:
     alpha = section.alpha
     if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not alpha > 0:
         raise ValueError(f"config.lora.alpha={alpha!r}; allowed: a number > 0")
-    tm = section.target_modules
+    tm, linear = section.target_modules, registry.linear_kinds()
     if isinstance(tm, str):
-        targets = TARGETS if tm == "all-linear" else tuple(t.strip() for t in tm.split(","))
+        targets = linear if tm == "all-linear" else tuple(t.strip() for t in tm.split(","))
     else:
         targets = tuple(tm)
-    bad = [t for t in targets if t not in TARGETS]
+    bad = [t for t in targets if t not in linear]
     if bad or not targets:
         raise ValueError(
             f"config.lora.target_modules={tm!r}; allowed: 'all-linear' or comma-separated names"
-            f" from {TARGETS}"
+            f" from {linear}"
         )
     if section.train_norms and rank == 0:
         raise ValueError(
@@ -139,14 +137,14 @@ def init_adapters(spec: LoraSpec, params, site_of: Callable, key: jax.Array, dty
 
 
 def norm_weights(params, site_of: Callable) -> dict:
-    """The RMSNorm weights of `params` (train_norms' trainable copy), nested like `params`."""
-    flat = {}
+    """The norm weights of `params` (train_norms' trainable copy), nested like `params`."""
+    flat, norms = {}, registry.norm_kinds()
     for path, leaf in jax.tree_util.tree_leaves_with_path(
         params, is_leaf=lambda x: isinstance(x, quant_base.Packed)
     ):
         names = tuple(k.key for k in path)
         site = site_of(names[:-1]) if names[-1] == "weight" else None
-        if site is not None and site[0] in NORM_KINDS:
+        if site is not None and site[0] in norms:
             flat[names] = leaf
     return _nest(flat)
 
@@ -199,7 +197,7 @@ def count(tree) -> int:
 def trainable_axes(spec: LoraSpec, axes, site_of: Callable) -> dict:
     """Logical axes of the trained tree: A `[in, r]` takes its kernel's input axis, B `[r, out]`
     its output axis (the rank is never split), so adapters shard with their kernels."""
-    flat = {}
+    flat, norms = {}, registry.norm_kinds()
     for path, names in jax.tree_util.tree_leaves_with_path(
         axes, is_leaf=lambda x: isinstance(x, tuple)
     ):
@@ -209,6 +207,6 @@ def trainable_axes(spec: LoraSpec, axes, site_of: Callable) -> dict:
             continue
         if keys[-1] == "kernel" and site[0] in spec.targets:
             flat[("lora", *keys[:-1])] = {"a": (names[0], None), "b": (None, names[1])}
-        elif keys[-1] == "weight" and site[0] in NORM_KINDS and spec.train_norms:
+        elif keys[-1] == "weight" and site[0] in norms and spec.train_norms:
             flat[("norms", *keys)] = names
     return _nest(flat)

@@ -27,7 +27,7 @@ import numpy as np
 from jax import lax
 
 from aqn_jax.faults import formats
-from aqn_jax.faults.sites import LINEAR_KINDS
+from aqn_jax.models import registry
 
 WEIGHT_FORMATS = ("none", "nvfp4", "mxfp4")
 _BLOCK = {"nvfp4": formats.NVFP4_BLOCK_SIZE, "mxfp4": formats.MX_BLOCK_SIZE}
@@ -161,12 +161,12 @@ def cast(tree, dtype):
 
 
 def linear_kernel_paths(params, site_of: Callable) -> list[tuple[str, ...]]:
-    """Paths of the decoder linears' kernels (`site_of(module path)` kind in LINEAR_KINDS)."""
-    out = []
+    """Paths of the decoder linears' kernels (`site_of(module path)` kind a family's linear)."""
+    linear, out = registry.linear_kinds(), []
     for path, _ in jax.tree_util.tree_leaves_with_path(params, is_leaf=_is_packed):
         names = tuple(k.key for k in path)
         site = site_of(names[:-1]) if names[-1] == "kernel" else None
-        if site is not None and site[0] in LINEAR_KINDS:
+        if site is not None and site[0] in linear:
             out.append(names)
     return out
 
@@ -220,11 +220,12 @@ def packed_axes(axes, fmt: str, site_of: Callable, dtype: str = "float32"):
     codes' and scales' (out, in) (stored transposed); the scalars are replicated."""
     if fmt == "none":
         return axes
+    linear = registry.linear_kinds()
 
     def walk(node, path):
         if isinstance(node, tuple):
             site = site_of(path[:-1]) if path[-1] == "kernel" else None
-            if site is not None and site[0] in LINEAR_KINDS:
+            if site is not None and site[0] in linear:
                 a_in, a_out = node
                 return Packed((a_out, a_in), (a_out, a_in), (), (), fmt, jnp.dtype(dtype).name)
             return node

@@ -33,7 +33,8 @@ SITE_OF = family_of(CFG).site_of
 
 
 def _spec(rank=4, **kw):
-    return lora_lib.LoraSpec(rank, kw.pop("alpha", 8.0), lora_lib.TARGETS, kw.pop("ln", False))
+    targets = family_of(CFG).linear_kinds
+    return lora_lib.LoraSpec(rank, kw.pop("alpha", 8.0), targets, kw.pop("ln", False))
 
 
 def _ids(b=2, t=12, seed=0):

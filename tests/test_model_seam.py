@@ -162,18 +162,26 @@ TOY = registry.Family(
     checkpoint_keys=lambda config: {},
     config_from_hf=None,
     config_to_hf=None,
+    linear_kinds=("up_proj", "down_proj"),
+    norm_kinds=("input_layernorm", "norm"),
+    model_kinds=("embed_tokens", "norm", "lm_head"),
+    explicit_only=("embed_tokens", "lm_head"),
+    presets={},
 )
 CONFIG = ToyConfig()
 IDS = np.array([[3, 7, 1, 9], [4, 4, 2, 30]], np.int32)
 
 
 @pytest.fixture
-def toy(monkeypatch):
-    """The toy family registered (one entry), its model and params."""
-    monkeypatch.setitem(registry.FAMILIES, "toy", TOY)
-    model = registry.causal_lm(CONFIG)
-    params = model.init(jax.random.key(0), IDS)["params"]
-    return model, params
+def toy():
+    """The toy family registered (one entry), its model and params; unregistered after."""
+    registry.FAMILIES.register("toy", TOY)
+    try:
+        model = registry.causal_lm(CONFIG)
+        params = model.init(jax.random.key(0), IDS)["params"]
+        yield model, params
+    finally:
+        registry.FAMILIES.unregister("toy")
 
 
 def plan_of(*injections):
@@ -207,11 +215,11 @@ def test_fault_sites_of_a_registered_family(toy):
     assert 0 < keep.mean() < 1
 
 
-def test_an_unregistered_family_has_no_sites(toy, monkeypatch):
+def test_an_unregistered_family_has_no_sites(toy):
     """The negative control: without its registry entry the same modules are no fault sites,
     and a plan aimed at them raises at trace time instead of running clean."""
     model, params = toy
-    monkeypatch.delitem(registry.FAMILIES, "toy")
+    registry.FAMILIES.unregister("toy")
     assert classify(("block1",), ToyBlock(CONFIG, parent=None)) is None
     plan = plan_of(Injection("dz", SiteSelector(("layer",), (1,)), Deadzone(0.5)))
     with pytest.raises(ValueError, match="matched no module: dz"):

@@ -1,6 +1,6 @@
 """From per-layer scans to robust z-scores, a verdict, and a per-layer AQN sigma map.
 
-Robust z (REFERENCE.md, the original's srdd_error_finder):
+Robust z (the original's srdd_error_finder, docs/ARCHITECTURE.md):
 
     z = (v - median) / (max(MAD, 0.01 * |median|, 1e-6) * 1.4826)
 
@@ -21,7 +21,7 @@ that pass their floor) exceeds `z_threshold`, else "no fault found". Confidence:
 both clipped to [0, 1]: how far the located layers stand out, or how far the most suspicious
 layer is from the threshold.
 
-Guided sigma (the original design notes, REFERENCE.md): start at `base`; gain < 0.8 * median
+Guided sigma (the original design notes, docs/ARCHITECTURE.md): start at `base`; gain < 0.8 * median
 -> x1.5; kurtosis > 1.2 * median -> x1.5; instability > 0.1 -> x0.5; clamp to [0.01, 0.15];
 layers with sigma > 1.2 * base are high priority. Two choices of ours, both recorded in the output:
   * the kurtosis rule compares Pearson kurtosis (Fisher + 3): the seed's values were in the
@@ -55,7 +55,7 @@ SIGNAL_LOSS = ("gain_or_dead", "gain")
 
 
 def robust_z(values: Sequence[float], include: Sequence[bool] | None = None) -> np.ndarray:
-    """REFERENCE's robust z of every value, statistics over the `include`d ones (NaN for the
+    """The original's robust z of every value, statistics over the `include`d ones (NaN for the
     others)."""
     v = np.asarray(values, np.float64)
     inc = np.ones(len(v), bool) if include is None else np.asarray(include, bool)

@@ -2,8 +2,8 @@
 
 A real pretrained LM has massive activations: SmolLM2-135M-Instruct's residual stream reaches
 max|h| ~ 24,900 in one channel at the first token from layer 11 on, against a median of 2-15
-(REFERENCE.md). A fault stated relative to the tensor max (the seed's deadzone) is then a far
-stronger fault than on a model without them, so every model's summary prints this profile.
+(docs/ARCHITECTURE.md). A fault stated relative to the tensor max (the seed's deadzone) is then
+a far stronger fault than on a model without them, so every model's summary prints this profile.
 """
 
 from __future__ import annotations

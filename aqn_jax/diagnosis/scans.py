@@ -14,7 +14,7 @@ about R + 2 layer calls per layer: one forward's worth of work per probe instead
 per layer per probe (`scan_layers_naive`, the reference). Metrics over the real (unpadded)
 tokens only, in float32:
 
-  instability  mean_t std(out_t - out_0)                     REFERENCE: 3 runs, non-determinism
+  instability  mean_t std(out_t - out_0)                     the original's 3 runs
   gain         std(out_n - out_0) / std(n)                    a deadzone gives gain < 1
   kurtosis     Fisher kurtosis of out_0 (flattened)
   min_gain     0.1% quantile of (out_b - out_0) / b, per element
@@ -49,7 +49,7 @@ METRICS = ("instability", "gain", "kurtosis", "min_gain", "max_gain", "dead", "o
 
 @dataclasses.dataclass(frozen=True)
 class ScanSettings:
-    """Probe sizes. REFERENCE: 3 runs for instability, noise 0.1 * std(h) for gain, DC bias
+    """Probe sizes, the original's: 3 runs for instability, noise 0.1 * std(h) for gain, DC bias
     quantiles 0.1% / 99.9%."""
 
     trials: int = 3

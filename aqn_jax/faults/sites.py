@@ -1,19 +1,23 @@
 """Which module calls an injection applies to.
 
 A site is (module kind, layer index) read from a Flax module path by the model's family and
-checked against the module's type: in Qwen2, `('layers_15', 'mlp', 'down_proj')` is kind
-`down_proj` of layer 15 only if the module there is a `Linear`. The kinds below are the
-vocabulary every family maps its modules to (`models/registry.py`).
+checked against the module's type: a family maps `('layers_15', 'mlp', 'down_proj')` to kind
+`down_proj` of layer 15 only if the module there is its linear. Each family brings its kinds
+(`models/registry.py`: `Family.site_types`, `linear_kinds`, `norm_kinds`, `model_kinds`); a
+selector accepts the kinds of every registered family.
 
-Kinds (per decoder layer): `layer` (the decoder layer; its output is the residual stream),
-`attn`, `mlp`, `q_proj`, `k_proj`, `v_proj`, `o_proj`, `gate_proj`, `up_proj`, `down_proj`,
-`input_layernorm`, `post_attention_layernorm`. Model-level kinds (no layer index): `norm` (the
-final RMSNorm), `embed_tokens`, `lm_head`. Groups: `linear` = the seven projections, `rmsnorm`
-= the two per-layer norms and the final `norm`.
+Kinds: `layer` (every family's decoder layer; its output is the residual stream), the family's
+per-layer kinds (its linears, norms and blocks), and model-level kinds without a layer index
+(the final norm, `embed_tokens`, `lm_head`). Groups: `linear` = the family's decoder linears,
+`rmsnorm` = its norms, per layer and final.
 
 Model-level kinds are selected when the selector's layers are 'all' (so `rmsnorm` on all layers
-includes the final norm, as in QeRL), except `embed_tokens` and `lm_head`, which match only when
-named explicitly.
+includes the final norm, as in QeRL), except the explicit-only ones (`embed_tokens`, `lm_head`),
+which match only when named.
+
+The module names below (`LINEAR_KINDS`, `GROUPS`, `KINDS`, ...) are read from the registry on
+each access: the union over the registered families, in registration order. A module that
+imports one by name holds its value at that import (the families of `models/registry.py`).
 """
 
 from __future__ import annotations
@@ -25,14 +29,36 @@ import flax.linen as nn
 
 from aqn_jax.models import registry
 
-LINEAR_KINDS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-LAYER_NORM_KINDS = ("input_layernorm", "post_attention_layernorm")
-LAYER_KINDS = ("layer", "attn", "mlp", *LINEAR_KINDS, *LAYER_NORM_KINDS)
-MODEL_KINDS = ("norm", "embed_tokens", "lm_head")
-EXPLICIT_ONLY = ("embed_tokens", "lm_head")
-GROUPS = {"linear": LINEAR_KINDS, "rmsnorm": (*LAYER_NORM_KINDS, "norm")}
-KINDS = (*LAYER_KINDS, *MODEL_KINDS)
 POINTS = ("input", "output")
+
+
+def _layer_norm_kinds() -> tuple[str, ...]:
+    model = registry.model_kinds()
+    return tuple(k for k in registry.norm_kinds() if k not in model)
+
+
+def _layer_kinds() -> tuple[str, ...]:
+    model = registry.model_kinds()
+    return tuple(k for k in registry.kinds() if k not in model)
+
+
+_NAMES = {
+    "LINEAR_KINDS": registry.linear_kinds,
+    "LAYER_NORM_KINDS": _layer_norm_kinds,
+    "LAYER_KINDS": _layer_kinds,
+    "MODEL_KINDS": registry.model_kinds,
+    "EXPLICIT_ONLY": registry.explicit_only,
+    "GROUPS": registry.groups,
+    "KINDS": registry.kinds,
+}
+
+
+def __getattr__(name: str):
+    """`LINEAR_KINDS`, `LAYER_NORM_KINDS`, `LAYER_KINDS`, `MODEL_KINDS`, `EXPLICIT_ONLY`,
+    `GROUPS`, `KINDS`: the registered families' names (see the module docstring)."""
+    if name in _NAMES:
+        return _NAMES[name]()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,20 +82,21 @@ def expand_kinds(kinds: Iterable[str], field: str = "sites") -> tuple[str, ...]:
     """Kinds with groups (`linear`, `rmsnorm`) expanded; unknown names raise naming `field`."""
     if isinstance(kinds, str):
         kinds = (kinds,)
+    known, groups = registry.kinds(), registry.groups()
     out: list[str] = []
     for kind in kinds:
-        members = GROUPS.get(kind, (kind,))
+        members = groups.get(kind, (kind,))
         for member in members:
-            if member not in KINDS:
+            if member not in known:
                 raise ValueError(
                     f"{field}={tuple(kinds)!r}: unknown module kind {kind!r}; allowed:"
-                    f" {list(KINDS) + list(GROUPS)}"
+                    f" {list(known) + list(groups)}"
                 )
             if member not in out:
                 out.append(member)
     if not out:
         raise ValueError(
-            f"{field}=() selects no module kind; allowed: {list(KINDS) + list(GROUPS)}"
+            f"{field}=() selects no module kind; allowed: {list(known) + list(groups)}"
         )
     return tuple(out)
 
@@ -93,7 +120,7 @@ class SiteSelector:
         if site.kind not in self.kinds:
             return False
         if site.layer is None:
-            return site.kind in EXPLICIT_ONLY or self.layers == "all"
+            return site.kind in registry.explicit_only() or self.layers == "all"
         return self.layers == "all" or site.layer in self.layers
 
     def check_layers(self, num_layers: int, field: str = "layers") -> None:

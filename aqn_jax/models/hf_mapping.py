@@ -12,7 +12,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from .qwen2 import _DTYPES, Qwen2Config
+from .precision import DTYPES as _DTYPES
+from .qwen2 import Qwen2Config
 
 # Per-model tensors.
 GLOBAL_ROWS: tuple[tuple[str, str, bool], ...] = (

@@ -29,9 +29,8 @@ import jax
 import jax.numpy as jnp
 from flax import errors as flax_errors
 
+from aqn_jax.models.precision import DTYPES as _DTYPES
 from aqn_jax.models.precision import dot_precision
-
-_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
 def _dtype(name: str) -> Any:
@@ -147,7 +146,7 @@ class Qwen2Config:
 
 
 _QWEN25_COMMON = dict(rope_theta=1e6, rms_norm_eps=1e-6, bos_token_id=151643, eos_token_id=151645)
-# Architectures of the public Qwen2.5 checkpoints (REFERENCE.md; HF config.json of each).
+# Architectures of the public Qwen2.5 checkpoints (HF config.json of each).
 _PRESETS: dict[str, dict[str, Any]] = {
     "qwen2p5_0p5b": dict(
         vocab_size=151936,
@@ -252,11 +251,9 @@ def _param(module: nn.Module, name: str, init, shape: tuple[int, ...], dtype) ->
     """`module.param(name, init, shape, dtype)`, minus Flax's check by tracing `init` at apply.
 
     When the param exists, Flax validates its shape with `jax.eval_shape` of the initializer
-    (a normal draw: a traced threefry) on every access, on every apply: 1,470 accesses in a
-    2-step smoke run, whose host time drops from 15.7 to 14.4-15.0 s without them (cProfile,
-    WORKSPACE.md). The same check is done here on the array's own shape, with Flax's error. At
-    init (the params collection mutable) it is `module.param` itself, so initial values are
-    unchanged.
+    (a traced threefry draw) on every access, on every apply: host time spent for nothing. The
+    same check is done here on the array's own shape, with Flax's error. At init (the params
+    collection mutable) it is `module.param` itself, so initial values are unchanged.
     """
     if module.is_mutable_collection("params") or not module.has_variable("params", name):
         return module.param(name, init, shape, dtype)
@@ -695,16 +692,20 @@ class Qwen2Head(nn.Module):
 
 
 # --- what the library needs from this family (registered in `models/registry.py`) ------------
+# This family's fault-site names (`faults/sites.py` reads them from the registry).
+LINEAR_KINDS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LAYER_NORM_KINDS = ("input_layernorm", "post_attention_layernorm")
+NORM_KINDS = (*LAYER_NORM_KINDS, "norm")
+MODEL_KINDS = ("norm", "embed_tokens", "lm_head")
+EXPLICIT_ONLY = ("embed_tokens", "lm_head")
 # Module kind -> the module type at that kind: fault sites are matched by path and checked by
-# type (exact targeting). The kind names are the seam's vocabulary (`faults/sites.py`).
+# type (exact targeting). The order is the kinds' order.
 SITE_TYPES: dict[str, type] = {
     "layer": Qwen2DecoderLayer,
     "attn": Qwen2Attention,
     "mlp": Qwen2MLP,
-    **dict.fromkeys(("q_proj", "k_proj", "v_proj", "o_proj"), Linear),
-    **dict.fromkeys(("gate_proj", "up_proj", "down_proj"), Linear),
-    "input_layernorm": RMSNorm,
-    "post_attention_layernorm": RMSNorm,
+    **dict.fromkeys(LINEAR_KINDS, Linear),
+    **dict.fromkeys(LAYER_NORM_KINDS, RMSNorm),
     "norm": RMSNorm,
     "embed_tokens": nn.Embed,
     "lm_head": LMHead,
@@ -723,7 +724,7 @@ _SUBMODULE_KINDS = {
 def site_of(path: tuple[str, ...]) -> tuple[str, int | None] | None:
     """(kind, layer id) of the module at a Flax path, None when no kind lives there: the layers
     are an unrolled loop (`layers_{i}`), so the layer id is read from the path."""
-    if len(path) == 1 and path[0] in ("norm", "embed_tokens", "lm_head"):
+    if len(path) == 1 and path[0] in MODEL_KINDS:
         return path[0], None
     if path and (m := _LAYER_RE.match(path[0])):
         kind = "layer" if len(path) == 1 else _SUBMODULE_KINDS.get(tuple(path[1:]))

@@ -1,20 +1,26 @@
-"""The model seam: what faults, SRDD, the sampler and the planner need from a model family, and
-the table from a checkpoint's `model_type` to its family.
+"""The model seam: what faults, SRDD, LoRA, the sampler and the planner need from a model
+family, and the registry of families (`FAMILIES`, found by a checkpoint's `model_type` or a
+preset's name).
 
 Nothing outside `models/` imports a model file: the library builds a model with
 `causal_lm(config)`, an empty KV cache with `init_cache(config, ...)`, reads fault sites with
-`site_of(path, module)`, and sizes activations with `family_of(config).saved_layer_bytes`.
-Adding a family is its model file, its HF key table, and one entry in `FAMILIES` (tunix's
-`models/<name>/{model,params}.py` plus one registry line is the shape followed).
+`site_of(path, module)`, and sizes activations with `family_of(config).saved_layer_bytes`. A
+family brings its own names: its presets, its fault-site kinds (`site_types`, `linear_kinds`,
+`norm_kinds`, `model_kinds`) and so LoRA's targets. Adding a family is its model file, its HF
+key table, and one `FAMILIES.register` (tunix's `models/<name>/{model,params}.py` plus one
+registry line is the shape followed).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 import flax.linen as nn
+
+from aqn_jax.registry import Registry
 
 from . import hf_mapping, qwen2
 
@@ -53,7 +59,14 @@ class Family:
     layer_name: `i -> str`, the name (top-level path entry) of decoder layer i; its params,
       intermediates and telemetry live under it.
     site_of: `path -> (kind, layer id | None) | None`, the fault-site kind at a module path.
-    site_types: kind -> the module type found at that kind (a path match alone is not a site).
+    site_types: kind -> the module type found at that kind (a path match alone is not a site);
+      its keys, in order, are the family's kinds. `layer` (the decoder layer) is every family's;
+      `lm_head` and `embed_tokens` are read by the log-prob readout and the fault checks.
+    linear_kinds: the decoder linears (group `linear`): LoRA's targets, the packed 4-bit base.
+    norm_kinds: every norm weight, per layer and final (group `rmsnorm`): AQN's weight noise and
+      LoRA's train_norms.
+    model_kinds: the kinds without a layer id; `explicit_only` of them match only when named.
+    presets: preset name -> `(**fields) -> config`, the random-init architectures.
     norm_with_weight: `(norm module, x, weight) -> y`, the norm's computation with another
       weight (AQN's weight noise).
     saved_layer_bytes / forward_layer_bytes: the activation model of one decoder layer per
@@ -76,11 +89,27 @@ class Family:
     checkpoint_keys: Callable[[Any], dict]
     config_from_hf: Callable[[Mapping[str, Any], str], tuple[Any, list]]
     config_to_hf: Callable[[Any], dict]
+    linear_kinds: tuple[str, ...]
+    norm_kinds: tuple[str, ...]
+    model_kinds: tuple[str, ...]
+    explicit_only: tuple[str, ...]
+    presets: Mapping[str, Callable[..., Any]]
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        return tuple(self.site_types)
+
+    @property
+    def groups(self) -> dict[str, tuple[str, ...]]:
+        """Group name (the config's vocabulary) -> this family's kinds."""
+        return {"linear": self.linear_kinds, "rmsnorm": self.norm_kinds}
 
 
+FAMILIES: Registry[Family] = Registry("model_type")
 # Llama and Mistral checkpoints are Qwen2's decoder without q/k/v biases (`attention_bias`).
-FAMILIES: dict[str, Family] = {
-    "qwen2": Family(
+FAMILIES.register(
+    "qwen2",
+    Family(
         model_types=qwen2.MODEL_TYPES,
         causal_lm=qwen2.Qwen2ForCausalLM,
         lm_head=qwen2.Qwen2Head,
@@ -94,18 +123,68 @@ FAMILIES: dict[str, Family] = {
         checkpoint_keys=hf_mapping.checkpoint_keys,
         config_from_hf=hf_mapping.config_from_hf,
         config_to_hf=hf_mapping.config_to_hf,
+        linear_kinds=qwen2.LINEAR_KINDS,
+        norm_kinds=qwen2.NORM_KINDS,
+        model_kinds=qwen2.MODEL_KINDS,
+        explicit_only=qwen2.EXPLICIT_ONLY,
+        presets={p: functools.partial(qwen2.Qwen2Config.preset, p) for p in qwen2.PRESETS},
     ),
-}
+)
+
+
+def _families() -> list[Family]:
+    return [family for _, family in FAMILIES.items()]
+
+
+def _union(names) -> tuple[str, ...]:
+    """The names of every family in registration order, each once."""
+    return tuple(dict.fromkeys(n for family_names in names for n in family_names))
+
+
+def kinds() -> tuple[str, ...]:
+    """Every registered family's fault-site kinds (the names a site selector accepts)."""
+    return _union(f.kinds for f in _families())
+
+
+def linear_kinds() -> tuple[str, ...]:
+    return _union(f.linear_kinds for f in _families())
+
+
+def norm_kinds() -> tuple[str, ...]:
+    return _union(f.norm_kinds for f in _families())
+
+
+def model_kinds() -> tuple[str, ...]:
+    return _union(f.model_kinds for f in _families())
+
+
+def explicit_only() -> tuple[str, ...]:
+    return _union(f.explicit_only for f in _families())
+
+
+def groups() -> dict[str, tuple[str, ...]]:
+    """Group name -> the kinds of every family in that group."""
+    names = _union(f.groups for f in _families())
+    return {g: _union(f.groups.get(g, ()) for f in _families()) for g in names}
+
+
+def presets() -> dict[str, Callable[..., Any]]:
+    """Preset name -> its config maker, over every family (the first family's name wins)."""
+    out: dict[str, Callable[..., Any]] = {}
+    for family in _families():
+        for name, make in family.presets.items():
+            out.setdefault(name, make)
+    return out
 
 
 def model_types() -> list[str]:
     """Every registered `model_type`, sorted."""
-    return sorted(t for f in FAMILIES.values() for t in f.model_types)
+    return sorted(t for f in _families() for t in f.model_types)
 
 
 def family_of_type(model_type: str | None) -> Family | None:
     """The family that ports `model_type`, or None."""
-    for family in FAMILIES.values():
+    for family in _families():
         if model_type in family.model_types:
             return family
     return None
@@ -135,19 +214,19 @@ def init_cache(config: ModelConfig, batch_size: int, max_len: int) -> Any:
 
 
 def layer_name(config: ModelConfig, i: int) -> str:
-    """The name of decoder layer `i` of `config`'s model (Qwen2: `layers_{i}`)."""
+    """The name of decoder layer `i` of `config`'s model (its top-level path entry)."""
     return family_of(config).layer_name(i)
 
 
 def is_causal_lm(module: nn.Module) -> bool:
     """Whether `module` is a registered family's whole model (a call's root)."""
-    return any(isinstance(module, f.causal_lm) for f in FAMILIES.values())
+    return any(isinstance(module, f.causal_lm) for f in _families())
 
 
 def site_of(path: tuple[str, ...], module: nn.Module) -> tuple[str, int | None] | None:
     """(kind, layer id) of a module call, checked against the module's type; None when the
     module is no fault site of any family."""
-    for family in FAMILIES.values():
+    for family in _families():
         site = family.site_of(path)
         if site is not None and isinstance(module, family.site_types[site[0]]):
             return site
@@ -160,7 +239,7 @@ def sites_of_param(path: tuple[str, ...]) -> list[tuple[str, int | None]]:
     down_proj, mlp and layer of layer 3. Faults on trees (weights, gradients, optimizer
     moments) select their leaves by these."""
     out = []
-    for family in FAMILIES.values():
+    for family in _families():
         for end in range(len(path) - 1, 0, -1):
             site = family.site_of(tuple(path[:end]))
             if site is not None and site not in out:
@@ -170,7 +249,7 @@ def sites_of_param(path: tuple[str, ...]) -> list[tuple[str, int | None]]:
 
 def norm_with_weight(module: nn.Module, x: Any, weight: Any) -> Any:
     """The norm `module`'s computation on `x` with `weight` instead of its own."""
-    for family in FAMILIES.values():
-        if isinstance(module, family.site_types["norm"]):
+    for family in _families():
+        if isinstance(module, tuple(family.site_types[k] for k in family.norm_kinds)):
             return family.norm_with_weight(module, x, weight)
     raise TypeError(f"{type(module).__name__} is no registered family's norm module")
