@@ -37,7 +37,7 @@ def test_rl_registries_refuse_an_unknown_name_naming_their_config_field():
     import ml_collections
 
     from aqn_jax import rewards
-    from aqn_jax.rl import advantages, losses, rollout_correction
+    from aqn_jax.rl import advantages, losses, optim, rollout_correction
     from aqn_jax.rl.config import correction_config
 
     _refuses(losses.POLICY_LOSSES, "config.algo.policy_loss")
@@ -45,6 +45,7 @@ def test_rl_registries_refuse_an_unknown_name_naming_their_config_field():
     _refuses(losses.AGG, "config.algo.loss_agg_mode")
     _refuses(advantages.ESTIMATORS, "config.algo.estimator")
     _refuses(rewards.METHODS, "config.data.reward_method")
+    _refuses(optim.LR_SCHEDULES, "config.actor.schedule")
     for field, entry in rollout_correction.CORRECTIONS.items():
         _refuses(entry.levels, f"config.algo.{field}")
     # ... and so do the functions that read the config through them.
@@ -67,6 +68,11 @@ def test_rl_registries_refuse_an_unknown_name_naming_their_config_field():
         with pytest.raises(ValueError) as err:
             call()
         assert str(err.value) == f"{registry.field}='bogus'; allowed: {registry.names()}"
+    # A table shared by several sections names the section it was read from.
+    with pytest.raises(ValueError) as err:
+        optim.lr_schedule(1e-6, 10, schedule="bogus", field="config.critic")
+    allowed = optim.LR_SCHEDULES.names()
+    assert str(err.value) == f"config.critic.schedule='bogus'; allowed: {allowed}"
 
 
 def test_a_registered_policy_loss_is_one_function_and_its_settings_reader():
