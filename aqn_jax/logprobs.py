@@ -5,7 +5,7 @@ old and reference log-probs, the held-out NLL of evaluation and the severity cur
 loss) is `log softmax(logits / temperature)` at one token per position. Applying the head to
 every position first holds `[rows, positions, vocab]` float32 logits, and the log-softmax and
 the backward's gradient as much again: at Qwen2.5's 151,936-token vocabulary that, not the
-decoder, set the micro-batch (issue 51). Here the head runs on `chunk` positions (every row) at
+decoder, sets the micro-batch. Here the head runs on `chunk` positions (every row) at
 a time inside a `lax.map`, each chunk under `jax.checkpoint`, so the forward keeps only the
 chunk's two outputs and the backward recomputes the chunk's logits: `[rows, chunk, vocab]`
 exists, never more (Liger's fused linear cross-entropy and verl's fused kernels do the same).

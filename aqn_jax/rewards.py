@@ -54,15 +54,43 @@ in the GSM8K scorer above, not verl math's 1.0 / 0.0.
 
 from __future__ import annotations
 
+import dataclasses
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from aqn_jax.registry import Registry
+
 # verl's _SOLUTION_CLIP_CHARS.
 SOLUTION_CLIP_CHARS = 300
-GSM8K_METHODS = ("strict", "flexible")  # verl's GSM8K scorer, bit for bit
-METHODS = (*GSM8K_METHODS, "boxed")
+
+
+@dataclasses.dataclass(frozen=True)
+class Method:
+    """A reading of a response (config.data.reward_method): the answer it extracts (None: no
+    answer) and when that answer equals the ground truth."""
+
+    extract: Callable[[str], str | None]
+    equal: Callable[[str, str], bool]
+
+
+METHODS: Registry[Method] = Registry("config.data.reward_method")
+
+
+def register_method(name: str, equal: Callable[[str, str], bool]):
+    """`@register_method(name, equal)` on the method's `extract`."""
+
+    def wrap(fn):
+        METHODS.register(name, Method(fn, equal))
+        return fn
+
+    return wrap
+
+
+def _same_string(answer: str, ground_truth: str) -> bool:
+    return answer == ground_truth
+
 
 # verl's patterns verbatim (the escapes inside the character class are redundant but harmless).
 _STRICT_RE = re.compile("#### (\\-?[0-9\\.\\,]+)")
@@ -116,8 +144,20 @@ def answers_equal(a: str, b: str) -> bool:
     return a == b
 
 
+@register_method("strict", _same_string)
+def _extract_strict(solution_str: str) -> str | None:
+    """verl's strict branch: the last `#### N` match in the window, "," and "$" removed."""
+    # verl: `if len(s) > 300: s = s[-300:]`, which is the same as an unconditional s[-300:].
+    solutions = _STRICT_RE.findall(solution_str[-SOLUTION_CLIP_CHARS:])
+    if not solutions:
+        return None
+    # Last match wins; the "$" replace cannot fire (see the module docstring) but is verl's.
+    return solutions[-1].replace(",", "").replace("$", "")
+
+
+@register_method("flexible", _same_string)
 def _extract_flexible(solution_str: str) -> str | None:
-    """verl's flexible branch: the last number-like match that is not "" or ".".
+    """verl's flexible branch: the last number-like match in the window that is not "" or ".".
 
     verl writes `for final_answer in reversed(answer): if final_answer not in invalid_str: break`.
     When every match is invalid the loop never breaks, and the loop variable keeps the last value
@@ -125,13 +165,25 @@ def _extract_flexible(solution_str: str) -> str | None:
     So "a . b ." returns "." rather than None, and scores `score` against a ground truth of ".".
     Reproduced deliberately. No "," / "$" stripping: verl's flexible branch has none.
     """
-    answer = _FLEXIBLE_RE.findall(solution_str)
+    answer = _FLEXIBLE_RE.findall(solution_str[-SOLUTION_CLIP_CHARS:])
     if not answer:
         return None
     for candidate in reversed(answer):
         if candidate not in _INVALID:
             return candidate
     return answer[0]  # the all-invalid quirk described above
+
+
+@register_method("boxed", answers_equal)
+def _extract_boxed(solution_str: str) -> str | None:
+    """The normalised content of the last closed `\\boxed{…}` in the whole text, else the
+    normalised strict answer (module docstring)."""
+    boxed = _last_boxed(solution_str)
+    answer = boxed if boxed is not None else _extract_strict(solution_str)
+    return None if answer is None else normalize_answer(answer)
+
+
+GSM8K_METHODS = ("strict", "flexible")  # verl's GSM8K scorer, bit for bit
 
 
 def extract_solution(solution_str: str, method: str = "strict") -> str | None:
@@ -142,21 +194,7 @@ def extract_solution(solution_str: str, method: str = "strict") -> str | None:
     is that an unknown `method` raises ValueError instead of verl's `assert`, so the check
     survives `python -O`. Never raises for any str input.
     """
-    if method not in METHODS:
-        raise ValueError(f"method={method!r}; allowed: {METHODS}")
-    if method == "boxed":
-        boxed = _last_boxed(solution_str)
-        answer = boxed if boxed is not None else extract_solution(solution_str, "strict")
-        return None if answer is None else normalize_answer(answer)
-    # verl: `if len(s) > 300: s = s[-300:]`, which is the same as an unconditional s[-300:].
-    solution_str = solution_str[-SOLUTION_CLIP_CHARS:]
-    if method == "strict":
-        solutions = _STRICT_RE.findall(solution_str)
-        if not solutions:
-            return None
-        # Last match wins; the "$" replace cannot fire (see the module docstring) but is verl's.
-        return solutions[-1].replace(",", "").replace("$", "")
-    return _extract_flexible(solution_str)
+    return METHODS.get(method).extract(solution_str)
 
 
 def compute_score(
@@ -171,12 +209,11 @@ def compute_score(
     Equality is on strings, as in verl ("42.0" != "42"). Returned as float (verl returns the int 0
     for a missing answer; the value is the same).
     """
-    answer = extract_solution(solution_str, method=method)
+    entry = METHODS.get(method)
+    answer = entry.extract(solution_str)
     if answer is None:
         return 0.0
-    if method == "boxed":
-        return float(score) if answers_equal(answer, ground_truth) else float(format_score)
-    return float(score) if answer == ground_truth else float(format_score)
+    return float(score) if entry.equal(answer, ground_truth) else float(format_score)
 
 
 def score_batch(

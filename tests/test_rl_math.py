@@ -137,7 +137,8 @@ def test_policy_loss_registry():
     assert float(spec(*args)[0]) == float(L.ppo_loss(*args, clip_high=0.28)[0])
     with pytest.raises(ValueError) as e:
         L.policy_loss_from({**algo, "policy_loss": "grpo"})
-    assert str(e.value) == "config.algo.policy_loss='grpo'; allowed: ('ppo', 'gspo')"
+    assert str(e.value) == f"config.algo.policy_loss='grpo'; allowed: {L.POLICY_LOSSES.names()}"
+    assert L.POLICY_LOSSES.names()[0] == "ppo"  # the default comes first
     with pytest.raises(ValueError, match=r"^config.algo.clip_ratio_c=1.0; must be > 1"):
         L.policy_loss_from({**algo, "clip_ratio_c": 1.0})
     with pytest.raises(ValueError, match=r"^config.algo.gspo.clip_ratio_high=1.5; must be in"):

@@ -8,6 +8,7 @@ The running example (N = 2 responses, T = 3 slots; the second response has one t
     log ρ         = [[ 0.5, -1.0,  - ], [ 0.0,  - ,  - ]]
 """
 
+import dataclasses
 import json
 import math
 import threading
@@ -221,8 +222,16 @@ def test_bypass_uses_the_rollout_log_probs_as_the_old_policy():
 
 
 def test_registries_have_one_function_per_name():
-    assert set(CORRECTIONS) == {"rollout_is", "rollout_rs"}
-    assert set(LEVELS) == {"token", "sequence", "geometric"}
+    """Each correction is named by its RolloutCorrection field; that field's values are 'none'
+    and registered levels, each mapped to the level's one function."""
+    fields = {f.name for f in dataclasses.fields(RolloutCorrection)}
+    assert len(CORRECTIONS) and set(CORRECTIONS) <= fields
+    for name, entry in CORRECTIONS.items():
+        assert entry.levels.field == f"config.algo.{name}"
+        assert entry.levels.names()[0] == "none"
+        assert set(entry.levels.names()[1:]) <= set(LEVELS)
+    # Every level is taken by some correction (rejection takes them all).
+    assert set(LEVELS) == {lv for e in CORRECTIONS.items() for lv in e[1].levels} - {"none"}
 
 
 def _algo(**kw):

@@ -13,6 +13,8 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from aqn_jax.registry import Registry
+
 
 def grpo_outcome_advantage(
     scores_N: jax.Array,
@@ -120,15 +122,28 @@ def gae_advantage_return(
     return masked_whiten(adv, mask) * mask, returns * mask
 
 
-# -- the estimators: name -> one signature -------------------------------------------------------
+# -- the estimators (config.algo.estimator): name -> one signature ------------------------------
 # `estimate(token_rewards_NT, values_NT, response_mask_NT, h) -> (advantages_NT, returns_NT)`,
 # with `values_NT` the critic's (None without one), `returns_NT` None for an outcome estimator,
-# and `h` the step's hyper-parameters (`rl.step.Hyper`: n, gamma, lam).
+# and `h` the step's hyper-parameters (`rl.step.Hyper`: n, gamma, lam), the settings it reads.
 @dataclasses.dataclass(frozen=True)
 class Estimator:
     estimate: Callable
     critic: bool  # needs a value model (its params, optimizer and forward pass)
     grouped: bool  # compares a prompt's n samples: needs rollout.n >= 2
+
+
+ESTIMATORS: Registry[Estimator] = Registry("config.algo.estimator")
+
+
+def register_estimator(name: str, *, critic: bool, grouped: bool):
+    """`@register_estimator(name, critic=..., grouped=...)` on the estimate function."""
+
+    def wrap(fn):
+        ESTIMATORS.register(name, Estimator(fn, critic=critic, grouped=grouped))
+        return fn
+
+    return wrap
 
 
 def _outcome(norm_by_std: bool):
@@ -140,12 +155,10 @@ def _outcome(norm_by_std: bool):
     return estimate
 
 
+register_estimator("grpo", critic=False, grouped=True)(_outcome(norm_by_std=True))
+register_estimator("drgrpo", critic=False, grouped=True)(_outcome(norm_by_std=False))
+
+
+@register_estimator("gae", critic=True, grouped=False)  # PPO with a critic
 def _gae(rewards_NT, values_NT, mask_NT, h):
     return gae_advantage_return(rewards_NT, values_NT, mask_NT, h.gamma, h.lam)
-
-
-ESTIMATORS: dict[str, Estimator] = {
-    "grpo": Estimator(_outcome(norm_by_std=True), critic=False, grouped=True),
-    "drgrpo": Estimator(_outcome(norm_by_std=False), critic=False, grouped=True),
-    "gae": Estimator(_gae, critic=True, grouped=False),  # PPO with a critic
-}

@@ -23,31 +23,46 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-# Aggregation: mode -> the per-sequence loss (token sums or means) of the seq-mean-* modes;
-# token-mean averages over every real token instead (None here).
-_PER_SEQUENCE = {
-    "token-mean": None,
-    "seq-mean-token-mean": lambda lm, m: jnp.sum(lm, axis=1) / jnp.maximum(jnp.sum(m, axis=1), 1.0),
-    "seq-mean-token-sum": lambda lm, m: jnp.sum(lm, axis=1),
-    "seq-mean-token-sum-norm": lambda lm, m: jnp.sum(lm, axis=1) / lm.shape[1],
-}
-AGG_MODES = tuple(_PER_SEQUENCE)
+from aqn_jax.registry import Registry
+
+# Aggregation (config.algo.loss_agg_mode): mode -> fn(masked loss_NT, mask_NT, denom) -> loss.
+AGG = Registry("config.algo.loss_agg_mode")
+
+
+@AGG.register("token-mean")
+def _token_mean(lm, mask, denom):
+    """The mean over every real token of the batch (verl's default)."""
+    d = jnp.sum(mask) if denom is None else denom
+    return jnp.sum(lm) / jnp.maximum(d, 1.0)
+
+
+def _seq_mean(per_sequence):
+    """The mean over the non-empty sequences of `per_sequence(lm, mask)`, each one's loss."""
+
+    def agg(lm, mask, denom):
+        per_seq = per_sequence(lm, mask)
+        valid = (jnp.sum(mask, axis=1) > 0).astype(jnp.float32)
+        d = jnp.sum(valid) if denom is None else denom
+        return jnp.sum(per_seq * valid) / jnp.maximum(d, 1.0)
+
+    return agg
+
+
+AGG.register(
+    "seq-mean-token-mean",
+    _seq_mean(lambda lm, m: jnp.sum(lm, axis=1) / jnp.maximum(jnp.sum(m, axis=1), 1.0)),
+)
+AGG.register("seq-mean-token-sum", _seq_mean(lambda lm, m: jnp.sum(lm, axis=1)))
+AGG.register("seq-mean-token-sum-norm", _seq_mean(lambda lm, m: jnp.sum(lm, axis=1) / lm.shape[1]))
+AGG_MODES = AGG.names()
 
 
 def agg_loss(loss_NT, mask_NT, mode: str = "token-mean", denom=None):
     """Aggregate per-token losses. `denom` (optional) replaces this batch's own count of tokens
     (token-mean) or sequences (seq-mean-*)."""
-    if mode not in _PER_SEQUENCE:
-        raise ValueError(f"loss_agg_mode={mode!r}; allowed: {AGG_MODES}")
+    aggregate = AGG.get(mode)
     mask = mask_NT.astype(jnp.float32)
-    per_sequence = _PER_SEQUENCE[mode]
-    if per_sequence is None:
-        d = jnp.sum(mask) if denom is None else denom
-        return jnp.sum(loss_NT * mask) / jnp.maximum(d, 1.0)
-    per_seq = per_sequence(loss_NT * mask, mask)
-    valid = (jnp.sum(mask, axis=1) > 0).astype(jnp.float32)
-    d = jnp.sum(valid) if denom is None else denom
-    return jnp.sum(per_seq * valid) / jnp.maximum(d, 1.0)
+    return aggregate(loss_NT * mask, mask, denom)
 
 
 def agg_denominator(mask_NT, mode: str):
@@ -77,12 +92,14 @@ class PolicyLossEntry:
     fields: dict[str, tuple[float, str]]
 
 
-POLICY_LOSSES: dict[str, PolicyLossEntry] = {}
+POLICY_LOSSES: Registry[PolicyLossEntry] = Registry("config.algo.policy_loss")
 
 
 def register_policy_loss(name: str, settings: Callable, fields: dict[str, tuple[float, str]]):
+    """`@register_policy_loss(name, settings, fields)` on the loss function: its entry."""
+
     def wrap(fn):
-        POLICY_LOSSES[name] = PolicyLossEntry(fn, settings, fields)
+        POLICY_LOSSES.register(name, PolicyLossEntry(fn, settings, fields))
         return fn
 
     return wrap
@@ -122,12 +139,11 @@ def policy_loss_from(algo) -> PolicyLoss:
     """`config.algo.policy_loss` and its entry's settings, checked (one line naming the field);
     another entry's fields away from their defaults are refused (the run would ignore them)."""
     name = algo.get("policy_loss", "ppo")
-    if name not in POLICY_LOSSES:
-        raise ValueError(f"config.algo.policy_loss={name!r}; allowed: {tuple(POLICY_LOSSES)}")
-    settings = POLICY_LOSSES[name].settings(algo)
+    chosen = POLICY_LOSSES.get(name)
+    settings = chosen.settings(algo)
     for other, entry in POLICY_LOSSES.items():
         for field, (default, what) in entry.fields.items():
-            if field in POLICY_LOSSES[name].fields:
+            if field in chosen.fields:
                 continue
             value = _field(algo, field, default)
             if not value == default:  # NaN included
@@ -287,14 +303,14 @@ def _low_var_kl(logp_NT, ref_logp_NT):
     return jnp.clip(jnp.exp(kl) - kl - 1.0, -10.0, 10.0)
 
 
-# KL estimator: kl_type -> fn(logp, ref_logp) -> per-token estimate (verl `kl_penalty`).
-KL_ESTIMATORS = {
-    "low_var_kl": _low_var_kl,  # k3
-    "kl": lambda logp, ref: logp - ref,  # k1
-    "mse": lambda logp, ref: 0.5 * jnp.square(logp - ref),  # k2
-    "abs": lambda logp, ref: jnp.abs(logp - ref),
-}
-KL_TYPES = tuple(KL_ESTIMATORS)
+# KL estimators (config.algo.kl_type): fn(logp, ref_logp) -> per-token estimate (verl
+# `kl_penalty`).
+KL_ESTIMATORS = Registry("config.algo.kl_type")
+KL_ESTIMATORS.register("low_var_kl", _low_var_kl)  # k3
+KL_ESTIMATORS.register("kl", lambda logp, ref: logp - ref)  # k1
+KL_ESTIMATORS.register("mse", lambda logp, ref: 0.5 * jnp.square(logp - ref))  # k2
+KL_ESTIMATORS.register("abs", lambda logp, ref: jnp.abs(logp - ref))
+KL_TYPES = KL_ESTIMATORS.names()
 
 
 def kl_penalty(logp_NT, ref_logp_NT, kind: str = "low_var_kl"):
@@ -302,9 +318,7 @@ def kl_penalty(logp_NT, ref_logp_NT, kind: str = "low_var_kl"):
     kl (k1): logp - ref; abs: |logp - ref|; mse (k2): 0.5 (logp - ref)^2;
     low_var_kl (k3): exp(ref - logp) - (ref - logp) - 1, with ref - logp clamped to [-20, 20]
     and the result to [-10, 10]."""
-    if kind not in KL_ESTIMATORS:
-        raise ValueError(f"config.algo.kl_type={kind!r}; allowed: {KL_TYPES}")
-    return KL_ESTIMATORS[kind](logp_NT, ref_logp_NT)
+    return KL_ESTIMATORS.get(kind)(logp_NT, ref_logp_NT)
 
 
 def value_loss(

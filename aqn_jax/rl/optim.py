@@ -11,7 +11,40 @@ from typing import Any
 
 import optax
 
-LR_SCHEDULES = ("constant", "warmup_constant", "cosine")
+from aqn_jax.registry import Registry
+
+# Learning-rate schedules (the `schedule` field of config.actor / config.critic / config.sft):
+# fn(lr, total_steps, warmup, min_lr_ratio) -> optax schedule.
+LR_SCHEDULES = Registry("config.actor.schedule")
+
+
+@LR_SCHEDULES.register("constant")
+def _constant(lr, total_steps, warmup, min_lr_ratio):
+    """`lr` throughout (the warmup ignored)."""
+    return optax.constant_schedule(lr)
+
+
+@LR_SCHEDULES.register("warmup_constant")
+def _warmup_constant(lr, total_steps, warmup, min_lr_ratio):
+    """Linear warmup from 0, then `lr` (verl's default actor schedule)."""
+    if warmup == 0:
+        return optax.constant_schedule(lr)
+    return optax.join_schedules(
+        [optax.linear_schedule(0.0, lr, warmup), optax.constant_schedule(lr)], [warmup]
+    )
+
+
+@LR_SCHEDULES.register("cosine")
+def _cosine(lr, total_steps, warmup, min_lr_ratio):
+    """Linear warmup from 0, then cosine down to `min_lr_ratio * lr` at `total_steps`."""
+    decay = max(int(total_steps) - warmup, 1)
+    return (
+        optax.warmup_cosine_decay_schedule(
+            0.0, lr, warmup, warmup + decay, end_value=lr * min_lr_ratio
+        )
+        if warmup > 0
+        else optax.cosine_decay_schedule(lr, decay, alpha=min_lr_ratio)
+    )
 
 
 def lr_schedule(
@@ -26,31 +59,14 @@ def lr_schedule(
     """Linear warmup over `warmup_steps` (from 0), then constant or cosine down to
     `min_lr_ratio * lr` at `total_steps`. 'constant' ignores the warmup; 'warmup_constant' is
     verl's default actor schedule (lr_warmup_steps then constant)."""
-    if schedule not in LR_SCHEDULES:
-        raise ValueError(f"{field}.schedule={schedule!r}; allowed: {LR_SCHEDULES}")
+    make = LR_SCHEDULES.get(schedule, f"{field}.schedule")
     if lr < 0:
         raise ValueError(f"{field}.lr={lr}; must be >= 0")
     if warmup_steps < 0:
         raise ValueError(f"{field}.warmup_steps={warmup_steps}; must be >= 0")
     if not 0.0 <= min_lr_ratio <= 1.0:
         raise ValueError(f"{field}.min_lr_ratio={min_lr_ratio}; must be in [0, 1]")
-    if schedule == "constant":
-        return optax.constant_schedule(lr)
-    warmup = max(int(warmup_steps), 0)
-    if schedule == "warmup_constant":
-        if warmup == 0:
-            return optax.constant_schedule(lr)
-        return optax.join_schedules(
-            [optax.linear_schedule(0.0, lr, warmup), optax.constant_schedule(lr)], [warmup]
-        )
-    decay = max(int(total_steps) - warmup, 1)
-    return (
-        optax.warmup_cosine_decay_schedule(
-            0.0, lr, warmup, warmup + decay, end_value=lr * min_lr_ratio
-        )
-        if warmup > 0
-        else optax.cosine_decay_schedule(lr, decay, alpha=min_lr_ratio)
-    )
+    return make(lr, total_steps, max(int(warmup_steps), 0), min_lr_ratio)
 
 
 def adamw(

@@ -1,7 +1,7 @@
 """Rollout correction: the sampler's policy is not the trainer's (verl's `rollout_corr_helper.py`).
 
 On a faulty or low-precision device the rollout computes π_rollout while the trainer computes
-π_train (DESIGN.md, "Two devices, one policy"): RL is off-policy. Per response token
+π_train (docs/ARCHITECTURE.md, "Two devices, one policy"): RL is off-policy. Per response token
 
     log ρ_t = log π_train(y_t) - log π_rollout(y_t)      (clamped to ±20 before any exp)
 
@@ -22,9 +22,10 @@ after the trainer's log-prob pass and before the update (where verl's driver run
     three); the ratio then is the IS weight, so no extra weights (verl's `ppo_clip` bypass). The
     trainer's pass still runs: it gives the mismatch metrics, and rejection compares against it.
 
-Each correction is one function in `CORRECTIONS` (name -> fn(log_ratio, mask, RolloutCorrection)
--> Term), and each aggregation level one function in `LEVELS`: adding either is writing one
-function. Presets (`PRESETS`) name the published settings.
+Each correction is one function registered in `CORRECTIONS` under its config.algo field, with the
+levels that field takes (fn(log_ratio, mask, RolloutCorrection) -> Term), and each aggregation
+level one function in `LEVELS`: adding either is writing one function. Presets (`PRESETS`) name
+the published settings.
 
 Where this departs from verl, on purpose: verl's bypass mode recomputes rejection against the
 current policy in every mini-batch; here it is computed once per step against the trainer's
@@ -49,41 +50,40 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from aqn_jax.registry import Registry
+
 SAFETY_BOUND = 20.0  # |log ρ| bound before exp: exp(20) ≈ 4.9e8 (verl)
 
-IS_LEVELS = ("none", "token", "sequence")
-RS_LEVELS = ("none", "token", "sequence", "geometric")
-
-# The published settings, as config.algo fields (configs/compare.py's mismatch study arms).
-PRESETS: dict[str, dict[str, Any]] = {
-    "none": {},
-    # verl's and tunix's token TIS (verl's FP8-rollout recipe: "aligns with BF16"), cap 2.
-    "token_tis": {"rollout_is": "token", "rollout_is_threshold": 2.0},
-    # TRL's default (`vllm_importance_sampling_mode='sequence_mask'`, cap 3.0): the sequence ratio
-    # as weight where it is <= 3, and the sequence dropped where it is above; no lower bound
-    # (1e-9 is below exp(-20), the smallest clamped ratio).
-    "trl_sequence_mask": {
+# The published settings, as config.algo fields (the mismatch study's arms pick them by name).
+PRESETS: Registry[dict[str, Any]] = Registry("rollout-correction preset")
+PRESETS.register("none", {})
+# verl's and tunix's token TIS (verl's FP8-rollout recipe: "aligns with BF16"), cap 2.
+PRESETS.register("token_tis", {"rollout_is": "token", "rollout_is_threshold": 2.0})
+# TRL's default (`vllm_importance_sampling_mode='sequence_mask'`, cap 3.0): the sequence ratio as
+# weight where it is <= 3, and the sequence dropped where it is above; no lower bound (1e-9 is
+# below exp(-20), the smallest clamped ratio).
+PRESETS.register(
+    "trl_sequence_mask",
+    {
         "rollout_is": "sequence",
         "rollout_is_threshold": 3.0,
         "rollout_rs": "sequence",
         "rollout_rs_threshold": 3.0,
         "rollout_rs_threshold_lower": 1e-9,
     },
-    # verl's geometric rejection preset [0.999, 1.001] (exp of the mean token log-ratio).
-    "geometric_rs": {
-        "rollout_rs": "geometric",
-        "rollout_rs_threshold": 1.001,
-        "rollout_rs_threshold_lower": 0.999,
-    },
-    # IcePop: a token mask [0.5, 5] (later papers tighten the lower bound to 0.2).
-    "icepop": {
-        "rollout_rs": "token",
-        "rollout_rs_threshold": 5.0,
-        "rollout_rs_threshold_lower": 0.5,
-    },
-    # verl's bypass: PPO's old policy = the rollout's log-probs.
-    "bypass": {"bypass_mode": True},
-}
+)
+# verl's geometric rejection preset [0.999, 1.001] (exp of the mean token log-ratio).
+PRESETS.register(
+    "geometric_rs",
+    {"rollout_rs": "geometric", "rollout_rs_threshold": 1.001, "rollout_rs_threshold_lower": 0.999},
+)
+# IcePop: a token mask [0.5, 5] (later papers tighten the lower bound to 0.2).
+PRESETS.register(
+    "icepop",
+    {"rollout_rs": "token", "rollout_rs_threshold": 5.0, "rollout_rs_threshold_lower": 0.5},
+)
+# verl's bypass: PPO's old policy = the rollout's log-probs.
+PRESETS.register("bypass", {"bypass_mode": True})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,7 +101,7 @@ class RolloutCorrection:
     @property
     def active(self) -> tuple[str, ...]:
         """The CORRECTIONS that act, in order."""
-        return tuple(n for n in ("rollout_is", "rollout_rs") if getattr(self, n) != "none")
+        return tuple(n for n in CORRECTIONS if getattr(self, n) != "none")
 
     @property
     def needs_rollout_logprobs(self) -> bool:
@@ -111,14 +111,10 @@ class RolloutCorrection:
 def correction_from(algo, rollout) -> RolloutCorrection:
     """`config.algo`'s correction fields, checked (one line naming the field) against
     `config.rollout`: a correction needs the sampling log-probs of the tokens it corrects."""
-
-    def choice(field, allowed):
-        value = algo.get(field, "none")
-        if value not in allowed:
-            raise ValueError(f"config.algo.{field}={value!r}; allowed: {allowed}")
-        return value
-
-    rollout_is, rollout_rs = choice("rollout_is", IS_LEVELS), choice("rollout_rs", RS_LEVELS)
+    rollout_is, rollout_rs = (
+        CORRECTIONS[field].levels.check(algo.get(field, "none"))
+        for field in ("rollout_is", "rollout_rs")
+    )
     thresholds = {}
     for field, default in (("rollout_is_threshold", 2.0), ("rollout_rs_threshold", 2.0)):
         value = algo.get(field, default)
@@ -189,15 +185,10 @@ def correction_from(algo, rollout) -> RolloutCorrection:
 
 
 # -- levels: how per-token log-ratios aggregate into the log weight of a token --------------------
-LEVELS: dict[str, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {}
-
-
-def register_level(name: str):
-    def wrap(fn):
-        LEVELS[name] = fn
-        return fn
-
-    return wrap
+# A correction's config field names the level it aggregates at (`register_correction`'s levels).
+LEVELS: Registry[Callable[[np.ndarray, np.ndarray], np.ndarray]] = Registry(
+    "rollout-correction level"
+)
 
 
 def _masked_sum(x, mask, axis=None, keepdims=False):
@@ -211,19 +202,19 @@ def _masked_mean(x, mask, axis=None, keepdims=False):
     )
 
 
-@register_level("token")
+@LEVELS.register("token")
 def _token(log_ratio_NT, mask_NT):
     """Each token its own ratio ρ_t: [N, T]."""
     return log_ratio_NT
 
 
-@register_level("sequence")
+@LEVELS.register("sequence")
 def _sequence(log_ratio_NT, mask_NT):
     """The sequence's likelihood ratio Π_t ρ_t: [N, 1] (unbiased; high variance)."""
     return _masked_sum(log_ratio_NT, mask_NT, axis=-1, keepdims=True)
 
 
-@register_level("geometric")
+@LEVELS.register("geometric")
 def _geometric(log_ratio_NT, mask_NT):
     """The geometric mean of the sequence's ratios, exp(mean_t log ρ_t): [N, 1]."""
     return _masked_mean(log_ratio_NT, mask_NT, axis=-1, keepdims=True)
@@ -232,7 +223,7 @@ def _geometric(log_ratio_NT, mask_NT):
 def level_weights(level: str, log_ratio_NT, mask_NT):
     """(the level's log ratio, unclamped: [N, T] or [N, 1]; its weight exp(clamp(., ±20))
     broadcast to [N, T])."""
-    log_w = LEVELS[level](log_ratio_NT, mask_NT)
+    log_w = LEVELS.get(level)(log_ratio_NT, mask_NT)
     w = np.exp(np.clip(log_w, -SAFETY_BOUND, SAFETY_BOUND))
     return log_w, np.broadcast_to(w, log_ratio_NT.shape)
 
@@ -244,12 +235,26 @@ class Term(NamedTuple):
     metrics: dict[str, float]
 
 
-CORRECTIONS: dict[str, Callable[[np.ndarray, np.ndarray, RolloutCorrection], Term]] = {}
+@dataclasses.dataclass(frozen=True)
+class Correction:
+    """A correction, registered under the config.algo field that chooses its level."""
+
+    apply: Callable[[np.ndarray, np.ndarray, RolloutCorrection], Term]
+    levels: Registry[str]  # config.algo.<name>'s values: 'none' (off), the LEVELS it takes
 
 
-def register_correction(name: str):
+CORRECTIONS: Registry[Correction] = Registry("rollout-correction field")
+
+
+def register_correction(name: str, levels: tuple[str, ...]):
+    """`@register_correction(field, levels)` on fn(log_ratio_NT, mask_NT, rc) -> Term: the
+    correction config.algo.<field> turns on at one of `levels` (names in LEVELS)."""
+
     def wrap(fn):
-        CORRECTIONS[name] = fn
+        choices = Registry(f"config.algo.{name}")
+        for level in ("none", *(LEVELS.check(level) for level in levels)):
+            choices.register(level, level)
+        CORRECTIONS.register(name, Correction(fn, choices))
         return fn
 
     return wrap
@@ -287,7 +292,7 @@ def is_statistics(level: str, log_ratio_NT, mask_NT, threshold: float) -> dict[s
     return m
 
 
-@register_correction("rollout_is")
+@register_correction("rollout_is", ("token", "sequence"))
 def truncated_is(log_ratio_NT, mask_NT, rc: RolloutCorrection) -> Term:
     """Truncated importance sampling (TIS): w = min(ρ, C) at `rc.rollout_is`'s level, 0 on
     padding; with `rollout_is_batch_normalize`, divided by its batch mean (token level: over
@@ -308,7 +313,7 @@ def truncated_is(log_ratio_NT, mask_NT, rc: RolloutCorrection) -> Term:
     return Term(w.astype(np.float32), None, metrics)
 
 
-@register_correction("rollout_rs")
+@register_correction("rollout_rs", ("token", "sequence", "geometric"))
 def rejection(log_ratio_NT, mask_NT, rc: RolloutCorrection) -> Term:
     """Rejection sampling: keep the tokens whose ratio at `rc.rollout_rs`'s level lies in
     [lower, upper] (a sequence level keeps or drops whole sequences)."""
@@ -387,7 +392,7 @@ def correct(train_logp_NT, rollout_logp_NT, mask_NT, rc: RolloutCorrection) -> C
         corr.update(is_statistics("token", log_ratio, mask, rc.rollout_is_threshold))
     weights = keep = None
     for name in rc.active:
-        term = CORRECTIONS[name](log_ratio, mask, rc)
+        term = CORRECTIONS[name].apply(log_ratio, mask, rc)
         corr.update(term.metrics)
         if term.weights is not None:
             weights = term.weights if weights is None else weights * term.weights

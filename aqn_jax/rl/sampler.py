@@ -319,31 +319,9 @@ def generate(p: _Program, weights, input_ids, attention_mask, keys, cache, value
     values = {**values, DRAW_KEY: jax.random.key_data(fault_key) if typed else fault_key}
     rows = input_ids.shape[0] * (sp.n if p.share else 1)
     prefill_key = jax.random.fold_in(fault_key, 0)
-    if p.share:
-        # One prefill per distinct prompt ([B, L], a fresh cache of B rows), then its KV
-        # cache, last logits and fault state repeated to the group's n rows. A random fault
-        # on the prompt's positions is drawn once per group, as on hardware that serves the
-        # prompt once.
-        length = input_ids.shape[1] + sp.max_new_tokens  # the pool's cache's slots
-        fresh = init_cache(p.model.config, input_ids.shape[0], length)
-        logits, fresh, stats, fault_state = _forward(
-            p, weights, input_ids, attention_mask, fresh, {}, prefill_key, values
-        )
-        logits, fresh, fault_state = jax.tree_util.tree_map(
-            lambda x: jnp.repeat(x, sp.n, axis=0) if x.ndim else x, (logits, fresh, fault_state)
-        )
-        cache = fresh
-        if p.mesh is not None:  # the group's rows split over the mesh as the others are
-            cache = jax.lax.with_sharding_constraint(cache, _cache_sharding(p.mesh, cache))
-    else:
-        # Reuse the donated buffers, zeroed: a padding query has no valid key, and its softmax
-        # over all-masked slots would average whatever an earlier call left there. Its output
-        # never reaches a real token, but it enters tensor-wide statistics (a deadzone's amax,
-        # the telemetry), so a run must not depend on what the cache held before.
-        cache = jax.tree_util.tree_map(jnp.zeros_like, cache)
-        logits, cache, stats, fault_state = _forward(
-            p, weights, input_ids, attention_mask, cache, {}, prefill_key, values
-        )
+    logits, cache, stats, fault_state = _prefill(
+        p, weights, input_ids, attention_mask, cache, prefill_key, values
+    )
     T = sp.max_new_tokens
     state = dict(
         t=jnp.zeros((), jnp.int32),
@@ -360,44 +338,7 @@ def generate(p: _Program, weights, input_ids, attention_mask, keys, cache, value
     def cond(s):
         return (s["t"] < T) & ~jnp.all(s["done"])
 
-    def body(s):
-        t = s["t"]
-        filtered = filter_logits(s["logits"], sp)
-        if sp.greedy:
-            token = jnp.argmax(filtered, axis=-1).astype(jnp.int32)
-        else:
-            token = jax.random.categorical(jax.random.fold_in(key, t), filtered).astype(jnp.int32)
-        scaled = s["logits"].astype(jnp.float32) / _logprob_scale(sp)
-        logprob = jnp.take_along_axis(jax.nn.log_softmax(scaled), token[:, None], axis=-1)[:, 0]
-        live = ~s["done"]
-        token = jnp.where(live, token, sp.pad_id)
-        tokens = s["tokens"].at[:, t].set(token)
-        logprobs = s["logprobs"].at[:, t].set(jnp.where(live, logprob, 0.0))
-        mask = s["mask"].at[:, t].set(live.astype(jnp.int32))
-        done = s["done"] | (token == sp.eos_id)
-        # Finished rows feed padding (mask 0): their slots stay invalid in the cache.
-        logits, cache, stats, fault_state = _forward(
-            p,
-            weights,
-            token[:, None],
-            live[:, None].astype(jnp.int32),
-            s["cache"],
-            s["fault_state"],
-            jax.random.fold_in(fault_key, t + 1),
-            values,
-        )
-        return dict(
-            t=t + 1,
-            cache=cache,
-            fault_state=fault_state,
-            logits=logits[:, -1],
-            tokens=tokens,
-            logprobs=logprobs,
-            mask=mask,
-            done=done,
-            stats_sum=jax.tree_util.tree_map(jnp.add, s["stats_sum"], stats),
-        )
-
+    body = functools.partial(_decode_step, p, weights, key, fault_key, values)
     s = jax.lax.while_loop(cond, body, state)
     if p.mesh is not None:
         s["cache"] = jax.lax.with_sharding_constraint(
@@ -406,3 +347,73 @@ def generate(p: _Program, weights, input_ids, attention_mask, keys, cache, value
     # Telemetry: the mean over the prefill and every decode step that ran.
     stats = jax.tree_util.tree_map(lambda v: v / (s["t"] + 1).astype(v.dtype), s["stats_sum"])
     return s["tokens"], s["logprobs"], s["mask"], stats, s["cache"]
+
+
+def _prefill(p: _Program, weights, input_ids, attention_mask, cache, prefill_key, values):
+    """The prompts' pass: (last logits, KV cache, fault stats, fault state) of every row."""
+    sp = p.sampling
+    if p.share:
+        # One prefill per distinct prompt ([B, L], a fresh cache of B rows), then its KV
+        # cache, last logits and fault state repeated to the group's n rows. A random fault
+        # on the prompt's positions is drawn once per group, as on hardware that serves the
+        # prompt once.
+        length = input_ids.shape[1] + sp.max_new_tokens  # the pool's cache's slots
+        fresh = init_cache(p.model.config, input_ids.shape[0], length)
+        logits, fresh, stats, fault_state = _forward(
+            p, weights, input_ids, attention_mask, fresh, {}, prefill_key, values
+        )
+        logits, fresh, fault_state = jax.tree_util.tree_map(
+            lambda x: jnp.repeat(x, sp.n, axis=0) if x.ndim else x, (logits, fresh, fault_state)
+        )
+        cache = fresh
+        if p.mesh is not None:  # the group's rows split over the mesh as the others are
+            cache = jax.lax.with_sharding_constraint(cache, _cache_sharding(p.mesh, cache))
+        return logits, cache, stats, fault_state
+    # Reuse the donated buffers, zeroed: a padding query has no valid key, and its softmax over
+    # all-masked slots would average whatever an earlier call left there. Its output never
+    # reaches a real token, but it enters tensor-wide statistics (a deadzone's amax, the
+    # telemetry), so a run must not depend on what the cache held before.
+    cache = jax.tree_util.tree_map(jnp.zeros_like, cache)
+    return _forward(p, weights, input_ids, attention_mask, cache, {}, prefill_key, values)
+
+
+def _decode_step(p: _Program, weights, key, fault_key, values, s):
+    """One step of the decode loop: sample token `s['t']` from the last logits, record it and
+    its log-prob, and run it through the model (the loop state `s` -> the next one)."""
+    sp = p.sampling
+    t = s["t"]
+    filtered = filter_logits(s["logits"], sp)
+    if sp.greedy:
+        token = jnp.argmax(filtered, axis=-1).astype(jnp.int32)
+    else:
+        token = jax.random.categorical(jax.random.fold_in(key, t), filtered).astype(jnp.int32)
+    scaled = s["logits"].astype(jnp.float32) / _logprob_scale(sp)
+    logprob = jnp.take_along_axis(jax.nn.log_softmax(scaled), token[:, None], axis=-1)[:, 0]
+    live = ~s["done"]
+    token = jnp.where(live, token, sp.pad_id)
+    tokens = s["tokens"].at[:, t].set(token)
+    logprobs = s["logprobs"].at[:, t].set(jnp.where(live, logprob, 0.0))
+    mask = s["mask"].at[:, t].set(live.astype(jnp.int32))
+    done = s["done"] | (token == sp.eos_id)
+    # Finished rows feed padding (mask 0): their slots stay invalid in the cache.
+    logits, cache, stats, fault_state = _forward(
+        p,
+        weights,
+        token[:, None],
+        live[:, None].astype(jnp.int32),
+        s["cache"],
+        s["fault_state"],
+        jax.random.fold_in(fault_key, t + 1),
+        values,
+    )
+    return dict(
+        t=t + 1,
+        cache=cache,
+        fault_state=fault_state,
+        logits=logits[:, -1],
+        tokens=tokens,
+        logprobs=logprobs,
+        mask=mask,
+        done=done,
+        stats_sum=jax.tree_util.tree_map(jnp.add, s["stats_sum"], stats),
+    )

@@ -1,6 +1,6 @@
 """The RL loop's host side: GRPO (and Dr.GRPO) or PPO with a critic (GAE), on the faulty device.
 
-One step (DESIGN.md's data path):
+One step (the data path of docs/ARCHITECTURE.md):
 
   prompts -> rollout (phase `rollout`: hardware faults + AQN at this step's sigma)
           -> rewards (verl GSM8K scorer) -> `prepare` (old / reference log-probs and values,
@@ -36,7 +36,7 @@ from aqn_jax.rewards import score_batch
 from aqn_jax.rl.scoring import eval_scores
 from aqn_jax.sdc import telemetry
 from aqn_jax.sdc.guard import GuardSpec
-from aqn_jax.sdc.recovery import Recovery
+from aqn_jax.sdc.recovery import Attempted, Recovery
 from aqn_jax.sdc.telemetry import guard_hint
 
 from .advantages import ESTIMATORS
@@ -138,9 +138,6 @@ class Trainer:
             if hardware_plan.active("eval")
             else self.clean_sampler
         )
-        # bf16 compute with fp32 master weights: the update keeps the fp32 params (each matmul
-        # casts its kernel); generation gets one bf16 copy per step (the inference engine's
-        # weights), which equals what every traced cast produces.
         # The attempts of each step under config.sdc (aqn_jax/sdc/recovery.py); what a
         # non-finite step's error names: the bit faults the device runs (`recovery.note`).
         self.recovery = Recovery(
@@ -149,6 +146,9 @@ class Trainer:
             telemetry.sdc_kinds(static.plan),
             telemetry.flip_note(static.plan),
         )
+        # bf16 compute with fp32 master weights: the update keeps the fp32 params (each matmul
+        # casts its kernel); generation gets one bf16 copy per step (the inference engine's
+        # weights), which equals what every traced cast produces.
         self._cast = None
         model_cfg = static.model_cfg
         if jnp.dtype(model_cfg.dtype) != jnp.dtype(model_cfg.param_dtype):
@@ -207,15 +207,32 @@ class Trainer:
         got = self.recovery.step(
             step, rollout, lambda tb, attempt: self._train(state, step, tb, attempt)
         )
-        out, tb, train, sdc = got.out, got.rows, got.train, got.counts
+        train = got.train
         if got.skipped:  # the update is dropped: the state before the step, the step counted
             train = train._replace(state=state.replace(step=train.state.step))
-        state, prep, train_stats, corr, mets, old_logp, t_prep, t_corr, t_upd = train
-        scores = tb["scores"]
+        m = self._metrics(step, batch, got, train, t_step)
+        # The sdc/ diagnostics describe the fault, not the run's state: the gradient norm the
+        # optimizer received is inf when a flipped exponent overflows it, and global-norm
+        # clipping then makes that update zero, not NaN (the guard still acts on it).
+        check_finite(
+            step,
+            {k: v for k, v in m.items() if not k.startswith("sdc/")},
+            self.recovery.note,
+            telemetry.fault_fired(m),
+        )
+        return train.state, m
 
-        rmask = tb["rmask"]
+    def _metrics(
+        self, step: int, batch, got: Attempted, train: _Train, t_step: float
+    ) -> dict[str, float]:
+        """The step's metrics (verl's names), in the order metrics.jsonl writes them: the
+        rollout's and the advantages', the timings, the correction's and the update's, then the
+        faults' (`_fault_metrics`). `got`: the recovery's attempt that stands; `train`: its
+        training."""
+        tb, prep = got.rows, train.prep
+        scores, rmask = tb["scores"], tb["rmask"]
         lengths = rmask.sum(1)
-        drift = np.abs(old_logp - tb["sampler_logp"])[rmask > 0]
+        drift = np.abs(train.old_logp - tb["sampler_logp"])[rmask > 0]
         drift = drift[~np.isnan(drift)]  # the rows the skip did not run have no log-probs
         if not drift.size:  # a step without a signal ran no pass
             drift = np.zeros(1)
@@ -243,9 +260,9 @@ class Trainer:
             "training/rollout_logprob_diff_max": float(drift.max()),
             "aqn/sigma": float(self.sigma(step)),
             "timing_s/gen": got.t_gen,
-            "timing_s/old_log_prob": t_prep,
-            "timing_s/update": t_upd,
-            "timing_s/rollout_corr": t_corr,
+            "timing_s/old_log_prob": train.t_prep,
+            "timing_s/update": train.t_upd,
+            "timing_s/rollout_corr": train.t_corr,
             "timing_s/step": time.perf_counter() - t_step,
             "data/epoch": float(batch["epoch"]),
         }
@@ -253,34 +270,31 @@ class Trainer:
             vals = parallel.to_host(prep["values"])
             m["critic/values/mean"] = float(vals[rmask > 0].mean())
             m["critic/returns/mean"] = float(parallel.to_host(prep["returns"])[rmask > 0].mean())
-        m.update(corr.metrics)
-        m.update(mets)
+        m.update(train.corr.metrics)
+        m.update(train.mets)
+        self._fault_metrics(m, got, train)
+        if got.counts.get("sdc/guard_skipped"):  # the rejected attempt's non-finite values
+            m = {k: v for k, v in m.items() if math.isfinite(v)}
+        return m
+
+    def _fault_metrics(self, m: dict[str, float], got: Attempted, train: _Train) -> None:
+        """Add to `m` the guard's `sdc/` metrics (under config.sdc) and the faults' telemetry
+        means of the rollout and of the training passes."""
+        out = got.out
         if self.static.sdc is not None:
             m.update(
                 telemetry.sdc_metrics(
-                    self.static.sdc.kinds, m, out.fault_stats, sdc, got.rejected_rollout
+                    self.static.sdc.kinds, m, out.fault_stats, got.counts, got.rejected_rollout
                 )
             )
         for name, v in summarize_stats(out.fault_stats).items():
             if name.endswith("/mean"):
                 m[f"faults/rollout/{name.removesuffix('/mean')}"] = v
         for name, v in summarize_stats(
-            jax.tree_util.tree_map(parallel.to_host, train_stats)
+            jax.tree_util.tree_map(parallel.to_host, train.train_stats)
         ).items():
             if name.endswith("/mean"):
                 m[f"faults/train/{name.removesuffix('/mean')}"] = v
-        if sdc.get("sdc/guard_skipped"):  # the rejected attempt's non-finite values, dropped
-            m = {k: v for k, v in m.items() if math.isfinite(v)}
-        # The sdc/ diagnostics describe the fault, not the run's state: the gradient norm the
-        # optimizer received is inf when a flipped exponent overflows it, and global-norm
-        # clipping then makes that update zero, not NaN (the guard still acts on it).
-        check_finite(
-            step,
-            {k: v for k, v in m.items() if not k.startswith("sdc/")},
-            self.recovery.note,
-            telemetry.fault_fired(m),
-        )
-        return state, m
 
     def _signal(self, scores, prep) -> float:
         """The share of groups with an advantage: of a grouped estimator, the groups whose
