@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterator
 from typing import Generic, TypeVar
 
 T = TypeVar("T")
+_DECORATE = object()  # `register(name)` without an entry: the decorator form
 
 
 class Registry(Generic[T]):
@@ -33,9 +34,10 @@ class Registry(Generic[T]):
         self.field = field
         self._entries: dict[str, T] = {}
 
-    def register(self, name: str, entry: T | None = None) -> Callable[[T], T] | T:
-        """`register(name, entry)` adds `entry`; `@register(name)` adds the decorated object.
-        A name registered twice is an error (two tables would disagree silently)."""
+    def register(self, name: str, entry=_DECORATE) -> Callable[[T], T] | T:
+        """`register(name, entry)` adds `entry` (None included); `@register(name)` adds the
+        decorated object. A name registered twice is an error (two tables would disagree
+        silently)."""
 
         def add(obj: T) -> T:
             if name in self._entries:
@@ -43,7 +45,7 @@ class Registry(Generic[T]):
             self._entries[name] = obj
             return obj
 
-        return add if entry is None else add(entry)
+        return add if entry is _DECORATE else add(entry)
 
     def unregister(self, name: str) -> None:
         """Remove `name` (a test's throwaway entry)."""

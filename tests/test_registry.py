@@ -23,6 +23,8 @@ def test_registry_refuses_unknown_and_duplicate_names():
         reg.register("a", 3)
     reg.unregister("b")
     assert reg.names() == ("a",)
+    reg.register("none", None)  # a None entry is an entry, not the decorator form
+    assert reg.names() == ("a", "none") and reg.get("none") is None
 
 
 def _refuses(registry, field):
