@@ -94,12 +94,11 @@ def _choose(backend: str) -> tuple[str, str]:
     return "float32", f"{measured} < {MIN_SPEEDUP}x"
 
 
-def resolve(config, log=print) -> None:
-    """Replace `config.model.dtype='auto'` by the chosen dtype, in place, and log why. A
-    config without the field, or with an explicit dtype, is left as it is."""
-    model = config.get("model")
-    if model is None or model.get("dtype") != AUTO:
-        return
-    dtype, why = choose()
-    model.dtype = dtype  # an existing field: allowed on a locked ConfigDict
-    log(f"config.model.dtype=auto -> {dtype}: {why}")
+def resolve(dtype: str, log=print) -> str:
+    """`dtype` (config.model.dtype), with 'auto' replaced by the chosen dtype (and why logged);
+    an explicit dtype as it is."""
+    if dtype != AUTO:
+        return dtype
+    chosen, why = choose()
+    log(f"config.model.dtype=auto -> {chosen}: {why}")
+    return chosen

@@ -19,6 +19,12 @@ from __future__ import annotations
 import ml_collections
 
 
+def frozen(section: ml_collections.ConfigDict) -> ml_collections.FrozenConfigDict:
+    """A section not typed yet (config.model), as a frozen copy: a later change of the config
+    changes nothing in it."""
+    return ml_collections.FrozenConfigDict(section)
+
+
 def sft_config() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.enabled = True  # SFT warm start before RL (the embedded default); False = use the model

@@ -120,7 +120,9 @@ def _set_up(config, workdir: str) -> tuple[_Run, rl_step.RLState]:
     print(spec.memory.table())
     train_examples = load_split(spec.data, "train")
     test_examples = load_split(spec.data, "test")
-    changes = check_resume_config(config, workdir)  # a layout change named, even overridden
+    # A layout change named, even overridden.
+    override = bool(config.get("resume_override", False))
+    changes = check_resume_config(config.to_json_best_effort(), override, workdir)
     check_resumable(workdir)  # a finished params-only run: refused before anything is written
     ws = spec.warm_start
     check_resume_warm_start(workdir, ws.key, ws.sft is None or cached_sft(ws, workdir) is not None)
