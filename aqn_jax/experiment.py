@@ -13,7 +13,7 @@ fault the arms share: `deadzone` by default, `noise` for the original design not
   healthy      the fault, AQN on every layer but the faulty one (the original notes' control)
   srdd_guided  the fault, AQN on every layer at SRDD's per-layer sigma map (aqn.layers='srdd')
 
-The mismatch study's arms (issue 29; aqn_jax/rl/rollout_correction.py), each the fault plus:
+The mismatch study's arms (aqn_jax/rl/rollout_correction.py), each the fault plus:
   uncorrected   nothing (RL off-policy as it is)
   tis           verl's / tunix's token TIS, cap 2 (PRESETS['token_tis'])
   trl_mask      TRL's default sequence mask, cap 3 (PRESETS['trl_sequence_mask'])
@@ -22,7 +22,7 @@ The mismatch study's arms (issue 29; aqn_jax/rl/rollout_correction.py), each the
                 QeRL's schedule (itself a rollout-only perturbation)
   aqn_qerl_tis  both
 
-Scenarios (`apply_scenario`; DESIGN.md "Two devices, one policy"): which device runs which fault.
+Scenarios (`apply_scenario`; docs/ARCHITECTURE.md): which device runs which fault.
   lowprec_rollout  (a) rollout and evaluation on a low-precision device (MXFP4 on every linear
                    input), training clean: verl's FP8 / QeRL's FP4 rollout
   deadzone_rollout (a') the study's deadzone (layer 4, 75% flushed) on the rollout and evaluation

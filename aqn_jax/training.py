@@ -251,8 +251,7 @@ def _begin(r: _Run, state):
     # The step programs (generate, prepare, update) compiled ahead for the next batch's shapes,
     # in a thread while step 0 validates: on an accelerator the validation runs on the device
     # meanwhile; on a CPU with a warm compile cache what is left (tracing, lowering, loading)
-    # hides behind it, while a cold compile competes with it for the cores (WORKSPACE.md,
-    # issue 41: measured on 2 cores both ways).
+    # hides behind it, while a cold compile competes with it for the cores.
     r.ahead = Ahead(r.loop, state, batcher, start + 1) if start < r.total else None
     if restored is None:
         try:
