@@ -357,10 +357,11 @@ def _flat(tree, prefix=""):
     return out
 
 
-def check_resume_config(config, workdir: str) -> dict:
-    """A workdir with checkpoints is resumed only under the config it was started with.
-    Returns the changed fields {path: (old, new)} when `config.resume_override` allows them;
-    raises ValueError naming them otherwise. No checkpoint: nothing to check."""
+def check_resume_config(config_json: str, override: bool, workdir: str) -> dict:
+    """A workdir with checkpoints is resumed only under the config it was started with
+    (`config_json`: the config's `to_json_best_effort()`). Returns the changed fields
+    {path: (old, new)} when `override` (config.resume_override) allows them; raises ValueError
+    naming them otherwise. No checkpoint: nothing to check."""
     ckpt_dir = os.path.join(workdir, "checkpoints")
     path = os.path.join(workdir, "config.json")
     has_ckpt = os.path.isdir(ckpt_dir) and any(n.isdigit() for n in os.listdir(ckpt_dir))
@@ -371,7 +372,7 @@ def check_resume_config(config, workdir: str) -> dict:
             old = _flat(json.load(f))
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}: unreadable ({e}); the run cannot be resumed safely") from e
-    new = _flat(json.loads(config.to_json_best_effort()))
+    new = _flat(json.loads(config_json))
     # A field the workdir's config.json lacks is new in this version (its default applies):
     # not a change the user made. Both sides come from to_json_best_effort (tuples as lists).
     changed = {
@@ -390,7 +391,7 @@ def check_resume_config(config, workdir: str) -> dict:
             f"config.{k}: {a!r} -> {b!r} {LAYOUT_FIELDS[k]}; use a new --workdir (the"
             f" checkpoints in {workdir} cannot resume under it, even with resume_override)"
         )
-    if changed and not config.get("resume_override", False):
+    if changed and not override:
         shown = ", ".join(f"config.{k}: {a!r} -> {b!r}" for k, (a, b) in list(changed.items())[:6])
         more = f" (+{len(changed) - 6} more)" if len(changed) > 6 else ""
         raise ValueError(

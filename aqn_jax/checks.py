@@ -4,36 +4,38 @@ before anything is trained or written (`check_train`), and the prompt-length che
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
 import os
 
 import jax
-import ml_collections
 import numpy as np
 
 from aqn_jax import parallel, planner, quant_base
+from aqn_jax.aqn.config import AqnSpec
 from aqn_jax.aqn.plan import place_aqn
 from aqn_jax.checkpoint import check_final
-from aqn_jax.data.config import check_data, load_split
+from aqn_jax.config import frozen
+from aqn_jax.data.config import DataSpec, load_split
 from aqn_jax.data.gsm8k import tokenize_prompts
 from aqn_jax.diagnosis.srdd import check_config as check_diagnosis
 from aqn_jax.faults import formats
 from aqn_jax.faults.config import check_bit_dtypes, fault_plan
+from aqn_jax.faults.intercept import FaultPlan
 from aqn_jax.faults.sites import expand_kinds
-from aqn_jax.lora import LoraSpec, check_ranks, lora_spec
+from aqn_jax.lora import LoraSpec, check_ranks
 from aqn_jax.models.factory import model_config
 from aqn_jax.models.hf import abstract_params
 from aqn_jax.models.registry import family_of
 from aqn_jax.rl.advantages import ESTIMATORS
 from aqn_jax.rl.optim import check_optimizer
 from aqn_jax.rl.sampler import check_rollout
-from aqn_jax.sdc.guard import guard_spec
+from aqn_jax.rl.step import StepSpec
 from aqn_jax.spec import (
     RunSpec,
     checkpoint_spec,
-    hyper_from,
     job_spec,
     loop_spec,
     run_diagnosis,
@@ -70,15 +72,16 @@ def _check_val_lengths(rollout, val_size: int, lengths, test_size: int) -> None:
 
 
 def prompt_lengths(
-    data, tokenizer, tokenizer_path: str, split: str, cache: dict | None = None
+    data: DataSpec, tokenizer, tokenizer_path: str, split: str, cache: dict | None = None
 ) -> np.ndarray:
-    """The token count of every prompt of `split` ('train' | 'test') of `data` (config.data) as
-    the batcher counts it (chat template, generation prompt). `cache`, when given, keeps them
-    per data section, file and `tokenizer_path` (where `tokenizer` was loaded from; the compare
-    job checks one config per arm on the same data)."""
-    path = os.path.expanduser(data[f"{split}_path"]) if data[f"{split}_path"] else ""
+    """The token count of every prompt of `split` ('train' | 'test') of `data` as the batcher
+    counts it (chat template, generation prompt). `cache`, when given, keeps them per data
+    section, file and `tokenizer_path` (where `tokenizer` was loaded from; the compare job
+    checks one config per arm on the same data)."""
+    path = os.path.expanduser(data.path(split)) if data.path(split) else ""
     stamp = (os.stat(path).st_mtime_ns, os.path.getsize(path)) if path else None
-    key = (split, json.dumps(data.to_dict(), sort_keys=True, default=str), stamp, tokenizer_path)
+    section = json.dumps(dataclasses.asdict(data), sort_keys=True, default=str)
+    key = (split, section, stamp, tokenizer_path)
     if cache is not None and key in cache:
         return cache[key]
     ids = tokenize_prompts(load_split(data, split), tokenizer)
@@ -89,23 +92,25 @@ def prompt_lengths(
 
 
 def check_instruction(data, tokenizer) -> None:
-    """config.data.instruction in characters `tokenizer` encodes (the embedded one knows
-    printable ASCII only: anything else would be an unknown token in every prompt)."""
-    unknown = tokenizer.unknown_chars(str(data.get("instruction", "")))
+    """config.data.instruction (of `data`: a DataSpec, or config.data) in characters
+    `tokenizer` encodes (the embedded one knows printable ASCII only: anything else would be an
+    unknown token in every prompt)."""
+    instruction = str(getattr(data, "instruction", ""))
+    unknown = tokenizer.unknown_chars(instruction)
     if unknown:
         raise ValueError(
-            f"config.data.instruction={data.instruction!r}: the tokenizer cannot encode"
+            f"config.data.instruction={instruction!r}: the tokenizer cannot encode"
             f" {''.join(unknown)!r} (each would be an unknown token); allowed: the characters it"
             " encodes (the embedded tokenizer: printable ASCII)"
         )
 
 
-def check_train_prompts(lengths, rollout, data, prompts: int) -> int:
+def check_train_prompts(lengths, rollout, data: DataSpec, prompts: int) -> int:
     """The train prompts the batcher drops (longer than config.rollout.max_prompt_len), counted
     and printed; refused when config.data.drop_long_prompts is False, when too few are left for
     one batch of `prompts` (config.data_batch.prompts), or when one it keeps would not fit the
     sampler's largest prompt bucket. `lengths`: every train prompt's token count
-    (`prompt_lengths`); `rollout`, `data`: config's sections. Returns the number dropped."""
+    (`prompt_lengths`); `rollout`: config.rollout. Returns the number dropped."""
     limit = int(rollout.max_prompt_len)
     lengths = np.asarray(lengths, np.int64)
     total, long = len(lengths), lengths > limit
@@ -116,13 +121,13 @@ def check_train_prompts(lengths, rollout, data, prompts: int) -> int:
         f"{dropped} of {total} train prompts are longer than {where} tokens"
         f" (up to {int(lengths.max(initial=0))})"
     )
-    if dropped and not data.get("drop_long_prompts", True):
+    if dropped and not data.drop_long_prompts:
         raise ValueError(
             f"config.data.drop_long_prompts=False and {what}; raise config.rollout.max_prompt_len"
             f" and {buckets}, or set config.data.drop_long_prompts=True to train without them"
         )
     kept, prompts = total - dropped, int(prompts)
-    shots = int(data.get("shots", 0))
+    shots = data.shots
     if shots and total < prompts:
         raise ValueError(
             f"config.data.shots={shots} takes the first {shots} train problems for every prompt,"
@@ -262,15 +267,15 @@ def check_block_widths(faults, model_cfg) -> None:
 
 
 def warm_start_spec(config) -> WarmStartSpec:
-    """The warm start's spec: config.model, tokenizer_path, data and sft, frozen (config.sft
-    checked when enabled), and the cache key computed from them (the raw sections' `to_dict`:
-    the job boundary keeps it)."""
+    """The warm start's spec: config.model, tokenizer_path, data and sft, frozen and typed
+    (config.data and config.sft checked, the latter when enabled), and the cache key computed
+    from them (the raw sections' `to_dict`: the job boundary keeps it)."""
     d = config.data
     seed = sft_seed(config.sft, config.seed)
     # num_layers at its default (0, the preset's depth) is left out: the keys of warm starts
     # made before the field existed, the shipped one included, stay what they were. The base's
     # weight_format is applied to the warm start after it is made (QeRL mode): not part of it;
-    # logprob_chunk only regroups the log-probs' sums (issue 51): not part of it either.
+    # logprob_chunk only regroups the log-probs' sums: not part of it either.
     model = {
         k: v
         for k, v in config.model.to_dict().items()
@@ -292,9 +297,9 @@ def warm_start_spec(config) -> WarmStartSpec:
     }
     blob = json.dumps(parts, sort_keys=True, default=str)
     return WarmStartSpec(
-        model=ml_collections.FrozenConfigDict(config.model),
+        model=frozen(config.model),
         tokenizer_path=str(config.tokenizer_path or ""),
-        data=ml_collections.FrozenConfigDict(d),
+        data=DataSpec.of(d),
         sft=SftSpec.of(config.sft) if config.sft.enabled else None,
         seed=seed,
         cache_dir=str(config.sft.cache_dir or ""),
@@ -307,59 +312,101 @@ def check_train(config, workdir: str | None = None, cache: dict | None = None) -
     written. The config parsed once: the run's `RunSpec`. `workdir` locates the default SFT
     cache (<workdir>/../cache) for its check; `cache` keeps the prompt lengths between calls
     (`prompt_lengths`)."""
-    # The config's own values first (no file read): a typo fails in well under a second.
+    step = _check_values(config)  # the config's own values (no file read): a typo fails fast
+    model_cfg = model_config(config.model)
+    export = config.get("checkpoint", {}).get("export", "none")
+    check_qerl(step.lora, step.weight_format, export, model_cfg, training=True)
+    tokenizer = tokenizer_for(config.tokenizer_path, config.model)
+    warm = warm_start_spec(config)  # config.data, and config.sft when enabled
+    check_instruction(warm.data, tokenizer)
+    device, aqn = _check_device(config, model_cfg)
+    mesh, memory = _check_memory(config, model_cfg, step, device)
+    train_prompts, dropped = _check_prompts(config, warm.data, tokenizer, cache)
+    check_sft_cache(warm, workdir)  # last: the SFT would train, then fail to be cached
+    return RunSpec(
+        model=model_cfg,
+        weight_format=step.weight_format,
+        lora=step.lora,
+        tokenizer=tokenizer,
+        tokenizer_path=config.tokenizer_path or config.model.hf_path,
+        data=warm.data,
+        device=device,
+        aqn=aqn,
+        sdc=step.guard,
+        step=step,
+        loop=loop_spec(config),
+        trainer=trainer_spec(config.trainer),
+        checkpoint=checkpoint_spec(config.checkpoint),
+        mesh=mesh,
+        seed=int(config.seed),
+        warm_start=warm,
+        srdd=srdd_spec(config),
+        diagnose=run_diagnosis(config),
+        summary=summary_spec(config, device, model_cfg.num_hidden_layers),
+        memory=memory,
+        train_prompts=train_prompts,
+        train_prompts_dropped=dropped,
+    )
+
+
+def _check_values(config) -> StepSpec:
+    """The sections checked on their own values: rollout, the step's (algo, actor, critic, sdc,
+    lora), trainer, checkpoint and the model's dtypes. Returns the step programs' spec."""
     check_rollout(config.rollout)
-    h = hyper_from(config)  # data_batch / rollout.n / actor batch sizes, algo
+    step = step_spec(config)  # data_batch / rollout.n / actor batch sizes, algo, sdc, lora
     check_optimizer(config.actor, "warmup_steps", "config.actor")
-    if ESTIMATORS[config.algo.estimator].critic:
+    if ESTIMATORS[step.h.estimator].critic:
         check_optimizer(config.critic, "lr_warmup_steps", "config.critic")
     check_trainer(config.trainer, config.checkpoint)
     check_train_dtypes(config.model)
-    model_cfg = model_config(config.model)
-    lora = lora_spec(config.get("lora"))
-    fmt = str(config.model.get("weight_format", "none"))
-    export = config.get("checkpoint", {}).get("export", "none")
-    check_qerl(lora, fmt, export, model_cfg, training=True)
-    n = model_cfg.num_hidden_layers
-    tokenizer = tokenizer_for(config.tokenizer_path, config.model)
-    check_data(config.data)
-    check_instruction(config.data, tokenizer)
-    warm = warm_start_spec(config)  # config.sft checked when enabled
-    check_diagnosis(config.diagnosis)
-    hw = fault_plan(config.faults, n)  # fault layers within the model, fields valid
-    check_block_widths(config.faults, model_cfg)
-    check_bit_dtypes(config.faults, model_cfg.dtype, model_cfg.param_dtype)
-    sdc = guard_spec(config.get("sdc"))
-    if sdc.abft_backward and lora.enabled:
+    if step.guard.abft_backward and step.lora.enabled:
         raise ValueError(
             "config.sdc.abft_backward=True with config.lora.rank > 0: the backward checks cover"
             " a plain linear's dX and dW, not the adapter's terms; turn one of them off"
         )
-    # The AQN arm parses now; 'located' / 'srdd' get their layers from the diagnosis later.
-    aqn = ml_collections.FrozenConfigDict(config.aqn)
-    place_aqn(hw.injections, aqn, n, srdd_sigmas=dict.fromkeys(range(n), 0.05), srdd_layers=[0])
+    return step
+
+
+def _check_device(config, model_cfg) -> tuple[FaultPlan, AqnSpec]:
+    """The diagnosis, the simulated hardware (config.faults) against the model, and the AQN
+    arm placed among its faults (with stand-in SRDD results: 'located' / 'srdd' get theirs from
+    the diagnosis later). Returns (the device's fault plan, config.aqn typed)."""
+    n = model_cfg.num_hidden_layers
+    check_diagnosis(config.diagnosis)
+    device = fault_plan(config.faults, n)  # fault layers within the model, fields valid
+    check_block_widths(config.faults, model_cfg)
+    check_bit_dtypes(config.faults, model_cfg.dtype, model_cfg.param_dtype)
+    aqn = AqnSpec.of(config.aqn)
+    place_aqn(device.injections, aqn, n, srdd_sigmas=dict.fromkeys(range(n), 0.05), srdd_layers=[0])
+    return device, aqn
+
+
+def _check_memory(config, model_cfg, step: StepSpec, device: FaultPlan):
+    """The batches split over the mesh, and the per-device memory plan from shapes alone
+    (`planner.check` refuses, suggesting a mesh, when it cannot fit). Returns (the mesh as
+    configured, the plan)."""
     rows = int(config.data_batch.prompts) * int(config.rollout.n)
+    micro, val = config.actor.micro_batch_rows, config.trainer.val_batch_size
     parallel.check_splits(
         config.mesh,
         jax.device_count(),
         {
             f"config.data_batch.prompts * config.rollout.n = {rows} rows": rows,
-            f"config.actor.micro_batch_rows={config.actor.micro_batch_rows}": (
-                config.actor.micro_batch_rows
-            ),
-            f"config.trainer.val_batch_size={config.trainer.val_batch_size}": (
-                config.trainer.val_batch_size
-            ),
+            f"config.actor.micro_batch_rows={micro}": micro,
+            f"config.trainer.val_batch_size={val}": val,
         },
     )
-    # Per-device memory from shapes alone; refuses (suggesting a mesh) when it cannot fit.
-    job = job_spec(config, model_cfg, h=h, lora=lora, device=hw)
-    memory = planner.check(job, jax.device_count())
-    # The data as the run will batch it: every train prompt tokenized, the validation prompts.
+    job = job_spec(config, model_cfg, step, device)
+    return job.mesh, planner.check(job, jax.device_count())
+
+
+def _check_prompts(config, data: DataSpec, tokenizer, cache: dict | None) -> tuple[int, int]:
+    """The data as the run will batch it: every train prompt tokenized (those too long dropped
+    or refused), the validation prompts within the buckets. Returns (train prompts, dropped)."""
     tok_path = config.tokenizer_path or config.model.hf_path
-    train = prompt_lengths(config.data, tokenizer, tok_path, "train", cache)
-    dropped = check_train_prompts(train, config.rollout, config.data, config.data_batch.prompts)
-    test = prompt_lengths(config.data, tokenizer, tok_path, "test", cache)
+    train = prompt_lengths(data, tokenizer, tok_path, "train", cache)
+    dropped = check_train_prompts(train, config.rollout, data, config.data_batch.prompts)
+    test = prompt_lengths(data, tokenizer, tok_path, "test", cache)
     val_size = config.trainer.val_size
     if val_size > len(test):
         raise ValueError(
@@ -367,28 +414,4 @@ def check_train(config, workdir: str | None = None, cache: dict | None = None) -
             " split (config.data.test_path, or config.data.test_size for the embedded task)"
         )
     _check_val_lengths(config.rollout, val_size, test[: int(val_size)], len(test))
-    check_sft_cache(warm, workdir)  # last: the SFT would train, then fail to be cached
-    return RunSpec(
-        model=model_cfg,
-        weight_format=fmt,
-        lora=lora,
-        tokenizer=tokenizer,
-        tokenizer_path=tok_path,
-        data=warm.data,
-        device=hw,
-        aqn=aqn,
-        sdc=sdc,
-        step=step_spec(config, h=h, lora=lora, sdc=sdc),
-        loop=loop_spec(config),
-        trainer=trainer_spec(config.trainer),
-        checkpoint=checkpoint_spec(config.checkpoint),
-        mesh=job.mesh,
-        seed=int(config.seed),
-        warm_start=warm,
-        srdd=srdd_spec(config),
-        diagnose=run_diagnosis(config),
-        summary=summary_spec(config, hw, n),
-        memory=memory,
-        train_prompts=len(train),
-        train_prompts_dropped=dropped,
-    )
+    return len(train), dropped

@@ -1,17 +1,15 @@
 """`config.model.dtype='auto'`: bf16 compute where it is faster on the machine at hand.
 
-On an accelerator bf16 products are the fast path (an H100's bf16 tensor cores run ~15x its f32
-rate): 'auto' is bfloat16. On a CPU it depends on the chip: on an Intel Xeon with AMX-BF16 a bf16
-product of the 0.5B model's shapes ran ~5x f32 (issue 43's table), on an AMD EPYC with
-AVX512-BF16 1.1-1.5x, and on one with AVX2 alone bf16 was 1.39x *slower* (issue 30). So on a CPU
-'auto' times the decoder's widest product (M=256 rows x 896 x 4864, f32 accumulation) in both
-dtypes, the best of 15 alternating rounds after a warm-up (~1 s), and takes bfloat16 only when it
-is at least `MIN_SPEEDUP` faster. The choice and its measurement are printed with the run's log
-and written into config.json as the resolved dtype (a run resumes with what it chose).
+On an accelerator bf16 products are the fast path: 'auto' is bfloat16. On a CPU it depends on the
+chip (AMX-BF16 or AVX512-BF16 make bf16 products faster, AVX2 alone slower), so 'auto' times the
+decoder's widest product (M=256 rows x 896 x 4864, f32 accumulation) in both dtypes, the best of
+15 alternating rounds after a warm-up (~1 s), and takes bfloat16 only when it is at least
+`MIN_SPEEDUP` faster. The choice and its measurement are printed with the run's log and written
+into config.json as the resolved dtype (a run resumes with what it chose; `launch.resolve_dtype`).
 
 The master weights and the optimizer state stay `config.model.param_dtype` (float32); bf16 changes
-the forward's numerics (WORKSPACE.md, issue 30: the loss within 0.3% at 0.5B), which is why the
-embedded default keeps float32 and 'auto' is opt-in per config.
+the forward's numerics, which is why the embedded default keeps float32 and 'auto' is opt-in per
+config.
 """
 
 from __future__ import annotations
@@ -26,10 +24,9 @@ import numpy as np
 AUTO = "auto"
 MIN_SPEEDUP = 1.15  # below this, bf16's different numerics are not worth it
 SHAPE = (256, 896, 4864)  # M x K x N: the 0.5B MLP's up projection over 256 rows
-# Alternating rounds of the probe (~0.5 s on 2 cores). Five calls of one dtype and then five of
-# the other let a load change between the two decide: on a 2-core AMD EPYC with AVX512-BF16
-# under load 4-5, the same commit chose float32 (bf16 12 ms, f32 12 ms) in three runs and
-# bfloat16 (6 ms, 12-14 ms) in two (WORKSPACE.md, issue 51's CPU bench).
+# Alternating rounds of the probe (~0.5 s on 2 cores): a change of the machine's load during
+# the probe falls on both dtypes alike (timing one dtype's calls and then the other's lets it
+# decide).
 ROUNDS = 15
 
 
@@ -94,12 +91,11 @@ def _choose(backend: str) -> tuple[str, str]:
     return "float32", f"{measured} < {MIN_SPEEDUP}x"
 
 
-def resolve(config, log=print) -> None:
-    """Replace `config.model.dtype='auto'` by the chosen dtype, in place, and log why. A
-    config without the field, or with an explicit dtype, is left as it is."""
-    model = config.get("model")
-    if model is None or model.get("dtype") != AUTO:
-        return
-    dtype, why = choose()
-    model.dtype = dtype  # an existing field: allowed on a locked ConfigDict
-    log(f"config.model.dtype=auto -> {dtype}: {why}")
+def resolve(dtype: str, log=print) -> str:
+    """`dtype` (config.model.dtype), with 'auto' replaced by the chosen dtype (and why logged);
+    an explicit dtype as it is."""
+    if dtype != AUTO:
+        return dtype
+    chosen, why = choose()
+    log(f"config.model.dtype=auto -> {chosen}: {why}")
+    return chosen

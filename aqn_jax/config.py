@@ -7,6 +7,8 @@
   distributed_config  `config.distributed`: several hosts (aqn_jax/parallel.py)
   planner_config      `config.planner`: the memory plan's check (aqn_jax/planner.py)
   evaluate_config     `config.evaluate`: job `evaluate`'s robustness matrix (aqn_jax/evaluation.py)
+  trainer_config      `config.trainer`: the RL loop's length and bounds (aqn_jax/training.py)
+  checkpoint_config   `config.checkpoint`: Orbax checkpoints and the export (aqn_jax/checkpoint.py)
 
 A package's own sections are in its config.py (aqn/, data/, diagnosis/, faults/, models/, rl/,
 sdc/, study/).
@@ -15,6 +17,12 @@ sdc/, study/).
 from __future__ import annotations
 
 import ml_collections
+
+
+def frozen(section: ml_collections.ConfigDict) -> ml_collections.FrozenConfigDict:
+    """A section not typed yet (config.model), as a frozen copy: a later change of the config
+    changes nothing in it."""
+    return ml_collections.FrozenConfigDict(section)
 
 
 def sft_config() -> ml_collections.ConfigDict:
@@ -93,4 +101,35 @@ def evaluate_config() -> ml_collections.ConfigDict:
     c.weight_formats = ()
     c.samples = 1  # 1 = greedy; n > 1: n samples per prompt at rollout.temperature (mean@n)
     c.loss = True  # held-out loss (answer-token cross-entropy) with the fault off / on
+    return c
+
+
+def trainer_config() -> ml_collections.ConfigDict:
+    """`config.trainer`: the loop."""
+    c = ml_collections.ConfigDict()
+    c.total_steps = 30  # RL steps (used when total_epochs = 0)
+    c.total_epochs = 0  # > 0: this many passes over the train split instead
+    c.val_every = 10  # 0 = only at the start and the end
+    c.val_size = 256  # test examples per validation
+    c.val_batch_size = 64  # prompts per validation batch
+    # Checked before every save (no checkpoint of a diverged run): params and optimizer state
+    # finite, the pre-clip gradient norm <= max_grad_norm (the embedded runs stay under 10),
+    # every |param| <= max_param_abs. 0 turns a bound off.
+    c.max_grad_norm = 1e4  # pre-clip actor gradient norm bound
+    c.max_param_abs = 1e4  # |param| bound
+    return c
+
+
+def checkpoint_config() -> ml_collections.ConfigDict:
+    """`config.checkpoint`: Orbax checkpoints under <workdir>/checkpoints."""
+    c = ml_collections.ConfigDict()
+    c.every = 0  # 0 = only at the end
+    c.keep = 2  # the latest N kept
+    # What the last step saves: state (resumable) | params (params only, a third of the state's
+    # bytes under AdamW: an evaluation-sized run) | none (no checkpoint at the end).
+    c.final = "state"
+    # hf: at the end, <workdir>/export/ is an HF snapshot of the trained policy (LoRA merged:
+    # W + alpha/rank A B over the dequantised base) with config.json and the tokenizer, which
+    # transformers and `configs/evaluate.py --config.model.hf_path=` load | none.
+    c.export = "none"
     return c

@@ -13,7 +13,7 @@ fault the arms share: `deadzone` by default, `noise` for the original design not
   healthy      the fault, AQN on every layer but the faulty one (the original notes' control)
   srdd_guided  the fault, AQN on every layer at SRDD's per-layer sigma map (aqn.layers='srdd')
 
-The mismatch study's arms (issue 29; aqn_jax/rl/rollout_correction.py), each the fault plus:
+The mismatch study's arms (aqn_jax/rl/rollout_correction.py), each the fault plus:
   uncorrected   nothing (RL off-policy as it is)
   tis           verl's / tunix's token TIS, cap 2 (PRESETS['token_tis'])
   trl_mask      TRL's default sequence mask, cap 3 (PRESETS['trl_sequence_mask'])
@@ -22,7 +22,7 @@ The mismatch study's arms (issue 29; aqn_jax/rl/rollout_correction.py), each the
                 QeRL's schedule (itself a rollout-only perturbation)
   aqn_qerl_tis  both
 
-Scenarios (`apply_scenario`; DESIGN.md "Two devices, one policy"): which device runs which fault.
+Scenarios (`apply_scenario`; docs/ARCHITECTURE.md): which device runs which fault.
   lowprec_rollout  (a) rollout and evaluation on a low-precision device (MXFP4 on every linear
                    input), training clean: verl's FP8 / QeRL's FP4 rollout
   deadzone_rollout (a') the study's deadzone (layer 4, 75% flushed) on the rollout and evaluation
@@ -37,19 +37,26 @@ import ml_collections
 
 from aqn_jax.aqn.config import aqn_config
 from aqn_jax.config import (
+    checkpoint_config,
     distributed_config,
     evaluate_config,
     lora_section,
     mesh_config,
     planner_config,
     sft_config,
+    trainer_config,
 )
 from aqn_jax.data.config import data_config
 from aqn_jax.diagnosis.config import diagnosis_config
 from aqn_jax.faults.config import faults_config
 from aqn_jax.models.config import model_section
-from aqn_jax.rl.config import correction_config
-from aqn_jax.rl.losses import policy_loss_config
+from aqn_jax.rl.config import (
+    actor_config,
+    algo_config,
+    critic_config,
+    data_batch_config,
+    rollout_config,
+)
 from aqn_jax.rl.rollout_correction import PRESETS
 from aqn_jax.sdc.config import sdc_config
 
@@ -57,6 +64,8 @@ FAULT_LAYER = 4  # the middle of the tiny model's 8 layers
 
 
 def base_config(arg: str | None = None) -> ml_collections.ConfigDict:
+    """The embedded experiment: each section's defaults, with the task, warm start and fault
+    this experiment sets (a tiny model learns one-digit arithmetic on a faulty device)."""
     config = ml_collections.ConfigDict()
     config.job = "train"  # the job to run (aqn_jax/jobs/<job>.py): train | compare | evaluate | ...
     config.arm = "clean"  # the study arm (apply_arm); informational in the run's outputs
@@ -68,136 +77,44 @@ def base_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # the changed fields; True continues with the new values (recorded in
     # config_overrides.jsonl).
     config.resume_override = False  # bool
-
     config.model = model_section()  # preset tiny, or a local HF snapshot in hf_path
     config.tokenizer_path = ""  # '' = the embedded character tokenizer (or hf_path's)
-
     config.data = data_config()  # data paths or the embedded task (aqn_jax/data/config.py)
-    # One operation on one-digit amounts, split by question text: under 200 distinct equations,
-    # so a chain split would ask the tiny model to infer arithmetic facts it never saw (0.34 test
-    # vs 0.94 train accuracy after SFT); a question split asks it to read the story's numbers
-    # and operation (aqn_jax/data/arithmetic.py; WORKSPACE.md, issue 14).
+    # One operation on one-digit amounts, split by question text: the model reads the story's
+    # numbers and operation rather than recalls equations it never saw (data/arithmetic.py).
     config.data.task.digits = 1  # digits of the task's amounts (1-4)
     config.data.task.steps = 1  # operations per problem (1-4)
     config.data.task.split_by = "question"  # question | chain: what train and test never share
-    config.data_batch = ml_collections.ConfigDict()  # the RL batch
-    config.data_batch.prompts = 16  # prompts per RL step (verl train_batch_size)
-
+    config.data_batch = data_batch_config()  # the RL batch
     # The warm start (cached; this setting's result ships in aqn_jax/assets, made by
-    # configs/warm_start.py): every train problem, 600 steps of 32, loss ~0.015.
+    # configs/warm_start.py): every train problem, 600 steps of 32.
     config.sft = sft_config()  # the SFT warm start (aqn_jax/warm_start.py)
     config.sft.steps = 600  # optimizer steps
     config.sft.batch_size = 32  # sequences per step
     config.sft.examples = 4096  # train examples used (the first N)
     config.sft.seed = 0  # one warm start whatever config.seed (the model a researcher brings)
-
-    config.rollout = ml_collections.ConfigDict()  # generation (verl actor_rollout_ref.rollout)
-    config.rollout.n = 5  # samples per prompt (GRPO group)
-    config.rollout.temperature = 1.0  # sampling temperature (1.0; 0 = greedy)
-    config.rollout.top_k = 0  # 0 = off
-    config.rollout.top_p = 1.0  # nucleus mass (1.0 = off)
-    config.rollout.max_new_tokens = 24  # answers are ~17 characters + EOS
-    # The task's chat prompts are 24-69 characters long (mean 38): one bucket of 72 pads far
-    # less than 96 would (every RL row is bucket + max_new_tokens; WORKSPACE.md, issue 8).
-    config.rollout.max_prompt_len = 72  # tokens; longer train prompts are dropped
-    config.rollout.prompt_buckets = (72,)  # padded prompt widths, tokens (one program each)
-    # Each distinct prompt prefilled once for its n samples (off where a fault's values would
-    # differ: `FaultPlan.split_refusals`).
-    config.rollout.share_prompt = True
-
-    config.algo = ml_collections.ConfigDict()  # the RL objective (verl algorithm / actor)
-    config.algo.estimator = "grpo"  # grpo | drgrpo | gae (PPO with a critic)
-    policy_loss_config(config.algo)  # policy_loss (ppo | gspo) and each loss's clip range
-    config.algo.loss_agg_mode = "token-mean"  # how token losses average (rl/losses.AGG_MODES)
-    config.algo.use_kl_loss = True  # KL to the reference policy as a loss term (GRPO)
-    config.algo.kl_loss_coef = 0.001  # its weight (0.001)
-    config.algo.kl_type = "low_var_kl"  # low_var_kl | kl | mse | abs
-    config.algo.use_kl_in_reward = False  # KL as a per-token reward penalty (PPO)
-    config.algo.kl_coef = 0.001  # KL-in-reward coefficient
-    config.algo.entropy_coeff = 0.0  # entropy bonus weight (0 = none)
-    config.algo.gamma = 1.0  # GAE discount per token (1.0)
-    config.algo.lam = 1.0  # GAE lambda (1.0)
-    # Rollout correction (aqn_jax/rl/rollout_correction.py): sampler vs trainer log-probs.
-    correction_config(config.algo)
-
-    config.actor = ml_collections.ConfigDict()  # the policy's optimizer and PPO batching
-    # 3e-5: from the shipped warm start, 1e-4 lowered the clean device's greedy accuracy
-    # (0.797 -> 0.719 in 12 steps; 0.832 -> 0.801 / 0.758 in 30) while 3e-5 held it (0.789)
-    # and won back 10% of the fault's cost in 12 steps (WORKSPACE.md, issue 14).
-    config.actor.lr = 3e-5  # AdamW learning rate
-    config.actor.warmup_steps = 0  # RL steps of linear warmup
-    config.actor.schedule = "constant"  # constant | warmup_constant | cosine
-    config.actor.weight_decay = 0.01  # decoupled AdamW weight decay
-    config.actor.grad_clip = 1.0  # global-norm clip (0 = off)
-    config.actor.ppo_epochs = 1  # passes over each RL batch
-    config.actor.mini_batch_prompts = 8  # PPO mini-batch, in prompts (x n rows)
-    config.actor.micro_batch_rows = 40  # gradient-accumulation chunk, in rows
-    # The old log-probs of the PPO ratio. 'auto': when the update is on-policy (one epoch, one
-    # mini-batch, no rollout correction, no KL in the reward, no SDC), they are the update's
-    # own log-probs, detached (TRL's and verl's shortcut: ratio 1 exactly), with no separate
-    # forward pass; 'always': a separate pass before the update, as with several mini-batches.
-    config.actor.old_logp_pass = "auto"
-    # The passes over rollout rows compute a group's prompt once (`forward.SharedPrompt`), and
-    # the update does not run micro-batches of rows without an advantage (exact with no
-    # entropy bonus, KL loss or critic); each is off, with the reason logged, where it would
-    # change the result.
-    config.actor.share_prompt = True
-    config.actor.skip_zero_advantage = True
-
-    config.critic = ml_collections.ConfigDict()  # used by estimator='gae'
-    config.critic.lr = 1e-4  # AdamW learning rate
-    config.critic.lr_warmup_steps = 0  # RL steps of linear warmup
-    config.critic.schedule = "constant"  # constant | warmup_constant | cosine
-    config.critic.weight_decay = 0.01  # decoupled AdamW weight decay
-    config.critic.grad_clip = 1.0  # global-norm clip (0 = off)
-    config.critic.cliprange_value = 0.5  # value clip around the old values (0.5)
-    config.critic.warmup_steps = 0  # RL steps that update only the critic
-    config.critic.faults = False  # run the hardware faults in the critic too
-
-    config.trainer = ml_collections.ConfigDict()  # the loop
-    config.trainer.total_steps = 30  # RL steps (used when total_epochs = 0)
-    config.trainer.total_epochs = 0  # > 0: this many passes over the train split instead
-    config.trainer.val_every = 10  # 0 = only at the start and the end
-    config.trainer.val_size = 256  # test examples per validation
-    config.trainer.val_batch_size = 64  # prompts per validation batch
-    # Checked before every save (no checkpoint of a diverged run): params and optimizer state
-    # finite, the pre-clip gradient norm <= max_grad_norm (the embedded runs stay under 10),
-    # every |param| <= max_param_abs. 0 turns a bound off.
-    config.trainer.max_grad_norm = 1e4  # pre-clip actor gradient norm bound
-    config.trainer.max_param_abs = 1e4  # |param| bound
-
-    config.checkpoint = ml_collections.ConfigDict()  # Orbax checkpoints under <workdir>/checkpoints
-    config.checkpoint.every = 0  # 0 = only at the end
-    config.checkpoint.keep = 2  # the latest N kept
-    # What the last step saves: state (resumable) | params (params only, a third of the state's
-    # bytes under AdamW: an evaluation-sized run) | none (no checkpoint at the end).
-    config.checkpoint.final = "state"
-    # hf: at the end, <workdir>/export/ is an HF snapshot of the trained policy (LoRA merged:
-    # W + alpha/rank A B over the dequantised base) with config.json and the tokenizer, which
-    # transformers and `configs/evaluate.py --config.model.hf_path=` load | none.
-    config.checkpoint.export = "none"
-    # LoRA adapters on a frozen base (QeRL mode; aqn_jax/lora.py): rank 0 = full fine-tuning.
-    config.lora = lora_section()
-
+    config.rollout = rollout_config()  # generation (aqn_jax/rl/config.py)
+    config.algo = algo_config()  # the RL objective (aqn_jax/rl/config.py)
+    config.actor = actor_config()  # the policy's optimizer and PPO batching
+    config.critic = critic_config()  # used by estimator='gae'
+    config.trainer = trainer_config()  # the loop
+    config.checkpoint = checkpoint_config()  # Orbax checkpoints under <workdir>/checkpoints
+    config.lora = lora_section()  # LoRA on a frozen base (QeRL mode); rank 0 = full fine-tuning
     config.mesh = mesh_config()  # devices as (data, fsdp, tensor) (aqn_jax/parallel.py)
     config.distributed = distributed_config()  # several hosts (launch/*.py set it)
     config.planner = planner_config()  # per-device memory plan, checked before compiling
     config.diagnosis = diagnosis_config()  # SRDD (aqn_jax/diagnosis/srdd.py)
     config.evaluate = evaluate_config()  # job `evaluate` (the robustness matrix)
-
     config.faults = faults_config()  # the simulated hardware (aqn_jax/faults/config.py)
     config.faults.deadzone.layers = str(FAULT_LAYER)  # the faulty layer
-    # The operating point, chosen from the measured severity curve of the shipped warm start
-    # (configs/severity.py; WORKSPACE.md, issue 14): flushing the 75% smallest |h| of layer 4's
-    # output takes greedy accuracy 0.832 -> 0.508 and the held-out loss 0.033 -> 0.62, a cost
-    # RL can win back from (0.9 leaves 0.105; the seed's 0.01 of the max flushes 5%, no cost).
+    # The operating point on the shipped warm start's severity curve (configs/severity.py): a
+    # cost RL can win back from (flushing 75% of layer 4's smallest |h|).
     config.faults.deadzone.severity = "quantile"  # amax | quantile
     config.faults.deadzone.quantile = 0.75  # fraction of |h| flushed
     config.sdc = sdc_config()  # SDC detection and recovery: ABFT, step guards (sdc/guard.py)
     config.aqn = aqn_config()  # the treatment: AQN noise (aqn_jax/aqn/config.py)
     config.aqn.schedule = "epoch_aware"  # qerl | epoch_aware | constant | linear | cosine
     config.aqn.num_epochs = 2  # epochs of the epoch-aware decay
-
     if arg == "smoke":
         shrink(config)
     elif arg not in (None, ""):

@@ -46,6 +46,15 @@ def available_jobs() -> list[str]:
     return sorted(m.name for m in pkgutil.iter_modules(jobs.__path__) if not m.name.startswith("_"))
 
 
+def resolve_dtype(config, log=print) -> None:
+    """Replace `config.model.dtype='auto'` by the chosen dtype, in place (config.json records
+    it: a run resumes with what it chose). A config without the field is left as it is."""
+    model = config.get("model")
+    if model is None or model.get("dtype") != compute_dtype.AUTO:
+        return
+    model.dtype = compute_dtype.resolve(model.dtype, log)  # an existing field: allowed locked
+
+
 def run(config, workdir: str) -> None:
     job = config.get("job")
     if job not in available_jobs():
@@ -62,7 +71,7 @@ def run(config, workdir: str) -> None:
             )
     logging.info("JAX %s, %d devices: %s", jax.__version__, jax.device_count(), jax.devices())
     jobs.check_required(config)  # every job: a config's empty local paths, before any work
-    compute_dtype.resolve(config)  # config.model.dtype='auto': bf16 where it is faster here
+    resolve_dtype(config)  # config.model.dtype='auto': bf16 where it is faster here
     module = importlib.import_module(f"aqn_jax.jobs.{job}")
     created = open_workdir(workdir)
     if jax.process_index() != 0:  # several hosts: process 0 holds the workdir for all

@@ -2,16 +2,16 @@
 parts (`RunSpec`, which `checks.check_train` returns), so that every library function below the
 job takes the spec or the part of it that it needs, never the ConfigDict.
 
-The builders of the parts live here, each reading the config sections its part needs:
-`hyper_from` (config.algo / actor / rollout / data_batch / critic: the programs' `Hyper`),
-`step_spec` (the step programs' `StepSpec`), `loop_spec` (the RL loop's `LoopSpec`), `job_spec`
-(the planner's `JobSpec`), `srdd_spec` (the diagnosis's `SrddSpec`), `summary_spec` (what
-summary.json says of the config), `trainer_spec` / `checkpoint_spec`, and the evaluation's
-`eval_spec` / `decode_spec`. A section's own parser
-stays beside its defaults (`lora.lora_spec`, `faults.config.fault_plan`, `sdc.guard.guard_spec`,
-`rl.optim.OptimizerSpec.of`, `aqn.config.AqnSchedule.of`). What needs the raw ConfigDict stays
-in the job layer: config.json (`training.run`), the resume comparison
-(`checkpoint.check_resume_config`) and the warm start's cache key (`warm_start_spec`).
+The builders of the parts live here, each reading the config sections its part needs and
+taking the parts it builds on: `step_spec` (the step programs' `StepSpec`, with config.algo's
+`Hyper`), `loop_spec` (the RL loop's `LoopSpec`), `job_spec` (the planner's `JobSpec`, from the
+`StepSpec` and the device's `FaultPlan`), `srdd_spec` (the diagnosis's `SrddSpec`),
+`summary_spec` (what summary.json says of the config), `trainer_spec` / `checkpoint_spec`, and
+the evaluation's `eval_spec` / `decode_spec`. A section's own parser stays beside its defaults
+(`rl.config.Hyper.of`, `lora.lora_spec`, `faults.config.fault_plan`, `sdc.guard.guard_spec`,
+`rl.optim.OptimizerSpec.of`, `data.config.DataSpec.of`, `aqn.config.AqnSpec.of`). What needs
+the raw ConfigDict stays in the job layer: config.json and the resume comparison
+(`training.run`) and the warm start's cache key (`checks.warm_start_spec`).
 """
 
 from __future__ import annotations
@@ -22,23 +22,22 @@ from typing import Any
 import jax
 
 from aqn_jax import parallel
-from aqn_jax.aqn.config import AqnSchedule
+from aqn_jax.aqn.config import AqnSchedule, AqnSpec
 from aqn_jax.aqn.plan import needs_srdd, place_aqn
 from aqn_jax.config import planner_config
+from aqn_jax.data.config import DataSpec
 from aqn_jax.data.tokenizers import Tokenizer
 from aqn_jax.diagnosis.srdd import SrddSpec
 from aqn_jax.evaluation import DecodeSpec, EvalSpec, check_evaluate, conditions
-from aqn_jax.faults.config import fault_plan
 from aqn_jax.faults.intercept import FaultPlan
 from aqn_jax.lora import LoraSpec, lora_spec
 from aqn_jax.models.registry import ModelConfig
 from aqn_jax.planner import JobSpec, MemoryPlan, check_planner, reachable_buckets
 from aqn_jax.report import SummarySpec
 from aqn_jax.rl import advantages as adv_lib
-from aqn_jax.rl import losses
+from aqn_jax.rl.config import Hyper, flag
 from aqn_jax.rl.optim import OptimizerSpec
-from aqn_jax.rl.rollout_correction import correction_from
-from aqn_jax.rl.step import OLD_LOGP_PASS, Hyper, StepSpec, share_refusals
+from aqn_jax.rl.step import StepSpec, share_refusals
 from aqn_jax.rl.trainer import LoopSpec
 from aqn_jax.sdc.guard import GuardSpec, guard_spec
 from aqn_jax.warm_start import WarmStartSpec
@@ -110,9 +109,9 @@ class RunSpec:
     lora: LoraSpec  # config.lora
     tokenizer: Tokenizer  # config.tokenizer_path, else the model's
     tokenizer_path: str  # where the tokenizer loads from (the export's)
-    data: Any  # config.data, frozen (`data.config.load_split` reads it; the warm start's)
+    data: DataSpec  # config.data (`data.config.load_split` reads it; the warm start's)
     device: FaultPlan  # config.faults: the simulated hardware, without the treatment
-    aqn: Any  # config.aqn, frozen: placed among the device's faults once SRDD ran (`plan`)
+    aqn: AqnSpec  # config.aqn: placed among the device's faults once SRDD ran (`plan`)
     sdc: GuardSpec  # config.sdc
     step: StepSpec  # config.algo / actor / critic / rollout: what the step programs read
     loop: LoopSpec  # what the RL loop reads besides the programs
@@ -152,109 +151,24 @@ class RunSpec:
         return place_aqn(self.device.injections, self.aqn, n, srdd_sigmas, srdd_layers)
 
 
-def hyper_from(config: Any) -> Hyper:
-    """The programs' static settings from config.algo / actor / critic / rollout / data_batch;
-    raises naming the field."""
-    algo, actor = config.algo, config.actor
-    for field, value in (
-        ("data_batch.prompts", config.data_batch.prompts),
-        ("rollout.n", config.rollout.n),
-        ("actor.ppo_epochs", actor.ppo_epochs),
-        ("actor.mini_batch_prompts", actor.mini_batch_prompts),
-        ("actor.micro_batch_rows", actor.micro_batch_rows),
-    ):
-        if value < 1:
-            raise ValueError(f"config.{field}={value}; must be a positive int")
-    if algo.estimator not in adv_lib.ESTIMATORS:
-        raise ValueError(
-            f"config.algo.estimator={algo.estimator!r}; allowed: {tuple(adv_lib.ESTIMATORS)}"
-        )
-    if adv_lib.ESTIMATORS[algo.estimator].grouped and int(config.rollout.n) < 2:
-        raise ValueError(
-            f"config.rollout.n={config.rollout.n}; must be >= 2 with"
-            f" config.algo.estimator={algo.estimator!r} (its advantage compares the n samples of"
-            " a prompt; n=1 needs estimator 'gae')"
-        )
-    prompts = int(config.data_batch.prompts)
-    if prompts % int(actor.mini_batch_prompts):
-        raise ValueError(
-            f"config.actor.mini_batch_prompts={actor.mini_batch_prompts} must divide"
-            f" config.data_batch.prompts={prompts}"
-        )
-    rows = int(actor.mini_batch_prompts) * int(config.rollout.n)
-    if rows % int(actor.micro_batch_rows):
-        raise ValueError(
-            f"config.actor.micro_batch_rows={actor.micro_batch_rows} must divide the mini-batch"
-            f" rows mini_batch_prompts*n = {rows}"
-        )
-    if algo.loss_agg_mode not in losses.AGG_MODES:
-        raise ValueError(
-            f"config.algo.loss_agg_mode={algo.loss_agg_mode!r}; allowed: {losses.AGG_MODES}"
-        )
-    if algo.kl_type not in losses.KL_TYPES:
-        raise ValueError(f"config.algo.kl_type={algo.kl_type!r}; allowed: {losses.KL_TYPES}")
-    old_pass = actor.get("old_logp_pass", "auto")
-    if old_pass not in OLD_LOGP_PASS:
-        raise ValueError(f"config.actor.old_logp_pass={old_pass!r}; allowed: {OLD_LOGP_PASS}")
-    policy_loss = losses.policy_loss_from(algo)
-    correction = correction_from(algo, config.rollout)
-    if adv_lib.ESTIMATORS[algo.estimator].grouped and float(config.rollout.temperature) == 0:
-        raise ValueError(
-            f"config.rollout.temperature=0 samples greedily: the rollout.n={config.rollout.n}"
-            f" samples of a prompt are one answer, so config.algo.estimator={algo.estimator!r}"
-            " (it compares them) has no signal in any group; allowed: temperature > 0"
-        )
-    return Hyper(
-        estimator=algo.estimator,
-        n=int(config.rollout.n),
-        temperature=float(config.rollout.temperature) or 1.0,
-        policy_loss=policy_loss,
-        agg=algo.loss_agg_mode,
-        use_kl_loss=bool(algo.use_kl_loss),
-        kl_loss_coef=float(algo.kl_loss_coef),
-        kl_type=algo.kl_type,
-        use_kl_in_reward=bool(algo.use_kl_in_reward),
-        kl_coef=float(algo.kl_coef),
-        entropy_coeff=float(algo.entropy_coeff),
-        gamma=float(algo.gamma),
-        lam=float(algo.lam),
-        ppo_epochs=int(actor.ppo_epochs),
-        mini_batches=prompts // int(actor.mini_batch_prompts),
-        micro_batches=rows // int(actor.micro_batch_rows),
-        vf_clip=float(config.critic.cliprange_value),
-        critic_warmup=int(config.critic.warmup_steps),
-        correction=correction,
-        old_logp_pass=old_pass,
-        micro_rows=int(actor.micro_batch_rows),
-        share_prompt=flag(actor, "config.actor", "share_prompt"),
-        skip_zero_advantage=flag(actor, "config.actor", "skip_zero_advantage"),
-    )
-
-
-def flag(section: Any, path: str, name: str, default: bool = True) -> bool:
-    """A boolean field of a config section (`path` its name), refused in one line when it is
-    not a bool."""
-    v = section.get(name, default)
-    if not isinstance(v, bool):
-        raise ValueError(f"{path}.{name}={v!r}; allowed: True, False")
-    return v
-
-
-def step_spec(
-    config: Any, *, h: Hyper | None = None, lora: LoraSpec | None = None, sdc=None
-) -> StepSpec:
-    """What the step programs read: `hyper_from` (validated) and the optimizer sections, typed.
-    The parts already parsed (`h`, `lora`, `sdc`: `checks.check_train` passes them) are not
-    parsed again."""
+def step_spec(config: Any) -> StepSpec:
+    """What the step programs read: config.algo's `Hyper` (checked) with the batching, the
+    optimizer sections, config.sdc and config.lora, typed."""
     return StepSpec(
-        h=hyper_from(config) if h is None else h,
+        h=Hyper.of(
+            config.algo,
+            rollout=config.rollout,
+            actor=config.actor,
+            critic=config.critic,
+            prompts=config.data_batch.prompts,
+        ),
         actor=OptimizerSpec.of(config.actor, "warmup_steps", "config.actor"),
         critic=OptimizerSpec.of(config.critic, "lr_warmup_steps", "config.critic"),
         max_new=int(config.rollout.max_new_tokens),
         critic_faults=bool(config.critic.faults),
         seed=int(config.seed),
-        guard=guard_spec(config.get("sdc")) if sdc is None else sdc,
-        lora=lora_spec(config.get("lora")) if lora is None else lora,
+        guard=guard_spec(config.get("sdc")),
+        lora=lora_spec(config.get("lora")),
         weight_format=str(config.model.get("weight_format", "none")),
     )
 
@@ -277,48 +191,33 @@ def loop_spec(config: Any) -> LoopSpec:
     )
 
 
-def job_spec(
-    config: Any,
-    model_cfg: ModelConfig,
-    *,
-    h: Hyper | None = None,
-    lora: LoraSpec | None = None,
-    device: FaultPlan | None = None,
-) -> JobSpec:
-    """The fields of `config` the memory plan reads, for the model `model_cfg`; raises naming
-    a `config.planner` field out of range. The parts already parsed (`h`, `lora` and the
-    `device`'s fault plan: `checks.check_train` passes them) are not parsed again."""
-    section = config.get("planner") if hasattr(config, "get") else None
+def job_spec(config: Any, model_cfg: ModelConfig, step: StepSpec, device: FaultPlan) -> JobSpec:
+    """What the memory plan reads: the mesh, batch and planner fields of `config`, for the model
+    `model_cfg`, the step programs' `step` and the device's fault plan `device`; raises naming
+    a `config.planner` field out of range."""
+    section = config.get("planner")
     section = planner_config() if section is None else section
     check_planner(section)
-    ro, actor = config.rollout, config.actor
-    estimator = adv_lib.ESTIMATORS.get(config.algo.estimator)  # validated by hyper_from
-    critic = None
-    if estimator is not None and estimator.critic:
-        critic = OptimizerSpec.of(config.critic, "lr_warmup_steps", "config.critic")
-    if device is None:
-        device = fault_plan(config.faults, model_cfg.num_hidden_layers)
-    eval_faults = device.active("eval")
-    h = hyper_from(config) if h is None else h
+    ro, actor, h = config.rollout, config.actor, step.h
     return JobSpec(
         model=model_cfg,
         mesh=tuple(int(config.mesh[a]) for a in parallel.AXES),
         total_steps=int(config.trainer.total_steps),
-        actor=OptimizerSpec.of(actor, "warmup_steps", "config.actor"),
-        critic=critic,
+        actor=step.actor,
+        critic=step.critic if adv_lib.ESTIMATORS[h.estimator].critic else None,
         rows=int(config.data_batch.prompts) * int(ro.n),
         val_rows=int(config.trainer.val_batch_size),
         mini_batch_rows=int(actor.mini_batch_prompts) * int(ro.n),
         micro_batch_rows=int(actor.micro_batch_rows),
-        max_new=int(ro.max_new_tokens),
+        max_new=step.max_new,
         buckets=reachable_buckets(ro),
-        val_samplers=2 if eval_faults else 1,
+        val_samplers=2 if device.active("eval") else 1,
         use_ref=h.use_ref,
         headroom=float(section.headroom),
         device_memory_gb=float(section.device_memory_gb),
         refuse=bool(section.enabled),
-        lora=lora_spec(config.get("lora")) if lora is None else lora,
-        weight_format=str(config.model.get("weight_format", "none")),
+        lora=step.lora,
+        weight_format=step.weight_format,
         # The update's shared prompt as the device's faults allow it (AQN acts in the rollout).
         share_n=h.n if h.share_prompt and not share_refusals(device) else 1,
     )

@@ -120,7 +120,9 @@ def _set_up(config, workdir: str) -> tuple[_Run, rl_step.RLState]:
     print(spec.memory.table())
     train_examples = load_split(spec.data, "train")
     test_examples = load_split(spec.data, "test")
-    changes = check_resume_config(config, workdir)  # a layout change named, even overridden
+    # A layout change named, even overridden.
+    override = bool(config.get("resume_override", False))
+    changes = check_resume_config(config.to_json_best_effort(), override, workdir)
     check_resumable(workdir)  # a finished params-only run: refused before anything is written
     ws = spec.warm_start
     check_resume_warm_start(workdir, ws.key, ws.sft is None or cached_sft(ws, workdir) is not None)
@@ -249,8 +251,7 @@ def _begin(r: _Run, state):
     # The step programs (generate, prepare, update) compiled ahead for the next batch's shapes,
     # in a thread while step 0 validates: on an accelerator the validation runs on the device
     # meanwhile; on a CPU with a warm compile cache what is left (tracing, lowering, loading)
-    # hides behind it, while a cold compile competes with it for the cores (WORKSPACE.md,
-    # issue 41: measured on 2 cores both ways).
+    # hides behind it, while a cold compile competes with it for the cores.
     r.ahead = Ahead(r.loop, state, batcher, start + 1) if start < r.total else None
     if restored is None:
         try:

@@ -88,7 +88,7 @@ class WarmStartSpec:
 
     model: Any  # config.model, frozen (`load_model` / `model_config`)
     tokenizer_path: str  # config.tokenizer_path ('' = the model's, `tokenizer_for`)
-    data: Any  # config.data, frozen: the SFT trains on its train split
+    data: Any  # config.data (`data.config.DataSpec`): the SFT trains on its train split
     sft: SftSpec | None  # None: config.sft.enabled=False, the configured model itself
     seed: int  # init + SFT seed (`sft_seed`)
     cache_dir: str  # config.sft.cache_dir; '' = <workdir>/../cache

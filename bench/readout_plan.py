@@ -62,10 +62,13 @@ def _set(config, flags: dict):
 
 def _plan(config, devices: int = 1):
     from aqn_jax import planner
+    from aqn_jax.faults.config import fault_plan
     from aqn_jax.models.factory import model_config
-    from aqn_jax.spec import job_spec
+    from aqn_jax.spec import job_spec, step_spec
 
-    return planner.estimate(job_spec(config, model_config(config.model)), devices)
+    model_cfg = model_config(config.model)
+    device = fault_plan(config.faults, model_cfg.num_hidden_layers)
+    return planner.estimate(job_spec(config, model_cfg, step_spec(config), device), devices)
 
 
 def _largest_micro(config, capacity: int, devices: int = 1) -> tuple[int, float]:

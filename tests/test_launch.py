@@ -253,11 +253,12 @@ def test_auto_compute_dtype_resolves_once_and_says_why():
     import ml_collections
 
     from aqn_jax import compute_dtype
+    from aqn_jax.launch import resolve_dtype
 
     config = ml_collections.ConfigDict({"model": {"dtype": "auto", "param_dtype": "float32"}})
     config.lock()
     lines: list[str] = []
-    compute_dtype.resolve(config, log=lines.append)
+    resolve_dtype(config, log=lines.append)
     # Resolved in place to a dtype the model accepts, with the measurement that chose it.
     assert config.model.dtype in ("float32", "bfloat16")
     (line,) = lines
@@ -265,7 +266,7 @@ def test_auto_compute_dtype_resolves_once_and_says_why():
     ratio = float(line.split("(")[1].split("x;")[0])
     assert (config.model.dtype == "bfloat16") == (ratio >= compute_dtype.MIN_SPEEDUP)
     # An explicit dtype is the user's: left alone, nothing timed or printed.
-    compute_dtype.resolve(config, log=lines.append)
+    resolve_dtype(config, log=lines.append)
     assert len(lines) == 1
     # An accelerator takes bf16 without timing.
     assert compute_dtype.choose("gpu")[0] == "bfloat16"

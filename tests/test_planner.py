@@ -19,12 +19,13 @@ import pytest
 
 from aqn_jax import parallel, planner
 from aqn_jax.config import planner_config
+from aqn_jax.faults.config import fault_plan
 from aqn_jax.forward import Readout, forward
 from aqn_jax.models.factory import logical_axes, model_config
 from aqn_jax.models.hf import abstract_params
 from aqn_jax.models.qwen2 import Qwen2Config, Qwen2ForCausalLM, init_cache
 from aqn_jax.rl.optim import adamw, lr_schedule
-from aqn_jax.spec import job_spec
+from aqn_jax.spec import job_spec, step_spec
 
 from conftest import load_config
 
@@ -46,7 +47,9 @@ def make_config(arm="targeted", preset="tiny", *, data=-1, fsdp=1, tensor=1, **m
 
 def job(config, model_cfg=None):
     """The plan's view of `config` (`spec.job_spec`), for its own model unless `model_cfg`."""
-    return job_spec(config, model_cfg or model_config(config.model))
+    model_cfg = model_cfg or model_config(config.model)
+    device = fault_plan(config.faults, model_cfg.num_hidden_layers)
+    return job_spec(config, model_cfg, step_spec(config), device)
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import pytest
 
 from aqn_jax.data.gsm8k import load_examples
 from aqn_jax.jobs import check_required
-from aqn_jax.spec import hyper_from
+from aqn_jax.spec import step_spec
 
 from conftest import load_config, make_qwen_snapshot
 
@@ -58,7 +58,7 @@ def test_settings_the_issue_asks_for():
     # QeRL mode by default (issue 43): LoRA r32, and an on-policy update with no old-log-prob
     # pass; the compute dtype chosen on the machine at hand.
     assert (config.lora.rank, config.model.dtype) == (32, "auto")
-    assert hyper_from(config).on_policy
+    assert step_spec(config).h.on_policy
     nvfp4, full = load_config(CONFIG, "nvfp4_lora"), load_config(CONFIG, "full")
     assert (nvfp4.lora.rank, nvfp4.actor.lr, nvfp4.model.weight_format) == (32, 2e-5, "nvfp4")
     assert (full.lora.rank, full.actor.lr) == (0, 1e-6)
@@ -145,7 +145,7 @@ def test_arith_track_holds_its_settings(snapshot):
     assert (config.data.train_path, config.data.shots, config.rollout.max_new_tokens) == ("", 1, 64)
     assert config.rollout.prompt_buckets == (config.rollout.max_prompt_len,) == (192,)
     assert config.faults.deadzone.layers == "15" and config.faults.deadzone.granularity == "token"
-    assert config.trainer.val_size >= 128 and hyper_from(config).on_policy
+    assert config.trainer.val_size >= 128 and step_spec(config).h.on_policy
     config.model.hf_path = snapshot
     check_required(config)
     check_data(config.data)
@@ -188,7 +188,7 @@ def test_study_preset_validates_with_every_lever_on(snapshot, tmp_path):
     compare.check_config(config, str(tmp_path))
     for arm in config.compare.arms:
         rc = compare.run_config(config, arm, 0, str(tmp_path), {"verdict": {"layers": [15]}})
-        h = hyper_from(rc)
+        h = step_spec(rc).h
         assert h.share_prompt and h.skip_zero_advantage and not h.skip_refusals(False)
         plan = build_plan(rc.faults, rc.aqn, 24)
         assert not plan.split_refusals("train", split=True), arm

@@ -110,22 +110,25 @@ def test_resume_with_another_config_is_refused_unless_overridden(tmp_path):
     from aqn_jax.checkpoint import check_resume_config, record_override
     from aqn_jax.experiment import arm_config
 
+    def check(c):
+        return check_resume_config(c.to_json_best_effort(), c.resume_override, str(tmp_path))
+
     config = arm_config("deadzone", "smoke")
     (tmp_path / "config.json").write_text(config.to_json_best_effort(indent=2))
     before = (tmp_path / "config.json").read_bytes()
-    assert check_resume_config(config, str(tmp_path)) == {}  # no checkpoint: nothing to check
+    assert check(config) == {}  # no checkpoint: nothing to check
     (tmp_path / "checkpoints" / "2").mkdir(parents=True)
-    assert check_resume_config(config, str(tmp_path)) == {}  # the same config resumes
+    assert check(config) == {}  # the same config resumes
 
     changed = arm_config("deadzone", "smoke")
     changed.actor.lr = 1e6
     changed.checkpoint.keep = 5  # where and how often things are saved may change
     with pytest.raises(ValueError, match=r"config\.actor\.lr: 3e-05 -> 1000000\.0; resume"):
-        check_resume_config(changed, str(tmp_path))
+        check(changed)
     assert (tmp_path / "config.json").read_bytes() == before
 
     changed.resume_override = True
-    diff = check_resume_config(changed, str(tmp_path))
+    diff = check(changed)
     assert diff == {"actor.lr": (3e-05, 1e6)}
     record_override(str(tmp_path), diff)
     (row,) = [json.loads(x) for x in (tmp_path / "config_overrides.jsonl").read_text().splitlines()]

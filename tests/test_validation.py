@@ -323,9 +323,9 @@ def test_a_refused_resume_changes_nothing(launch, tmp_path):
 
 def test_check_train_parses_the_config_once_into_a_frozen_run_spec(monkeypatch, tmp_path):
     """`check_train` returns the run's `RunSpec`: each part equal to its builder's on the same
-    config, config.lora and config.faults parsed once (the builders called without the parsed
-    parts parse them again: the negative control), and the spec frozen (a later change of the
-    config changes nothing in it)."""
+    config, config.lora and config.faults parsed once (the step's builder called again parses
+    config.lora again: the negative control; the memory plan's builder takes the parsed parts),
+    and the spec frozen (a later change of the config changes nothing in it)."""
     import dataclasses
 
     from aqn_jax import checks
@@ -347,14 +347,13 @@ def test_check_train_parses_the_config_once_into_a_frozen_run_spec(monkeypatch, 
 
         return wrapper
 
-    for module in (checks, spec_lib):
-        monkeypatch.setattr(module, "lora_spec", counted("lora", lora_spec))
-        monkeypatch.setattr(module, "fault_plan", counted("faults", fault_plan))
+    monkeypatch.setattr(spec_lib, "lora_spec", counted("lora", lora_spec))
+    monkeypatch.setattr(checks, "fault_plan", counted("faults", fault_plan))
     run = checks.check_train(config)
     assert calls == {"lora": 1, "faults": 1}
-    spec_lib.step_spec(config)  # negative control: without the parsed parts, parsed again
-    spec_lib.job_spec(config, run.model)
-    assert calls == {"lora": 3, "faults": 2}
+    spec_lib.step_spec(config)  # negative control: the builder called again parses again
+    job = spec_lib.job_spec(config, run.model, run.step, run.device)
+    assert calls == {"lora": 2, "faults": 1} and job.mesh == run.mesh
 
     n = run.model.num_hidden_layers
     assert isinstance(run, spec_lib.RunSpec) and n == 8

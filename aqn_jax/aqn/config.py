@@ -110,8 +110,8 @@ def aqn_injection(aqn, num_layers, fault_layers, srdd_sigmas, srdd_layers) -> In
     form = check_choice(aqn.form, "config.aqn.form", AQN_FORMS)
     check_choice(aqn.schedule, "config.aqn.schedule", SCHEDULES)
     for name in ("sigma_start", "sigma_end"):
-        if aqn[name] < 0:
-            raise ValueError(f"config.aqn.{name}={aqn[name]}; must be >= 0")
+        if getattr(aqn, name) < 0:
+            raise ValueError(f"config.aqn.{name}={getattr(aqn, name)}; must be >= 0")
     if aqn.schedule in ("qerl", "epoch_aware") and (aqn.sigma_start <= 0 or aqn.sigma_end <= 0):
         raise ValueError(
             f"config.aqn.schedule={aqn.schedule!r} is geometric: sigma_start={aqn.sigma_start} and"
@@ -166,6 +166,48 @@ def aqn_injection(aqn, num_layers, fault_layers, srdd_sigmas, srdd_layers) -> In
         sites = SiteSelector(expand_kinds(aqn.sites, "config.aqn.sites"), layers, "output")
         transform = Noise("relative_gaussian", scale)
     return Injection("aqn", sites, transform, phases)
+
+
+def _frozen(value: Any) -> Any:
+    """A list as a tuple (what a frozen section holds); anything else as it is."""
+    return tuple(value) if isinstance(value, list | tuple) else value
+
+
+@dataclasses.dataclass(frozen=True)
+class AqnSpec:
+    """config.aqn, typed (`AqnSpec.of`): what `aqn_injection` and `aqn.plan.place_aqn` read
+    once the SRDD diagnosis ran. Its values are checked there (`checks.check_train` places it
+    once with stand-in SRDD results)."""
+
+    enabled: bool
+    form: str  # AQN_FORMS
+    layers: str  # 'all' | 'healthy' | 'located' | 'srdd' | layer ids
+    layer_sigmas: str  # '' | a {layer: sigma} literal | an srdd.json path
+    sites: tuple[str, ...]  # the activation form's module kinds
+    sigma_start: float
+    sigma_end: float
+    num_stages: int
+    num_epochs: int
+    schedule: str  # SCHEDULES
+    order: str  # aqn.plan.AQN_ORDERS
+    phases: tuple[str, ...]
+
+    @classmethod
+    def of(cls, aqn: Any) -> AqnSpec:
+        return cls(
+            enabled=bool(aqn.enabled),
+            form=aqn.form,
+            layers=_frozen(aqn.layers),
+            layer_sigmas=_frozen(aqn.layer_sigmas),
+            sites=_frozen(aqn.sites),
+            sigma_start=float(aqn.sigma_start),
+            sigma_end=float(aqn.sigma_end),
+            num_stages=int(aqn.num_stages),
+            num_epochs=int(aqn.num_epochs),
+            schedule=aqn.schedule,
+            order=aqn.order,
+            phases=_frozen(aqn.phases),
+        )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -95,30 +95,85 @@ def check_data(data: Any) -> None:
             raise ValueError(f"config.data.task: {e}") from e
 
 
+@dataclasses.dataclass(frozen=True)
+class TaskSpec:
+    """config.data.task, typed: the embedded arithmetic task's difficulty and split."""
+
+    digits: int
+    steps: int
+    seed: int
+    split_by: str  # chain | question
+
+
+@dataclasses.dataclass(frozen=True)
+class DataSpec:
+    """config.data, checked and typed (`DataSpec.of`): where the prompts come from and how they
+    are asked."""
+
+    train_path: str  # '' with test_path '': the embedded task
+    test_path: str
+    train_size: int  # the embedded task's split sizes
+    test_size: int
+    drop_long_prompts: bool
+    reward_method: str  # rewards.METHODS
+    instruction: str  # '' = verl's
+    shots: int
+    task: TaskSpec
+
+    @classmethod
+    def of(cls, data: Any) -> DataSpec:
+        """`data` (config.data) checked (`check_data`: one line naming the field) and typed; a
+        DataSpec is returned as it is."""
+        if isinstance(data, DataSpec):
+            return data
+        check_data(data)
+        t = data.task
+        return cls(
+            train_path=str(data.train_path or ""),
+            test_path=str(data.test_path or ""),
+            train_size=int(data.train_size),
+            test_size=int(data.test_size),
+            drop_long_prompts=bool(data.get("drop_long_prompts", True)),
+            reward_method=str(data.get("reward_method", "strict")),
+            instruction=str(data.get("instruction", "")),
+            shots=int(data.get("shots", 0)),
+            task=TaskSpec(
+                int(t.digits), int(t.steps), int(t.seed), str(t.get("split_by", "chain"))
+            ),
+        )
+
+    def path(self, split: str) -> str:
+        """The file of `split` ('train' | 'test'); '' for the embedded task."""
+        return self.train_path if split == "train" else self.test_path
+
+    def size(self, split: str) -> int:
+        """The embedded task's problems in `split`."""
+        return self.train_size if split == "train" else self.test_size
+
+
 def load_split(data: Any, split: str) -> list[Example]:
-    """The examples of `split` ('train' | 'test')."""
+    """The examples of `split` ('train' | 'test') of `data` (a DataSpec, or config.data)."""
     if split not in SPLIT_FIELDS:
         raise ValueError(f"split={split!r}; allowed: {list(SPLIT_FIELDS)}")
-    check_data(data)
+    data = DataSpec.of(data)
     return with_prompt_format(_raw_split(data, split), data, split)
 
 
-def _raw_split(data: Any, split: str) -> list[Example]:
-    path = data[SPLIT_FIELDS[split]]
+def _raw_split(data: DataSpec, split: str) -> list[Example]:
+    path = data.path(split)
     if path:
         return load_examples(os.path.expanduser(path))
-    return task_of(data).examples(split, int(data[f"{split}_size"]))
+    return task_of(data).examples(split, data.size(split))
 
 
 def with_prompt_format(examples: list[Example], data: Any, split: str) -> list[Example]:
     """`examples` as the policy is asked them: `config.data.instruction` after each question
     and `config.data.shots` worked train problems before it, as earlier chat turns (a few-shot
-    chat prompt fixes an instruct model's answer format: Qwen2.5-Coder-0.5B, asked the embedded
-    task with verl's "think step by step" instruction, spends 64 tokens on prose and answers
-    none of 8 problems; shown one solved problem it writes the equations and \\boxed{N} in
-    ~25 tokens; WORKSPACE.md, issue 49). The defaults return `examples` unchanged; the train
-    split loses the problems the shots show."""
-    instruction, shots = str(data.get("instruction", "")), int(data.get("shots", 0))
+    chat prompt fixes an instruct model's answer format: shown one solved problem, an instruct
+    model answers in the reward's form instead of in prose). The defaults return `examples`
+    unchanged; the train split loses the problems the shots show."""
+    data = DataSpec.of(data)
+    instruction, shots = data.instruction, data.shots
     if not instruction and not shots:
         return examples
     suffix = instruction or INSTRUCTION_SUFFIX
@@ -134,7 +189,7 @@ def with_prompt_format(examples: list[Example], data: Any, split: str) -> list[E
             )
         history += [
             {"role": "user", "content": ex.question + suffix},
-            {"role": "assistant", "content": shot_answer(ex, str(data.reward_method))},
+            {"role": "assistant", "content": shot_answer(ex, data.reward_method)},
         ]
     keep = examples[shots:] if split == "train" else examples
     return [
@@ -156,6 +211,7 @@ def shot_answer(ex: Example, reward_method: str) -> str:
 
 
 def task_of(data: Any) -> ArithmeticTask:
-    """The embedded task of `config.data` (its `task` section)."""
+    """The embedded task of `data` (a DataSpec, or config.data: its `task` section)."""
     t = data.task
-    return ArithmeticTask(int(t.digits), int(t.steps), int(t.seed), str(t.get("split_by", "chain")))
+    split_by = str(getattr(t, "split_by", "chain"))
+    return ArithmeticTask(int(t.digits), int(t.steps), int(t.seed), split_by)

@@ -55,8 +55,8 @@ from aqn_jax.sdc.telemetry import SdcSpec
 
 from . import advantages as adv_lib
 from . import losses
+from .config import Hyper
 from .optim import OptimizerSpec
-from .rollout_correction import RolloutCorrection
 
 
 @flax.struct.dataclass
@@ -93,67 +93,6 @@ def saveable(state: RLState) -> RLState:
     """The state a checkpoint holds: without the frozen base (a LoRA checkpoint holds the
     adapters, their optimizer state and, in its meta, the base's fingerprint)."""
     return state.replace(base=None)
-
-
-@dataclasses.dataclass(frozen=True)
-class Hyper:
-    """The static settings of the jitted programs (from config.algo / actor / critic)."""
-
-    estimator: str
-    n: int
-    temperature: float
-    policy_loss: losses.PolicyLoss  # config.algo.policy_loss and its entry's settings
-    agg: str
-    use_kl_loss: bool
-    kl_loss_coef: float
-    kl_type: str
-    use_kl_in_reward: bool
-    kl_coef: float
-    entropy_coeff: float
-    gamma: float
-    lam: float
-    ppo_epochs: int
-    mini_batches: int
-    micro_batches: int
-    vf_clip: float
-    critic_warmup: int
-    correction: RolloutCorrection = RolloutCorrection()  # config.algo.rollout_* / bypass_mode
-    old_logp_pass: str = "auto"  # config.actor.old_logp_pass (OLD_LOGP_PASS)
-    micro_rows: int = 1  # config.actor.micro_batch_rows
-    share_prompt: bool = False  # config.actor.share_prompt: a group's prompt computed once
-    skip_zero_advantage: bool = False  # config.actor.skip_zero_advantage: silent rows not run
-
-    def skip_refusals(self, critic: bool) -> list[str]:
-        """Why a row without an advantage would still add to the loss (empty: the skip is
-        exact): an entropy bonus, a KL loss or a critic give such a row a term of its own."""
-        out = []
-        if self.entropy_coeff:
-            out.append(f"config.algo.entropy_coeff={self.entropy_coeff}")
-        if self.use_kl_loss:
-            out.append("config.algo.use_kl_loss=True")
-        if critic:
-            out.append(f"config.algo.estimator={self.estimator!r} trains a critic")
-        return out
-
-    @property
-    def use_ref(self) -> bool:
-        """A reference policy (its params and passes): the KL loss or the KL in the reward."""
-        return self.use_kl_loss or self.use_kl_in_reward
-
-    @property
-    def on_policy(self) -> bool:
-        """The update sees the policy that sampled before any optimizer step: one epoch, one
-        mini-batch, no rollout correction (it compares the trainer's old log-probs with the
-        sampler's before the update) and no KL in the reward (it needs them too)."""
-        return (
-            self.ppo_epochs == 1
-            and self.mini_batches == 1
-            and not self.correction.needs_rollout_logprobs
-            and not self.use_kl_in_reward
-        )
-
-
-OLD_LOGP_PASS = ("auto", "always")
 
 
 @dataclasses.dataclass(frozen=True)
