@@ -80,7 +80,7 @@ evaluation on 128 problems with the fault:
   global_aqn -0.025, p = 0.15, MDD 0.051; healthy - global_aqn -0.003, p = 0.82: no AQN effect.
 """
 
-from aqn_jax.experiment import QERL_ARMS, apply_scenario, base_config
+from aqn_jax.experiment import apply_scenario, arm_names, base_config
 from aqn_jax.study.config import compare_config
 
 VARIANTS = {
@@ -120,7 +120,7 @@ VARIANTS = {
     # validated on it and on a clean device.
     "qerl_study": {"qerl": True},
 }
-MISMATCH_ARMS = ("clean", "uncorrected", "tis", "trl_mask", "geo_rs", "aqn_qerl", "aqn_qerl_tis")
+MISMATCH_ARMS = ("clean", *arm_names("correction"))
 
 
 def get_config(arg=None):
@@ -166,7 +166,7 @@ def get_config(arg=None):
         config.evaluate.noise_levels = (0.0, 0.05, 0.10, 0.20)
         config.evaluate.mxfp4 = False
     if spec.get("qerl"):
-        config.compare.arms = tuple(QERL_ARMS)
+        config.compare.arms = arm_names("qerl")
         config.compare.reference_arm = "full"
         config.compare.comparisons = (
             ("nvfp4_lora", "lora"),

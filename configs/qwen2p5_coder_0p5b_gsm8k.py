@@ -109,7 +109,7 @@ a GRPO step at 2 x 2 x 64 with the reference model passed 19.7 GiB of RSS (OOM-k
 the planner's 'CPU process RSS' (22.8 GiB there) bounds.
 """
 
-from aqn_jax.experiment import ARMS, QERL_ARMS, apply_arm, base_config
+from aqn_jax.experiment import ARMS, apply_arm, arm_names, base_config
 from aqn_jax.study.config import compare_config, severity_config
 
 FAULT_LAYER = 15  # of 24 (the seed's layer index)
@@ -123,7 +123,7 @@ def get_config(arg: str | None = None):
     parts = [p for p in (arg or "deadzone").split(",") if p]
     smoke, gpu, arith = "smoke" in parts, "gpu" in parts, "arith" in parts
     names = [p for p in parts if p not in ("smoke", "gpu", "arith")] or ["deadzone"]
-    allowed = (*ARMS, *JOBS)
+    allowed = (*ARMS.names(), *JOBS)
     if len(names) != 1 or names[0] not in allowed:
         raise ValueError(
             f"--config=configs/qwen2p5_coder_0p5b_gsm8k.py:{arg}; allowed: one of {allowed},"
@@ -255,7 +255,8 @@ def get_config(arg: str | None = None):
         config.rollout.max_new_tokens = 4 if smoke else 320  # greedy answers, whole
         return apply_arm(config, "deadzone")
     config = apply_arm(config, name)
-    if name in QERL_ARMS:  # this model's settings, not the embedded model's (rank 16, lr x 10)
+    # QeRL's arms: this model's settings, not the embedded model's (rank 16, lr x 10).
+    if name in arm_names("qerl"):
         lora_on = config.lora.rank > 0
         config.lora.rank, config.lora.alpha = (32, 32.0) if lora_on else (0, 16.0)
         config.actor.lr = 2e-5 if lora_on else 1e-6  # full fine-tuning: issue 30's 1e-6
