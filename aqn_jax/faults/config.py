@@ -221,7 +221,7 @@ def _noise(nz: Any, num_layers: int) -> list[Injection]:
         raise ValueError(f"config.faults.noise.scale={nz.scale}; must be >= 0")
     if not nz.enabled:
         return []
-    check_choice(nz.kind, "config.faults.noise.kind", ops.NOISE_KINDS)
+    ops.NOISE_KINDS.check(nz.kind)
     if not (nz.forward or nz.backward):
         raise ValueError("config.faults.noise: forward=False and backward=False inject nothing")
     layers = parse_layers(nz.layers, "config.faults.noise.layers", num_layers)
