@@ -6,7 +6,7 @@ Wiring them into a model (which modules, which layers, which phase) is the inter
 nothing here knows about modules or parameters.
 
 Three families, following the hardware-error models of the original system (see
-shared/REFERENCE.md, "Hardware-error models of the original system"):
+docs/ARCHITECTURE.md, "Hardware-error models of the original system"):
 
 * Deadzone, the original system's stand-in for MXFP4's flush-to-zero: values with
   `|x| < threshold * amax` are set to exactly 0.
@@ -39,7 +39,7 @@ from aqn_jax.registry import Registry
 GRANULARITIES = ("tensor", "token", "block")
 # How a deadzone's severity is stated: "amax", flush |x| < threshold * amax (the original
 # system's; its strength depends on the model's outliers), or "quantile", flush the `threshold`
-# fraction of smallest |x| (a severity that transfers between models; WORKSPACE.md, issue 14).
+# fraction of smallest |x| (a severity that transfers between models).
 DEADZONE_SEVERITIES = ("amax", "quantile")
 DEADZONE_GRADS = ("mask", "ste")
 
@@ -79,7 +79,7 @@ def _systematic_bias(x32, scale, key):
 
 
 # Which tokens a tensor-wide statistic (a deadzone's amax or quantile, NVFP4's global scale)
-# is taken over (issue 19): "call", the tensor of the module call (the original system's: a
+# is taken over: "call", the tensor of the module call (the original system's: a
 # whole padded sequence in training, one token per row in cached decoding); "causal", per row
 # the tokens so far, padding excluded (decoding carries it, so it equals teacher forcing);
 # "token", each token alone (what a block-scaled format does physically).
