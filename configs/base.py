@@ -11,7 +11,7 @@ sigma 0.05 -> 0.0005 epoch-aware over 2 epochs, GRPO with n = 5, KL loss low_var
 clip 0.2, token-mean), scaled to the tiny model: 8 layers (the fault layer is 4), 16 prompts
 per step, a larger learning rate (3e-5, not 5e-7). The fault's severity is stated as the
 fraction flushed (75%), chosen from the measured severity curve: the seed's "0.01 of the max"
-flushes 5% of this model's stream and costs nothing (WORKSPACE.md, issue 14).
+flushes 5% of this model's stream and costs nothing.
 Expected: about 4 minutes on 2 CPU cores with the shipped warm start (greedy accuracy 0.832 on
 the test split, no SFT at run time); the clean validation accuracy holds near it.
 """

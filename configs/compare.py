@@ -12,72 +12,18 @@ global; report.md with plots and results.json.
       noise_study | noise_study_5pct (the original design notes: relative noise on every
       linear; arms deadzone = the noise without AQN, global_qerl, global_aqn = epoch-aware)
       mismatch_study | mismatch_study_mxfp4 | mismatch_study_call | mismatch_study_causal
-      (issue 29: the rollout corrections and AQN when the sampler's device is not the
+      (the rollout corrections and AQN when the sampler's device is not the
       trainer's; arms uncorrected / tis / trl_mask / geo_rs / aqn_qerl / aqn_qerl_tis (+ clean);
       scenario (a) the deadzone, or MXFP4, on the rollout device only, (b) the deadzone on
       every phase with its per-call statistic, (c) the causal statistic: the negative control)
-      Measured (WORKSPACE.md issue 29; 12 RL steps, 5 seeds, evaluation on 128 problems):
-      mismatch_study (a): faulty-device accuracy clean-rollout RL 0.503, uncorrected 0.539,
-      tis 0.506, trl_mask 0.492, geo_rs 0.494 (rejects 98.9% of tokens), aqn_qerl 0.530,
-      aqn_qerl_tis 0.506; the mismatch (0.21 nats per token) costs nothing, the corrections
-      cost up to 0.047 of RL's gain, AQN adds nothing beyond TIS (MDD 0.042). 69 min for
-      7 x 5 runs on 2 cores shared with other runs (not timed on a quiet machine).
-      mismatch_study_causal (c): every arm
-      identical per seed (kl < 5e-8): the corrections do nothing, as they must.
-      qerl_study (issue 40: QeRL mode's arms full / lora / nvfp4_lora / mxfp4_lora /
-      nvfp4_lora_aqn, 12 RL steps, 5 seeds; measured, WORKSPACE.md issue 40: faulty-device
-      accuracy 0.516 / 0.508 / 0.511 / 0.481 / 0.497, no comparison significant (Holm p = 1.00,
-      MDD 0.038-0.046); the NVFP4 base raises the policy's entropy by 0.014 (p = 0.01);
-      80 min on 2 loaded cores, 84-98 s a run on quiet ones)
+      qerl_study (QeRL mode's arms full / lora / nvfp4_lora / mxfp4_lora / nvfp4_lora_aqn)
   python -m aqn_jax.launch --config=configs/compare.py:smoke           # 2 arms x 2 seeds, tiny
   python -m aqn_jax.launch --config=configs/compare.py:layer_late,smoke
 
 Re-running the same command reuses finished runs and resumes an interrupted one. Arms or seeds:
 --config.compare.arms='("targeted","global_aqn")' --config.compare.seeds='(0,1,2)'.
 
-Measured before RL on the shipped warm start (clean greedy accuracy 0.832, configs/severity.py,
-WORKSPACE.md issue 14), the faulty-device accuracy at layer 4 of each variant's fault:
-default (75% flushed) 0.508; threshold_0.01 0.832 (5% flushed: no cost); threshold_0.1 0.828
-(46%); seed_regime 0.004 (no reward left for RL); layer_early 0.387, layer_late 0.711 (75% at
-layers 1 and 6). The RL study of each variant is recorded in WORKSPACE.md where it was run;
-the old default (threshold 0.01, issue 8: ~53 min for 6 arms x 5 seeds) moved nothing.
-
-Measured RL at each fault variant (WORKSPACE.md issue 14; arm targeted, seeds 0 and 1, 30 steps,
-`--config.compare.arms='("targeted",)' --config.compare.seeds='(0,1)'`, idle machine, each
-invocation 253-273 s with its own cold XLA cache); faulty-device validation (256 problems)
-step 0 -> 30 per seed, and the share of the gap won back:
-- threshold_0.01: no gap (0.832 at step 0); 0.824 / 0.816; SRDD still locates layer 4.
-- threshold_0.1: gap 0.004: nothing to win back; 0.828 -> 0.801 / 0.816.
-- threshold_0.2: gap 0.176; 0.656 -> 0.668 / 0.727 (7% / 40%).
-- threshold_0.5 and seed_regime: gap 0.81-0.83, faulty accuracy 0.004-0.020, no reward, no
-  recovery (0.008 / 0.035 and 0.004 / 0.004).
-- layer_early (layer 1): gap 0.445; 0.387 -> 0.488 / 0.484 (23% / 22%): RL wins back most here.
-- layer_middle: the default (layer 4), below.
-- layer_late (layer 6): gap 0.121; 0.711 -> 0.695 / 0.656 (RL loses ground on this device).
-- two_layers (2 and 5): gap 0.508; SRDD locates [2, 5]; 0.324 -> 0.398 / 0.395 (15% / 14%).
-
-Measured (2 cores shared with other work, so upper bounds; WORKSPACE.md issue 14), 3 seeds,
-evaluation on 128 problems with the fault:
-- aqn_before_fault: 33 min for 2 arms x 3 seeds; targeted 0.521 ± 0.016, global_aqn
-  0.531 ± 0.028 (difference −0.010, p = 0.62, MDD 0.077; 5 seeds per arm would detect 0.05);
-  no AQN (the deadzone arm of the 5-seed recovery study) 0.527 ± 0.020: no effect of AQN.
-- aqn_between: 18 min; targeted 0.516 ± 0.014, global_aqn 0.526 ± 0.024 (p = 0.56, MDD 0.066).
-- aqn_norm_weight: 23 min for 2 arms x 3 seeds (245-333 s per run on a quieter machine);
-  targeted 0.542 ± 0.046, global_aqn 0.526 ± 0.037 (+0.016, p = 0.67, MDD 0.13).
-- noise_study (10%), 5 seeds: 48 min for seeds 0-2 and 55 min for seeds 3-4 (3 arms each, under
-  load); no AQN 0.695 ± 0.031, global_qerl 0.692 ± 0.028, global_aqn (epoch-aware)
-  0.684 ± 0.035 on the noisy device (p >= 0.62, MDD 0.061-0.068; 7-9 seeds per arm would detect
-  0.05); on a clean device with 0 / 5 / 10 / 20% noise 0.77 / 0.76 / 0.69 / 0.41 for every arm.
-- noise_study_5pct: 5% costs the warm start 0.016 before RL (0.832 -> 0.816 / 0.820 on the noisy
-  device), inside the noise of 256 problems: a study there is null by construction. Measured
-  with its no-AQN arm only (`--config.compare.arms='("deadzone",)' --config.compare.seeds='(0,1)'`,
-  550 s): 30 RL steps on the noisy device take it to 0.793 / 0.797 and the clean device to
-  0.816 / 0.820; evaluated at 0 / 5 / 10 / 20% noise 0.77 / 0.75 / 0.69 / 0.43.
-- default (6 arms x 5 seeds): 48 min on an idle machine (2 workers, 152-272 s per run; before
-  the 1.7x faster deadzone step of issue 17). RL on the faulty device wins back +0.035 (deadzone,
-  CI [+0.010, +0.060]) / +0.036 (global_aqn) / +0.018 (targeted) / +0.030 (healthy) / +0.037
-  (srdd_guided) of the 0.324 gap (256 problems); evaluation with the fault: targeted -
-  global_aqn -0.025, p = 0.15, MDD 0.051; healthy - global_aqn -0.003, p = 0.82: no AQN effect.
+Measured results, per variant, and run times: docs/study_embedded.md.
 """
 
 from aqn_jax.experiment import apply_scenario, arm_names, base_config
@@ -94,7 +40,7 @@ VARIANTS = {
     "layer_middle": {"layers": "4"},
     "layer_late": {"layers": "6"},
     "two_layers": {"layers": "(2,5)"},
-    # AQN's form (issue 14 item 4), targeted vs global for each, at the default fault:
+    # AQN's form, targeted vs global for each, at the default fault:
     # the seed's code (relative noise between two deadzone applications: it can never rescue
     # a flushed value), the seed's prose (noise relative to the pre-fault signal, then the
     # deadzone), QeRL's RMSNorm-weight noise.

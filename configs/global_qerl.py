@@ -10,11 +10,7 @@ noise.
   python -m aqn_jax.launch --config=configs/global_qerl.py
   python -m aqn_jax.launch --config=configs/global_qerl.py:smoke     # < 1 minute, a wiring check
 
-Measured under `noise_study` (10% relative noise on every linear, 5 seeds, 30 steps; WORKSPACE.md
-issue 14): 0.692 ± 0.028 on the noisy device against 0.695 ± 0.031 without AQN and 0.684 ± 0.035
-epoch-aware (p >= 0.62, MDD 0.061-0.068). Not run at the deadzone operating point.
-Run time on 2 CPU cores: as global_aqn (the same compiled program; only the traced sigma
-differs): 245-360 s per run on one core of two.
+Measured results and run times: docs/study_embedded.md.
 """
 
 from aqn_jax.experiment import arm_config

@@ -11,7 +11,7 @@ Arms: clean | deadzone | global_aqn | targeted | healthy | srdd_guided (aqn_jax/
 The model snapshot (config.json, *.safetensors, tokenizer.json + chat template) and verl's GSM8K
 parquet files (examples/data_preprocess/gsm8k.py) are required fields: nothing is downloaded.
 
-Settings of the original (REFERENCE.md): 128 prompts per step, n = 5 samples, actor lr 5e-7,
+Settings of the original (docs/ARCHITECTURE.md): 128 prompts per step, n = 5 samples, actor lr 5e-7,
 prompts and responses up to 1024 tokens, 2 epochs (7473 problems / 128 = 58 steps per epoch,
 116 steps), deadzone at layer 15 with threshold 0.01, AQN epoch-aware 0.05 -> 0.0005. Numerics:
 fp32 master weights and AdamW moments, bf16 compute (matmuls accumulate in fp32) and bf16
@@ -55,7 +55,7 @@ def get_config(arg: str | None = None):
 
     config.actor.lr = 5e-7
     config.actor.mini_batch_prompts = 32  # 4 optimizer updates per step
-    config.actor.micro_batch_rows = 160  # the mini-batch at once: 40 GiB/GPU of 8 (issue 51)
+    config.actor.micro_batch_rows = 160  # the mini-batch at once: 40 GiB/GPU of 8
     config.critic.lr = 1e-5
 
     config.trainer.total_epochs = 2  # 116 steps on GSM8K's 7473 training problems

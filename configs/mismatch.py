@@ -1,4 +1,4 @@
-"""One train run of the mismatch study (issue 29): a scenario (which device runs which fault) and
+"""One train run of the mismatch study: a scenario (which device runs which fault) and
 an arm (which rollout correction, with or without AQN), on the embedded model.
 
   python -m aqn_jax.launch --config=configs/mismatch.py:<scenario>,<arm>[,smoke]

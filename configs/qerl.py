@@ -17,7 +17,7 @@ On the embedded model by default, with the study's device fault (the layer-4 dea
 `--config.model.hf_path` runs the same arm on a real checkpoint (with its data flags). Every arm
 trains on the faulty device and validates on it and on a clean device. `--config.checkpoint.
 export=hf` writes <workdir>/export/, the merged policy as an HF snapshot. The five arms x 5 seeds
-with statistics: `configs/compare.py:qerl_study` (measured there; WORKSPACE.md issue 40: no
+with statistics: `configs/compare.py:qerl_study` (measured there, docs/study_embedded.md: no
 accuracy difference between the arms at 12 steps on the embedded model, MDD ~0.045; the NVFP4
 base raises the policy's entropy by 0.014, p = 0.01). A 12-step run takes 84-98 s on 2 quiet
 cores (one core each, two at a time).

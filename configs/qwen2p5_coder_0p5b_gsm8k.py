@@ -17,7 +17,7 @@ Get GSM8K (the project reads it, it does not vendor it): the raw jsonl of the
 
 or the `openai/gsm8k` data set (config `main`) as verl's parquet:
 `python examples/data_preprocess/gsm8k.py --local_dir ~/data/gsm8k` in a verl checkout. Both
-formats load (aqn_jax/data/gsm8k.py); prompts and ground truths follow verl (REFERENCE.md).
+formats load (aqn_jax/data/gsm8k.py); prompts and ground truths follow verl (docs/ARCHITECTURE.md).
 Tests and CI read `../shared/datasets/gsm8k/{train,test}.jsonl`.
 
 Then, with the three paths as required fields:
@@ -40,7 +40,7 @@ Settings and why:
   test 67-232, median 101), so one prompt bucket of 256; answers run to several hundred
   tokens, so 320 new tokens in evaluation and 256 in RL (the issue's GRPO shape).
 - reward_method 'boxed': the model writes `\\boxed{N}` (24 of 32), never `####` (strict 0.000).
-- QeRL mode (issue 43): LoRA r32 over the frozen f32 base, 2 prompts x 8 samples x 256 in one
+- QeRL mode: LoRA r32 over the frozen f32 base, 2 prompts x 8 samples x 256 in one
   on-policy update (no old-log-prob pass), dtype auto (f32 on AVX2, bf16 on AMX or a GPU),
   prompt buckets 128/192/256. Peak RSS 14.9 GB at these shapes (planner 19.55 GiB); full
   fine-tuning (`:full` or --config.lora.rank=0, 4 x 4 x 256) peaked at 22.0 GiB on a 23.5 GiB
@@ -59,7 +59,7 @@ Settings and why:
   0.05 -> 0.188, 0.07 -> 0.094, 0.1 -> 0.000. The operating point is per-token 0.07 at layer
   15: the fault costs more than half the accuracy and the device still earns reward.
 
-`,arith` (issue 49, the CPU learning track; no data paths): the embedded arithmetic task (two
+`,arith` (the CPU learning track; no data paths): the embedded arithmetic task (two
 operations on two-digit amounts) asked with one solved problem shown first and "Write the
 equations, one per line, then the final answer as \\boxed{N}" (config.data.shots/instruction:
 with verl's "think step by step" the model spent 64 tokens on prose and answered 0 of 8),
@@ -86,14 +86,14 @@ and the arithmetic: the clean device gained too) and closed the fault's gap from
 0.031; a clean-device RL control was not run, so how much of the faulty device's gain needs
 the faulty device is not measured. Curve: docs/qwen05_arith_learning.png.
 
-Measured in QeRL mode (WORKSPACE.md, issue 43; 2 AMD cores, AVX2, f32): a step is 326-345 s
+Measured in QeRL mode (2 AMD cores, AVX2, f32): a step is 326-345 s
 (gen 135-144, update 193-201, old log-probs 0.08); on 4 cores of an AMX Xeon in bf16 89 s. The
 result, read honestly: 7 GRPO steps with the calibrated fault on the faulty device won nothing
 back; 5 of 7 steps had no correct sample among 16 (reward 0, gradient 0) and validation on 32
 problems stayed at 0.062 faulty / 0.156 clean. At ~5% per sample GRPO needs n >= 32 samples per
 prompt, a milder fault or longer answers to see a signal: a GPU job, not a 2-core one.
 
-Measured (WORKSPACE.md, issue 30; 2 CPU cores): SRDD names the faulty layer at 12 of 12
+Measured (2 CPU cores): SRDD names the faulty layer at 12 of 12
 per-token placements (0.05 and 0.1 at layers 3-20), the 5% noise and the clean device (127 s);
 GRPO at 4 x 4 x 256 with this fault ran 5 steps at 530-545 s a step (generation 161-179, old
 log-probs 67-70, update 293-314; two steps of five had one correct sample of 16, half the
@@ -138,8 +138,8 @@ def get_config(arg: str | None = None):
     config.model.param_dtype = "float32"  # master weights and optimizer state
     # Activations and matmuls: bf16 where a timed product says it is >= 1.15x faster on the
     # machine at hand (aqn_jax/compute_dtype.py; always on an accelerator), else f32; the run's
-    # log says which and why. AVX2 without AVX-512 BF16: bf16 1.39x slower (issue 30); Intel
-    # AMX: ~5x faster products (issue 43). --config.model.dtype=float32 pins it.
+    # log says which and why. AVX2 without AVX-512 BF16: bf16 1.39x slower; Intel
+    # AMX: ~5x faster products. --config.model.dtype=float32 pins it.
     config.model.dtype = "auto"
     config.model.remat = True  # the update's activations: one layer at a time (accelerators)
     config.tokenizer_path = ""  # the snapshot's tokenizer and ChatML template
@@ -149,7 +149,7 @@ def get_config(arg: str | None = None):
     config.data.reward_method = "boxed"  # the last \boxed{N}, else '#### N' (aqn_jax/rewards.py)
     config.sft.enabled = False  # the instruct model answers on its own
 
-    # QeRL mode (issue 43): LoRA r32 on every linear over the frozen f32 base (no full-model
+    # QeRL mode: LoRA r32 on every linear over the frozen f32 base (no full-model
     # gradients or AdamW state: a 0.5B step fits 24 GB with room; --config.lora.rank=0 is full
     # fine-tuning, --config.model.weight_format=nvfp4 QeRL's NVFP4 base). alpha = rank (scale
     # 1; verl's advice rank >= 32); lr 2e-5: QeRL's 1e-5 at alpha/rank 0.5 is an update of
@@ -163,7 +163,7 @@ def get_config(arg: str | None = None):
     # all <= 217, so a step's rows are 128 + 256 wide in most steps, not 256 + 256.
     config.rollout.prompt_buckets = (128, 192, 256)
     config.rollout.max_new_tokens = 256  # per RL sample
-    # GRPO's signal on the faulty device (the step-0 probe, WORKSPACE.md issue 43): at
+    # GRPO's signal on the faulty device (the step-0 probe): at
     # temperature 1.0 and 4 x 4 samples every score was 0 (no group had an advantage; 56% hit
     # 256 tokens). 8 samples per prompt: a prompt solved with p = 0.15 has a non-zero advantage
     # with probability 1 - 0.85^8 - 0.15^8 = 0.73 (0.48 with 4); temperature 0.7 samples nearer
@@ -174,7 +174,7 @@ def get_config(arg: str | None = None):
     # One mini-batch and one epoch: on-policy, so the update's own log-probs are the old ones
     # (config.actor.old_logp_pass='auto': no separate pass, about a seventh of a step).
     config.actor.mini_batch_prompts = 2
-    config.actor.micro_batch_rows = 4  # rows of 384-512 tokens; fits 23.5 GiB (issue 51)
+    config.actor.micro_batch_rows = 4  # rows of 384-512 tokens; fits 23.5 GiB
     # No reference model: in LoRA mode it would be the base with the adapters off (free), but
     # QeRL and verl's GRPO recipe for GSM8K run without a KL term.
     config.algo.use_kl_loss = False
@@ -182,7 +182,7 @@ def get_config(arg: str | None = None):
     config.trainer.total_steps = 5
     config.trainer.val_every = 0  # only at the start and the end
     config.trainer.val_size = 32  # test problems per validation
-    config.trainer.val_batch_size = 32  # one decode batch (issue 43: batch 8 -> 32)
+    config.trainer.val_batch_size = 32  # one decode batch (8 -> 32)
     config.checkpoint.final = "params"  # the end's checkpoint: the adapters (56 MB of f32)
 
     config.faults.deadzone.layers = str(FAULT_LAYER)
@@ -207,7 +207,7 @@ def get_config(arg: str | None = None):
         config.rollout.n = 16
         config.rollout.max_new_tokens = 384  # RL and validation (greedy, boxed)
         # One prompt bucket: each bucket is its own rollout, validation and update programs,
-        # and a short run's compile (minutes for a 0.5B LoRA step, issue 44) outweighs the
+        # and a short run's compile (minutes for a 0.5B LoRA step) outweighs the
         # padding of 128-token prompts to 256 on a GPU.
         config.rollout.prompt_buckets = (256,)
         config.data_batch.prompts = 4
@@ -259,12 +259,12 @@ def get_config(arg: str | None = None):
     if name in arm_names("qerl"):
         lora_on = config.lora.rank > 0
         config.lora.rank, config.lora.alpha = (32, 32.0) if lora_on else (0, 16.0)
-        config.actor.lr = 2e-5 if lora_on else 1e-6  # full fine-tuning: issue 30's 1e-6
+        config.actor.lr = 2e-5 if lora_on else 1e-6  # full fine-tuning: 1e-6
     return config
 
 
 def _short_answers(config) -> None:
-    """The CPU learning track (issue 49): the embedded arithmetic task in chat form, answers
+    """The CPU learning track: the embedded arithmetic task in chat form, answers
     within 64 new tokens, at the operating point measured at step 0 (the module docstring)."""
     config.required = ("model.hf_path",)
     config.data.train_path = ""  # the embedded task (aqn_jax/data/arithmetic.py), no files
@@ -289,7 +289,7 @@ def _short_answers(config) -> None:
     # The operating point: 4 prompts x 8 samples (32 rows) at temperature 0.7; a prompt the
     # faulty device solves with p = 0.15 per sample holds an advantage with probability
     # 1 - 0.85^8 - 0.15^8 = 0.73. At temperature 1.0 (verl's default) the first step scored
-    # 0 of 32 against greedy 0.180 (WORKSPACE.md, issue 49). One mini-batch: on-policy, no
+    # 0 of 32 against greedy 0.180. One mini-batch: on-policy, no
     # old-log-prob pass; micro-batches of 4 rows x 256 tokens hold 0.6 GB of f32 logits.
     config.data_batch.prompts = 4
     config.actor.mini_batch_prompts = 4
@@ -297,7 +297,7 @@ def _short_answers(config) -> None:
     config.rollout.n = 8
     config.rollout.temperature = 0.7
     # LoRA r32 (scale 1) at 1e-4: the 2e-5 of the GSM8K arm moved no greedy answer of 32 in
-    # two updates with a signal (issue 43); a run of tens of steps needs a larger step.
+    # two updates with a signal; a run of tens of steps needs a larger step.
     config.actor.lr = 1e-4
     # 24 steps of ~3 min and three validations of ~6 min fit the session's 100 minutes.
     config.trainer.total_steps = 24
@@ -355,7 +355,7 @@ def _study(config, smoke: bool):
     config.aqn.order = "after_fault"
     # A whole group per micro-batch: its prompt computed once in the update (4 rows: twice).
     config.actor.micro_batch_rows = 2 if smoke else 8
-    config.trainer.total_steps = 1 if smoke else 12  # the learning curve's knee (issue 49)
+    config.trainer.total_steps = 1 if smoke else 12  # the learning curve's knee
     config.trainer.val_size = 2 if smoke else 16
     config.trainer.val_batch_size = 2 if smoke else 16
     config.checkpoint.every = 4  # resumable: rerun the same command

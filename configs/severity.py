@@ -9,8 +9,7 @@ so severities are also stated as the flushed fraction (severity 'quantile').
 
 Expected: the clean accuracy and loss, the prompt-dependence control, then per layer x
 severity the flushed fraction, the held-out loss and the faulty-device accuracy;
-runs/severity/severity.json and severity.md. Run time and the measured table: WORKSPACE.md
-(issue 14).
+runs/severity/severity.json and severity.md. Run time and the measured table: WORKSPACE.md.
 """
 
 from aqn_jax.experiment import base_config

@@ -23,7 +23,7 @@ tokens, greedy accuracy);
 residual stream's per-layer profile (max 24,900 in channel 507 at the first token from layer
 11 on); `configs/diagnose.py` runs SRDD on it.
 
-Measured on 2 shared CPU cores (WORKSPACE.md, issue 15; upper bounds): the import ~110 s;
+Measured on 2 shared CPU cores (upper bounds): the import ~110 s;
 `:severity` 82 min (15 points x 64 problems): the seed's 0.01 flushes 95% / 35% / 100% at
 layers 5 / 10 / 15 and takes the answer loss 1.55 -> 5.13 / 1.49 / 14.58 (the PyTorch-hook
 measurement: 96.5% / 33% / 100%, 1.30 -> 4.57 / 1.27 / 14.5). `,smoke` runs every stage once

@@ -9,7 +9,7 @@ for any config whose SFT cache key matches, instead of training.
   python -m aqn_jax.launch --config=configs/warm_start.py
 
 Expected: the SFT progress bar, then "cached aqn_jax/assets/sft-<key>". Run time and the
-warm start's accuracy: WORKSPACE.md (issue 14). A changed SFT setting (steps, lr, data, model)
+warm start's accuracy: WORKSPACE.md. A changed SFT setting (steps, lr, data, model)
 changes the key: the run then trains and caches under runs/cache/ as before.
 """
 
