@@ -146,14 +146,9 @@ def test_variants_and_bad_input():
     assert late.faults.deadzone.layers == "6" and late.compare.seeds == (0, 1)
     assert load_config("compare", "two_layers").faults.deadzone.layers == "(2,5)"
     default = load_config("compare")
-    assert default.compare.arms == (
-        "clean",
-        "deadzone",
-        "global_aqn",
-        "targeted",
-        "healthy",
-        "srdd_guided",
-    )
+    from aqn_jax.experiment import arm_names
+
+    assert default.compare.arms == arm_names("study") and len(default.compare.arms) == 6
     assert len(default.compare.seeds) == 5 and default.sft.seed == 0
     with pytest.raises(ValueError, match="allowed: one of"):
         load_config("compare", "threshold_0.3")
