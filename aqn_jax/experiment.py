@@ -33,6 +33,8 @@ Scenarios (`apply_scenario`; docs/ARCHITECTURE.md): which device runs which faul
                    far): sampler and trainer agree to float noise, the negative control
 """
 
+import dataclasses
+
 import ml_collections
 
 from aqn_jax.aqn.config import aqn_config
@@ -48,8 +50,9 @@ from aqn_jax.config import (
 )
 from aqn_jax.data.config import data_config
 from aqn_jax.diagnosis.config import diagnosis_config
-from aqn_jax.faults.config import faults_config
+from aqn_jax.faults.config import FAULT_KINDS, faults_config
 from aqn_jax.models.config import model_section
+from aqn_jax.registry import Registry
 from aqn_jax.rl.config import (
     actor_config,
     algo_config,
@@ -140,118 +143,167 @@ def shrink(config: ml_collections.ConfigDict) -> None:
     config.diagnosis.num_prompts = 4
 
 
-STUDY_ARMS = ("clean", "deadzone", "global_aqn", "targeted", "healthy", "srdd_guided")
-# arm -> (AQN in QeRL's form on, the rollout-correction preset)
-CORRECTION_ARMS = {
-    "uncorrected": (False, "none"),
-    "tis": (False, "token_tis"),
-    "trl_mask": (False, "trl_sequence_mask"),
-    "geo_rs": (False, "geometric_rs"),
-    "aqn_qerl": (True, "none"),
-    "aqn_qerl_tis": (True, "token_tis"),
-}
-# QeRL Table 1's columns (configs/qerl.py): arm -> (LoRA on, the base's weight_format, AQN on
-# the rollout's RMSNorm weights at QeRL's decay).
-QERL_ARMS = {
-    "full": (False, "none", False),
-    "lora": (True, "none", False),
-    "nvfp4_lora": (True, "nvfp4", False),
-    "mxfp4_lora": (True, "mxfp4", False),
-    "nvfp4_lora_aqn": (True, "nvfp4", True),
-}
+@dataclasses.dataclass(frozen=True)
+class Arm:
+    """What a study arm sets on the base config (`apply_arm`)."""
+
+    # The study it belongs to: study (the default compare study) | baseline | correction (the
+    # mismatch study) | qerl (QeRL Table 1's columns).
+    group: str
+    fault: bool = True  # the study's fault (config.study_fault) on
+    aqn: bool = False  # AQN on
+    layers: str | None = None  # config.aqn.layers (None: as configured)
+    schedule: str | None = None  # config.aqn.schedule (None: as configured)
+    qerl_form: bool = False  # AQN in QeRL's form: every RMSNorm weight, after the fault
+    correction: str | None = None  # a rollout-correction preset (rl.rollout_correction.PRESETS)
+    lora: bool | None = None  # LoRA adapters on (QeRL_RANK; None: as configured)
+    weight_format: str = "none"  # the base's weight format, with `lora` set
+
+    @property
+    def targets_fault(self) -> bool:
+        """AQN placed by the study fault's layers: the fault kind must be one AQN can target."""
+        return self.aqn and self.layers in ("healthy", "located", "srdd")
+
+
+# The study arms, in report order: `config.compare.arms` and the configs name them from here.
+ARMS: Registry[Arm] = Registry("arm")
+for _name, _arm in {
+    "clean": Arm("study", fault=False, layers="all"),  # the upper bound
+    "deadzone": Arm("study", layers="all"),  # the fault, no AQN (the lower bound)
+    "global_aqn": Arm("study", aqn=True, layers="all"),
+    "targeted": Arm("study", aqn=True, layers="located"),  # the layers SRDD locates
+    "healthy": Arm("study", aqn=True, layers="healthy"),  # all but the faulty layers
+    "srdd_guided": Arm("study", aqn=True, layers="srdd"),  # SRDD's per-layer sigma map
+    # The baseline of the original design notes (configs/compare.py): QeRL's global decay.
+    "global_qerl": Arm("baseline", aqn=True, layers="all", schedule="qerl"),
+    # The mismatch study: the fault plus a rollout correction or QeRL's AQN.
+    "uncorrected": Arm("correction", correction="none"),
+    "tis": Arm("correction", correction="token_tis"),
+    "trl_mask": Arm("correction", correction="trl_sequence_mask"),
+    "geo_rs": Arm("correction", correction="geometric_rs"),
+    "aqn_qerl": Arm(
+        "correction",
+        aqn=True,
+        layers="all",
+        schedule="qerl",
+        qerl_form=True,
+        correction="none",
+    ),
+    "aqn_qerl_tis": Arm(
+        "correction",
+        aqn=True,
+        layers="all",
+        schedule="qerl",
+        qerl_form=True,
+        correction="token_tis",
+    ),
+    # QeRL Table 1's columns (configs/qerl.py).
+    "full": Arm("qerl", lora=False),
+    "lora": Arm("qerl", lora=True),
+    "nvfp4_lora": Arm("qerl", lora=True, weight_format="nvfp4"),
+    "mxfp4_lora": Arm("qerl", lora=True, weight_format="mxfp4"),
+    "nvfp4_lora_aqn": Arm(
+        "qerl",
+        lora=True,
+        weight_format="nvfp4",
+        aqn=True,
+        layers="all",
+        schedule="qerl",
+        qerl_form=True,
+    ),
+}.items():
+    ARMS.register(_name, _arm)
+
+
+def arm_names(group: str) -> tuple[str, ...]:
+    """The arms of one study (`Arm.group`), in registration order."""
+    return tuple(name for name, arm in ARMS.items() if arm.group == group)
+
+
 # QeRL mode's adapters on the embedded model: QeRL's scripts' rank 16 and alpha 16 (scale 1),
 # every linear; the LoRA learning rate 10x the full fine-tuning one (verl's and "LoRA without
 # regret"'s advice; QeRL: 1e-5 NVFP4-LoRA vs 5e-6 BF16-LoRA at 3B-7B, where full FT runs 1e-6).
 QERL_RANK, QERL_ALPHA, QERL_LR_FACTOR = 16, 16.0, 10.0
-# global_qerl: the baseline of the original design notes (configs/compare.py)
-ARMS = (*STUDY_ARMS, "global_qerl", *CORRECTION_ARMS, *QERL_ARMS)
-STUDY_FAULTS = ("deadzone", "noise", "quant")
-SCENARIOS = ("lowprec_rollout", "deadzone_rollout", "both_call", "both_causal")
+
+# Scenarios (`apply_scenario`): which device (rollout / train / eval phases) runs which fault.
+SCENARIOS: Registry = Registry("scenario")
 # (c)'s deadzone: the causal statistic needs amax severity; 0.2 of the max costs the warm start
 # 0.176 accuracy at layer 4 under scope call (configs/compare.py threshold_0.2).
 CAUSAL_THRESHOLD = 0.2
 
 
 def apply_scenario(config: ml_collections.ConfigDict, name: str) -> ml_collections.ConfigDict:
-    """Set `config.study_fault` and its fault section to scenario `name` (SCENARIOS): which
-    phases (rollout / train / eval devices) run which fault."""
-    if name not in SCENARIOS:
-        raise ValueError(f"scenario={name!r}; allowed: {SCENARIOS}")
-    f = config.faults
-    if name == "lowprec_rollout":
-        config.study_fault = "quant"
-        f.quant.format = "mxfp4"
-        f.quant.sites = ("linear",)
-        f.quant.layers = "all"
-        f.quant.point = "input"
-        f.quant.phases = ("rollout", "eval")  # the inference device; the trainer is clean
-    elif name == "deadzone_rollout":
-        config.study_fault = "deadzone"
-        f.deadzone.phases = ("rollout", "eval")
-    else:
-        config.study_fault = "deadzone"
-        f.deadzone.phases = ("rollout", "train", "eval")
-        if name == "both_call":
-            f.deadzone.scope = "call"
-        else:
-            f.deadzone.scope = "causal"
-            f.deadzone.severity = "amax"
-            f.deadzone.threshold = CAUSAL_THRESHOLD
+    """Set `config.study_fault` and its fault section to scenario `name` (SCENARIOS)."""
+    SCENARIOS.get(name)(config)
     return config
 
 
+@SCENARIOS.register("lowprec_rollout")
+def _lowprec_rollout(config: ml_collections.ConfigDict) -> None:
+    """(a) MXFP4 on every linear input of the rollout and evaluation device; training clean."""
+    config.study_fault = "quant"
+    q = config.faults.quant
+    q.format = "mxfp4"
+    q.sites = ("linear",)
+    q.layers = "all"
+    q.point = "input"
+    q.phases = ("rollout", "eval")  # the inference device; the trainer is clean
+
+
+@SCENARIOS.register("deadzone_rollout")
+def _deadzone_rollout(config: ml_collections.ConfigDict) -> None:
+    """(a') the study's deadzone on the rollout and evaluation device only."""
+    config.study_fault = "deadzone"
+    config.faults.deadzone.phases = ("rollout", "eval")
+
+
+@SCENARIOS.register("both_call")
+def _both_call(config: ml_collections.ConfigDict) -> None:
+    """(b) the study's deadzone on every phase, its statistic per module call."""
+    config.study_fault = "deadzone"
+    config.faults.deadzone.phases = ("rollout", "train", "eval")
+    config.faults.deadzone.scope = "call"
+
+
+@SCENARIOS.register("both_causal")
+def _both_causal(config: ml_collections.ConfigDict) -> None:
+    """(c) a deadzone on every phase with a causal statistic: the negative control."""
+    config.study_fault = "deadzone"
+    dz = config.faults.deadzone
+    dz.phases = ("rollout", "train", "eval")
+    dz.scope = "causal"
+    dz.severity = "amax"
+    dz.threshold = CAUSAL_THRESHOLD
+
+
 def apply_arm(config: ml_collections.ConfigDict, arm: str) -> ml_collections.ConfigDict:
-    if arm not in ARMS:
-        raise ValueError(f"arm={arm!r}; allowed: {ARMS}")
-    fault = config.get("study_fault", "deadzone")
-    if fault not in STUDY_FAULTS:
-        raise ValueError(f"config.study_fault={fault!r}; allowed: {STUDY_FAULTS}")
-    if arm in ("healthy", "targeted", "srdd_guided") and fault != "deadzone":
+    """Set what arm `arm` (ARMS) sets on `config`, on the fault `config.study_fault`."""
+    entry = ARMS.get(arm)
+    fault = FAULT_KINDS.check(config.get("study_fault", "deadzone"), "config.study_fault")
+    if entry.targets_fault and not FAULT_KINDS.get(fault).aqn_target:
+        allowed = tuple(k for k, v in FAULT_KINDS.items() if v.aqn_target)
         raise ValueError(
-            f"arm {arm!r} places AQN by the deadzone's layers (or SRDD's verdict on it), and"
-            f" config.study_fault={fault!r}; use arms clean, deadzone, global_aqn, global_qerl"
+            f"config.study_fault={fault!r}; allowed with arm {arm!r} (AQN placed by the fault's"
+            f" layers): {allowed}"
         )
     config.arm = arm
-    config.faults[fault].enabled = arm != "clean"
-    if arm in QERL_ARMS:
-        lora_on, fmt, qerl = QERL_ARMS[arm]
-        config.lora.rank = QERL_RANK if lora_on else 0
+    config.faults[fault].enabled = entry.fault
+    if entry.lora is not None:
+        config.lora.rank = QERL_RANK if entry.lora else 0
         config.lora.alpha = QERL_ALPHA
-        config.model.weight_format = fmt
-        if lora_on:
+        config.model.weight_format = entry.weight_format
+        if entry.lora:
             config.actor.lr = config.actor.lr * QERL_LR_FACTOR
-        config.aqn.enabled = qerl
-        if qerl:  # QeRL's AQN: every RMSNorm weight of the rollout model, its 10-stage decay
-            config.aqn.form, config.aqn.order, config.aqn.schedule = (
-                "norm_weight",
-                "after_fault",
-                "qerl",
-            )
-            config.aqn.layers = "all"
-        return config
-    if arm in CORRECTION_ARMS:
-        qerl, preset = CORRECTION_ARMS[arm]
-        config.aqn.enabled = qerl
-        if qerl:  # QeRL: noise on every RMSNorm weight of the rollout model, its decay
-            config.aqn.form, config.aqn.order, config.aqn.schedule = (
-                "norm_weight",
-                "after_fault",
-                "qerl",
-            )
-            config.aqn.layers = "all"
-        for key, value in PRESETS[preset].items():
+    config.aqn.enabled = entry.aqn
+    if entry.qerl_form:  # QeRL: noise on every RMSNorm weight of the rollout model
+        config.aqn.form, config.aqn.order = "norm_weight", "after_fault"
+    if entry.schedule is not None:
+        config.aqn.schedule = entry.schedule
+    if entry.layers is not None:
+        config.aqn.layers = entry.layers
+    if entry.correction is not None:
+        for key, value in PRESETS[entry.correction].items():
             config.algo[key] = value
-        return config
-    config.aqn.enabled = arm in ("global_aqn", "targeted", "healthy", "srdd_guided", "global_qerl")
-    if arm == "global_qerl":
-        config.aqn.schedule = "qerl"
-    config.aqn.layers = {
-        "global_aqn": "all",
-        "global_qerl": "all",
-        "targeted": "located",
-        "healthy": "healthy",
-        "srdd_guided": "srdd",
-    }.get(arm, "all")
     return config
 
 

@@ -29,6 +29,7 @@ from aqn_jax.data.config import DataSpec
 from aqn_jax.data.tokenizers import Tokenizer
 from aqn_jax.diagnosis.srdd import SrddSpec
 from aqn_jax.evaluation import DecodeSpec, EvalSpec, check_evaluate, conditions
+from aqn_jax.faults.config import kind_of
 from aqn_jax.faults.intercept import FaultPlan
 from aqn_jax.lora import LoraSpec, lora_spec
 from aqn_jax.models.registry import ModelConfig
@@ -254,13 +255,15 @@ def summary_spec(config: Any, device: FaultPlan, n_layers: int) -> SummarySpec:
 
 
 def fault_layers(device: FaultPlan, n_layers: int) -> list[int]:
-    """The layers of the run's hardware fault (`device`: config.faults' plan): those of its
-    first injection, the first enabled kind in the fault table's order (deadzone, noise, quant,
-    the bit-level kinds; `faults.config.fault_injections`)."""
-    if not device.injections:
-        return []
-    layers = device.injections[0].sites.layers
-    return list(range(n_layers)) if layers == "all" else list(layers)
+    """The layers of the run's hardware fault (`device`: config.faults' plan): those of the
+    first injection whose fault kind sits at layers (`FaultKind.layered`), in the fault
+    table's order (`faults.config.FAULT_KINDS`); [] when there is none."""
+    for inj in device.injections:
+        kind = kind_of(inj)
+        if kind is not None and kind.layered:
+            layers = inj.sites.layers
+            return list(range(n_layers)) if layers == "all" else list(layers)
+    return []
 
 
 def run_diagnosis(config: Any) -> bool:

@@ -24,7 +24,7 @@ Re-running the same command reuses finished runs and resumes an interrupted one.
 --config.compare.arms='("targeted","global_aqn")' --config.compare.seeds='(0,1,2)'.
 """
 
-from aqn_jax.experiment import QERL_ARMS, apply_scenario, base_config
+from aqn_jax.experiment import apply_scenario, arm_names, base_config
 from aqn_jax.study.config import compare_config
 
 VARIANTS = {
@@ -64,7 +64,7 @@ VARIANTS = {
     # validated on it and on a clean device.
     "qerl_study": {"qerl": True},
 }
-MISMATCH_ARMS = ("clean", "uncorrected", "tis", "trl_mask", "geo_rs", "aqn_qerl", "aqn_qerl_tis")
+MISMATCH_ARMS = ("clean", *arm_names("correction"))
 
 
 def get_config(arg=None):
@@ -82,6 +82,24 @@ def get_config(arg=None):
     config.compare = compare_config()
     config.compare.variant = variant + (" (smoke)" if smoke else "")
     spec = VARIANTS[variant]
+    _fault_variant(config, spec)
+    if spec.get("study_fault") == "noise":
+        _noise_study(config, spec)
+    if spec.get("qerl"):
+        _qerl_study(config, smoke)
+    if "scenario" in spec:
+        _mismatch_study(config, spec["scenario"], smoke)
+    config.sft.seed = 0  # one warm start for every seed
+    config.checkpoint.every = 10  # an interrupted run resumes (the job reuses finished ones)
+    config.trainer.val_every = 0  # validation at the start and the end; evaluate does the rest
+    config.evaluate.size = 128
+    if smoke:
+        _smoke(config, spec)
+    return config
+
+
+def _fault_variant(config, spec) -> None:
+    """The deadzone's severity and layers, and AQN's form, of the sweep variants."""
     if "threshold" in spec:
         config.faults.deadzone.severity = "amax"
         config.faults.deadzone.threshold = float(spec["threshold"])
@@ -94,76 +112,83 @@ def get_config(arg=None):
         config.aqn.form = spec.get("aqn_form", config.aqn.form)
         config.compare.arms = ("targeted", "global_aqn")
         config.compare.comparisons = (("targeted", "global_aqn"),)
-    if spec.get("study_fault") == "noise":
-        config.study_fault = "noise"
-        config.faults.noise.kind = "relative_gaussian"
-        config.faults.noise.scale = float(spec["noise_scale"])
-        config.faults.noise.sites = ("linear",)
-        config.faults.noise.layers = "all"
-        config.compare.arms = ("deadzone", "global_qerl", "global_aqn")
-        config.compare.reference_arm = "deadzone"
-        config.compare.comparisons = (
-            ("global_aqn", "deadzone"),
-            ("global_qerl", "deadzone"),
-            ("global_aqn", "global_qerl"),
-        )
-        config.evaluate.noise_levels = (0.0, 0.05, 0.10, 0.20)
-        config.evaluate.mxfp4 = False
-    if spec.get("qerl"):
-        config.compare.arms = tuple(QERL_ARMS)
-        config.compare.reference_arm = "full"
-        config.compare.comparisons = (
-            ("nvfp4_lora", "lora"),
-            ("nvfp4_lora_aqn", "nvfp4_lora"),
-            ("lora", "full"),
-        )
-        # The budget of a 5 x 5 study on 2 cores: 12 RL steps, the evaluation on the faulty
-        # and the clean device only.
-        config.trainer.total_steps = 2 if smoke else 12
-        if not smoke:
-            config.trainer.val_size = 64
-        config.evaluate.noise_levels = (0.0,)
-        config.evaluate.mxfp4 = False
+
+
+def _noise_study(config, spec) -> None:
+    """The original design notes' study: relative noise on every linear, AQN's two decays."""
+    config.study_fault = "noise"
+    config.faults.noise.kind = "relative_gaussian"
+    config.faults.noise.scale = float(spec["noise_scale"])
+    config.faults.noise.sites = ("linear",)
+    config.faults.noise.layers = "all"
+    config.compare.arms = ("deadzone", "global_qerl", "global_aqn")
+    config.compare.reference_arm = "deadzone"
+    config.compare.comparisons = (
+        ("global_aqn", "deadzone"),
+        ("global_qerl", "deadzone"),
+        ("global_aqn", "global_qerl"),
+    )
+    config.evaluate.noise_levels = (0.0, 0.05, 0.10, 0.20)
+    config.evaluate.mxfp4 = False
+
+
+def _qerl_study(config, smoke: bool) -> None:
+    """QeRL mode's five arms on the study's faulty device."""
+    config.compare.arms = arm_names("qerl")
+    config.compare.reference_arm = "full"
+    config.compare.comparisons = (
+        ("nvfp4_lora", "lora"),
+        ("nvfp4_lora_aqn", "nvfp4_lora"),
+        ("lora", "full"),
+    )
+    # The budget of a 5 x 5 study on 2 cores: 12 RL steps, the evaluation on the faulty
+    # and the clean device only.
+    config.trainer.total_steps = 2 if smoke else 12
+    if not smoke:
+        config.trainer.val_size = 64
+    config.evaluate.noise_levels = (0.0,)
+    config.evaluate.mxfp4 = False
+
+
+def _mismatch_study(config, scenario: str, smoke: bool) -> None:
+    """The rollout corrections and AQN when the sampler's device is not the trainer's."""
+    apply_scenario(config, scenario)
+    control = scenario == "both_causal"
+    # The control needs no clean or AQN arm: every correction must do nothing there. With
+    # a faulty trainer (both_call) the clean arm is not the reference of any question.
+    config.compare.arms = {
+        "both_causal": MISMATCH_ARMS[1:5],
+        "both_call": MISMATCH_ARMS[1:],
+    }.get(scenario, MISMATCH_ARMS)
+    config.compare.seeds = (0, 1, 2) if control else (0, 1, 2, 3, 4)
+    config.compare.reference_arm = "uncorrected"
+    config.compare.comparisons = (
+        (("tis", "uncorrected"), ("trl_mask", "uncorrected"), ("geo_rs", "uncorrected"))
+        if control
+        else (("tis", "uncorrected"), ("aqn_qerl", "tis"), ("aqn_qerl_tis", "tis"))
+    )
+    # The study's budget (60 minutes on 2 cores): 12 RL steps, the evaluation on the
+    # faulty and the clean device only.
+    config.trainer.total_steps = 2 if smoke else 12
+    if not smoke:  # the start/end curve points; evaluate.size gives the result
+        config.trainer.val_size = 64
+    config.evaluate.noise_levels = (0.0,)
+    config.evaluate.mxfp4 = False
+
+
+def _smoke(config, spec) -> None:
+    """2 arms x 2 seeds, a tiny evaluation."""
     if "scenario" in spec:
-        apply_scenario(config, spec["scenario"])
-        control = spec["scenario"] == "both_causal"
-        # The control needs no clean or AQN arm: every correction must do nothing there. With
-        # a faulty trainer (both_call) the clean arm is not the reference of any question.
-        config.compare.arms = {
-            "both_causal": MISMATCH_ARMS[1:5],
-            "both_call": MISMATCH_ARMS[1:],
-        }.get(spec["scenario"], MISMATCH_ARMS)
-        config.compare.seeds = (0, 1, 2) if control else (0, 1, 2, 3, 4)
-        config.compare.reference_arm = "uncorrected"
-        config.compare.comparisons = (
-            (("tis", "uncorrected"), ("trl_mask", "uncorrected"), ("geo_rs", "uncorrected"))
-            if control
-            else (("tis", "uncorrected"), ("aqn_qerl", "tis"), ("aqn_qerl_tis", "tis"))
-        )
-        # The study's budget (60 minutes on 2 cores): 12 RL steps, the evaluation on the
-        # faulty and the clean device only.
-        config.trainer.total_steps = 2 if smoke else 12
-        if not smoke:  # the start/end curve points; evaluate.size gives the result
-            config.trainer.val_size = 64
-        config.evaluate.noise_levels = (0.0,)
-        config.evaluate.mxfp4 = False
-    config.sft.seed = 0  # one warm start for every seed
-    config.checkpoint.every = 10  # an interrupted run resumes (the job reuses finished ones)
-    config.trainer.val_every = 0  # validation at the start and the end; evaluate does the rest
-    config.evaluate.size = 128
-    if smoke:
-        if "scenario" in spec:
-            config.compare.arms = ("uncorrected", "tis")
-            config.compare.comparisons = (("tis", "uncorrected"),)
-        elif spec.get("qerl"):
-            config.compare.arms = ("lora", "nvfp4_lora")
-            config.compare.comparisons = (("nvfp4_lora", "lora"),)
-        elif "study_fault" not in spec:
-            config.compare.arms = ("global_aqn", "targeted")
-            config.compare.comparisons = (("targeted", "global_aqn"),)
-        config.compare.seeds = (0, 1)
-        config.checkpoint.every = 1
-        config.evaluate.size = 8
-        config.evaluate.noise_levels = (0.0, 0.1)
-        config.evaluate.mxfp4 = False
-    return config
+        config.compare.arms = ("uncorrected", "tis")
+        config.compare.comparisons = (("tis", "uncorrected"),)
+    elif spec.get("qerl"):
+        config.compare.arms = ("lora", "nvfp4_lora")
+        config.compare.comparisons = (("nvfp4_lora", "lora"),)
+    elif "study_fault" not in spec:
+        config.compare.arms = ("global_aqn", "targeted")
+        config.compare.comparisons = (("targeted", "global_aqn"),)
+    config.compare.seeds = (0, 1)
+    config.checkpoint.every = 1
+    config.evaluate.size = 8
+    config.evaluate.noise_levels = (0.0, 0.1)
+    config.evaluate.mxfp4 = False

@@ -30,7 +30,9 @@ from aqn_jax.experiment import ARMS, apply_arm, base_config
 def get_config(arg: str | None = None):
     arm = arg or "targeted"
     if arm not in ARMS:
-        raise ValueError(f"--config=configs/gsm8k_qwen2p5_1p5b.py:{arg}; allowed arms: {ARMS}")
+        raise ValueError(
+            f"--config=configs/gsm8k_qwen2p5_1p5b.py:{arg}; allowed arms: {ARMS.names()}"
+        )
     config = base_config()
     config.required = ("model.hf_path", "data.train_path", "data.test_path")
 

@@ -35,7 +35,7 @@ def get_config(arg=None):
     if len(names) != 2 or names[0] not in SCENARIOS or names[1] not in ARMS:
         raise ValueError(
             f"--config=configs/mismatch.py:{arg}; expected <scenario>,<arm>[,smoke] with a"
-            f" scenario of {SCENARIOS} and an arm of {ARMS}"
+            f" scenario of {SCENARIOS.names()} and an arm of {ARMS.names()}"
         )
     config = base_config("smoke" if smoke else None)
     apply_scenario(config, names[0])

@@ -1,6 +1,6 @@
 """QeRL mode (NVlabs/QeRL, arXiv 2510.11696): GRPO with LoRA adapters on a frozen base stored in
 NVFP4 or MXFP4, with and without AQN on the rollout's RMSNorm weights; the columns of QeRL's
-Table 1 as arms (aqn_jax/experiment.py QERL_ARMS):
+Table 1 as arms (aqn_jax/experiment.py ARMS, group 'qerl'):
 
   full            full fine-tuning (f32 master weights), the embedded study's lr 3e-5
   lora            LoRA r 16, alpha 16 on q,k,v,o,gate,up,down over the float base, lr 3e-4
@@ -21,16 +21,16 @@ with statistics: `configs/compare.py:qerl_study` (results: docs/compare_results.
 run takes 84-98 s on 2 quiet cores (one core each, two at a time).
 """
 
-from aqn_jax.experiment import QERL_ARMS, arm_config
+from aqn_jax.experiment import arm_config, arm_names
 
 
 def get_config(arg=None):
     parts = [p for p in (arg or "").split(",") if p]
     smoke = "smoke" in parts
     arms = [p for p in parts if p != "smoke"] or ["nvfp4_lora_aqn"]  # QeRL's own recipe
-    if len(arms) != 1 or arms[0] not in QERL_ARMS:
+    if len(arms) != 1 or arms[0] not in arm_names("qerl"):
         raise ValueError(
-            f"--config=configs/qerl.py:{arg}; allowed: one arm of {list(QERL_ARMS)},"
+            f"--config=configs/qerl.py:{arg}; allowed: one arm of {list(arm_names('qerl'))},"
             " optionally followed by ',smoke'"
         )
     return arm_config(arms[0], "smoke" if smoke else None)

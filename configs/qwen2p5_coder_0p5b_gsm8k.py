@@ -66,7 +66,7 @@ temperature 0.7, LoRA r32 lr 1e-4, 24 steps, validation on 128 held-out problems
       --config.model.hf_path=/models/Qwen2.5-Coder-0.5B-Instruct --workdir=runs/qwen05_arith
 """
 
-from aqn_jax.experiment import ARMS, QERL_ARMS, apply_arm, base_config
+from aqn_jax.experiment import ARMS, apply_arm, arm_names, base_config
 from aqn_jax.study.config import compare_config, severity_config
 
 FAULT_LAYER = 15  # of 24 (the seed's layer index)
@@ -80,7 +80,7 @@ def get_config(arg: str | None = None):
     parts = [p for p in (arg or "deadzone").split(",") if p]
     smoke, gpu, arith = "smoke" in parts, "gpu" in parts, "arith" in parts
     names = [p for p in parts if p not in ("smoke", "gpu", "arith")] or ["deadzone"]
-    allowed = (*ARMS, *JOBS)
+    allowed = (*ARMS.names(), *JOBS)
     if len(names) != 1 or names[0] not in allowed:
         raise ValueError(
             f"--config=configs/qwen2p5_coder_0p5b_gsm8k.py:{arg}; allowed: one of {allowed},"
@@ -90,6 +90,34 @@ def get_config(arg: str | None = None):
     config = base_config("smoke" if smoke else None)
     config.required = ("model.hf_path", "data.train_path", "data.test_path")
 
+    _gsm8k(config)
+
+    if arith:
+        _short_answers(config)
+    if gpu:  # the lent GPU's run (bench/device/learn.sh, CALL.md "The learning run")
+        _gpu(config)
+    if smoke:  # every stage once at the smallest shapes (tests/test_qwen_gsm8k_config.py)
+        _smoke(config)
+
+    if name == "severity":
+        return _severity(config, smoke)
+    if name == "study":
+        return _study(config, smoke)
+    if name == "evaluate":
+        config.job = "evaluate"
+        config.rollout.max_new_tokens = 4 if smoke else 320  # greedy answers, whole
+        return apply_arm(config, "deadzone")
+    config = apply_arm(config, name)
+    # QeRL's arms: this model's settings, not the embedded model's (rank 16, lr x 10).
+    if name in arm_names("qerl"):
+        lora_on = config.lora.rank > 0
+        config.lora.rank, config.lora.alpha = (32, 32.0) if lora_on else (0, 16.0)
+        config.actor.lr = 2e-5 if lora_on else 1e-6  # full fine-tuning: 1e-6
+    return config
+
+
+def _gsm8k(config) -> None:
+    """The GSM8K arm's model, data, LoRA, rollout, update and fault settings."""
     config.model.preset = "qwen2p5_0p5b"  # the architecture; hf_path's config.json is used
     config.model.hf_path = ""  # required: the snapshot `python -m aqn_jax.models.gguf` wrote
     config.model.param_dtype = "float32"  # master weights and optimizer state
@@ -152,70 +180,62 @@ def get_config(arg: str | None = None):
     config.evaluate.size = 128  # test problems
     config.evaluate.batch_size = 32
 
-    if arith:
-        _short_answers(config)
-    if gpu:  # the one-GPU learning run (bench/device/learn.sh; docs/gpu_gsm8k_learn/)
-        # QeRL mode in bf16 on one H100 shared by two arms (faulty, clean control) at
-        # XLA_PYTHON_CLIENT_MEM_FRACTION=0.45 each. Signal: 16 samples a prompt (a prompt the
-        # faulty device solves with p = 0.05 has an advantage with probability 1 - 0.95^16 -
-        # 0.05^16 = 0.56; 0.81 at p = 0.1), 384 new tokens (at 256 half the CPU samples were
-        # cut). 4 prompts x 16 = 64 rows a step, the H100 step's shape (8 x 8) in rows.
-        config.model.dtype = "bfloat16"
-        config.rollout.n = 16
-        config.rollout.max_new_tokens = 384  # RL and validation (greedy, boxed)
-        # One prompt bucket: each bucket is its own rollout, validation and update programs,
-        # and a short run's compile (minutes for a 0.5B LoRA step) outweighs the
-        # padding of 128-token prompts to 256 on a GPU.
-        config.rollout.prompt_buckets = (256,)
-        config.data_batch.prompts = 4
-        config.actor.mini_batch_prompts = 4
-        config.actor.micro_batch_rows = 8  # planner: 23.1 GiB faulty, 21.3 clean (16: ~38)
-        config.trainer.total_steps = 30  # a short GPU run: two arms in minutes
-        config.trainer.val_every = 10  # a run cut short still has its latest validation
-        config.trainer.val_size = 256  # held-out test problems, both devices
-        config.trainer.val_batch_size = 256  # one decode batch a device
-        config.checkpoint.every = 10  # the adapters the device run packs into $OUT
-        config.checkpoint.keep = 1
 
-    if smoke:  # every stage once at the smallest shapes (tests/test_qwen_gsm8k_config.py)
-        config.rollout.n = 2
-        config.rollout.max_new_tokens = 4
-        config.data_batch.prompts = 1
-        config.actor.mini_batch_prompts = 1
-        config.actor.micro_batch_rows = 2  # of the smoke's 1 x 2 rows (',gpu' has 8)
-        config.trainer.total_steps = 1
-        config.trainer.val_size = 2
-        config.trainer.val_batch_size = 2
-        config.diagnosis.num_prompts = 2
-        config.evaluate.size = 2
-        config.evaluate.batch_size = 2
+def _gpu(config) -> None:
+    """`,gpu`: the lent GPU's learning run."""
+    # QeRL mode in bf16 on one H100 shared by two arms (faulty, clean control) at
+    # XLA_PYTHON_CLIENT_MEM_FRACTION=0.45 each. Signal: 16 samples a prompt (a prompt the
+    # faulty device solves with p = 0.05 has an advantage with probability 1 - 0.95^16 -
+    # 0.05^16 = 0.56; 0.81 at p = 0.1), 384 new tokens (at 256 half the CPU samples were
+    # cut). 4 prompts x 16 = 64 rows a step, the H100 step's shape (8 x 8) in rows.
+    config.model.dtype = "bfloat16"
+    config.rollout.n = 16
+    config.rollout.max_new_tokens = 384  # RL and validation (greedy, boxed)
+    # One prompt bucket: each bucket is its own rollout, validation and update programs,
+    # and a short run's compile (minutes for a 0.5B LoRA step) outweighs the
+    # padding of 128-token prompts to 256 on a GPU.
+    config.rollout.prompt_buckets = (256,)
+    config.data_batch.prompts = 4
+    config.actor.mini_batch_prompts = 4
+    config.actor.micro_batch_rows = 8  # planner: 23.1 GiB faulty, 21.3 clean (16: ~38)
+    config.trainer.total_steps = 30  # sized to the run call's window (CALL.md's budget)
+    config.trainer.val_every = 10  # a run cut short still has its latest validation
+    config.trainer.val_size = 256  # held-out test problems, both devices
+    config.trainer.val_batch_size = 256  # one decode batch a device
+    config.checkpoint.every = 10  # the adapters the device run packs into $OUT
+    config.checkpoint.keep = 1
 
-    if name == "severity":
-        config.job = "severity"
-        config.severity = severity_config()
-        config.severity.layers = "(5,10,15,20)"
-        config.severity.amax = (0.001, 0.01, 0.1)
-        config.severity.quantile = ()  # amax only: the seed's statement (6 min on 2 cores)
-        config.severity.size = 8  # test problems: ~25 s a point on 2 cores
-        config.severity.accuracy = False  # greedy accuracy: evaluate (320 tokens x 32 = minutes)
-        config.faults.deadzone.granularity = "tensor"  # the seed's statement; token | block
-        if smoke:
-            config.severity.layers = "(15,)"
-            config.severity.amax = (0.01,)
-            config.severity.quantile = (0.5,)
-            config.severity.size = 2
-        return config
-    if name == "study":
-        return _study(config, smoke)
-    if name == "evaluate":
-        config.job = "evaluate"
-        config.rollout.max_new_tokens = 4 if smoke else 320  # greedy answers, whole
-        return apply_arm(config, "deadzone")
-    config = apply_arm(config, name)
-    if name in QERL_ARMS:  # this model's settings, not the embedded model's (rank 16, lr x 10)
-        lora_on = config.lora.rank > 0
-        config.lora.rank, config.lora.alpha = (32, 32.0) if lora_on else (0, 16.0)
-        config.actor.lr = 2e-5 if lora_on else 1e-6  # full fine-tuning: 1e-6
+
+def _smoke(config) -> None:
+    """`,smoke`: every stage once at the smallest shapes."""
+    config.rollout.n = 2
+    config.rollout.max_new_tokens = 4
+    config.data_batch.prompts = 1
+    config.actor.mini_batch_prompts = 1
+    config.actor.micro_batch_rows = 2  # of the smoke's 1 x 2 rows (',gpu' has 8)
+    config.trainer.total_steps = 1
+    config.trainer.val_size = 2
+    config.trainer.val_batch_size = 2
+    config.diagnosis.num_prompts = 2
+    config.evaluate.size = 2
+    config.evaluate.batch_size = 2
+
+
+def _severity(config, smoke: bool):
+    """`:severity`: the deadzone severity curve at four layers (job severity)."""
+    config.job = "severity"
+    config.severity = severity_config()
+    config.severity.layers = "(5,10,15,20)"
+    config.severity.amax = (0.001, 0.01, 0.1)
+    config.severity.quantile = ()  # amax only: the seed's statement (6 min on 2 cores)
+    config.severity.size = 8  # test problems: ~25 s a point on 2 cores
+    config.severity.accuracy = False  # greedy accuracy: evaluate (320 tokens x 32 = minutes)
+    config.faults.deadzone.granularity = "tensor"  # the seed's statement; token | block
+    if smoke:
+        config.severity.layers = "(15,)"
+        config.severity.amax = (0.01,)
+        config.severity.quantile = (0.5,)
+        config.severity.size = 2
     return config
 
 
@@ -256,7 +276,7 @@ def _short_answers(config) -> None:
     # LoRA r32 (scale 1) at 1e-4: the 2e-5 of the GSM8K arm moved no greedy answer of 32 in
     # two updates with a signal; a run of tens of steps needs a larger step.
     config.actor.lr = 1e-4
-    # 24 steps of ~3 min and three validations of ~6 min: under 100 minutes on 2 cores.
+    # 24 steps of ~3 min and three validations of ~6 min fit the session's 100 minutes.
     config.trainer.total_steps = 24
     config.trainer.val_every = 12  # validation at steps 0, 12, 24
     config.trainer.val_size = 128  # held-out problems, greedy, on both devices
@@ -288,8 +308,8 @@ def _study(config, smoke: bool):
     validation is a 16-problem check. The statistics: `python -m aqn_jax.study.outcome`.
     """
     config.job = "compare"
-    # One dtype whatever machine the study resumes on ('auto' picks bf16 on AVX-512 BF16 or
-    # AMX): the step-0 evaluation and every run compute alike.
+    # One dtype whatever machine a later session resumes on ('auto' picks bf16 on AVX-512 BF16
+    # or AMX): the step-0 evaluation and every run compute alike (started in f32, 2026-11-28).
     config.model.dtype = "float32"
     config.compare = compare_config()
     config.compare.arms = STUDY_ARMS

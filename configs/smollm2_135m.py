@@ -39,7 +39,7 @@ def get_config(arg: str | None = None):
     parts = [p for p in (arg or "deadzone").split(",") if p]
     smoke = "smoke" in parts
     names = [p for p in parts if p != "smoke"] or ["deadzone"]
-    allowed = (*ARMS, "severity")
+    allowed = (*ARMS.names(), "severity")
     if len(names) != 1 or names[0] not in allowed:
         raise ValueError(
             f"--config=configs/smollm2_135m.py:{arg}; allowed: one of {allowed}, optionally"

@@ -146,14 +146,9 @@ def test_variants_and_bad_input():
     assert late.faults.deadzone.layers == "6" and late.compare.seeds == (0, 1)
     assert load_config("compare", "two_layers").faults.deadzone.layers == "(2,5)"
     default = load_config("compare")
-    assert default.compare.arms == (
-        "clean",
-        "deadzone",
-        "global_aqn",
-        "targeted",
-        "healthy",
-        "srdd_guided",
-    )
+    from aqn_jax.experiment import arm_names
+
+    assert default.compare.arms == arm_names("study") and len(default.compare.arms) == 6
     assert len(default.compare.seeds) == 5 and default.sft.seed == 0
     with pytest.raises(ValueError, match="allowed: one of"):
         load_config("compare", "threshold_0.3")
@@ -314,3 +309,103 @@ def test_worker_count():
     assert worker_count(cmp, 30) == 1
     cmp.workers = 3
     assert worker_count(cmp, 2) == 2
+
+
+@pytest.fixture
+def dimmer():
+    """Two throwaway fault kinds, registered here alone and unregistered after: 'dimmer', a
+    deadzone transform under its own kind (threshold 0.1 of amax at one layer's output) that AQN
+    can target, and 'smudge', the same fault whose entry says AQN cannot target it."""
+    import ml_collections
+
+    from aqn_jax.faults import config as fault_cfg
+    from aqn_jax.faults.fields import parse_layers
+    from aqn_jax.faults.intercept import Injection
+    from aqn_jax.faults.sites import SiteSelector
+    from aqn_jax.faults.transforms import Deadzone
+
+    def section():
+        return ml_collections.ConfigDict({"enabled": False, "layers": "3", "threshold": 0.1})
+
+    def builder(name):
+        def build(sec, num_layers):
+            if not sec.enabled:
+                return []
+            layers = parse_layers(sec.layers, f"config.faults.{name}.layers", num_layers)
+            sites = SiteSelector(("layer",), layers, "output")
+            return [Injection(name, sites, Deadzone(float(sec.threshold)))]
+
+        return build
+
+    fault_cfg.fault_kind("dimmer", section, aqn_target=True, title="the dimmer (a test's kind)")(
+        builder("dimmer")
+    )
+    fault_cfg.fault_kind("smudge", section)(builder("smudge"))
+    yield fault_cfg
+    for kind in ("dimmer", "smudge"):
+        fault_cfg.FAULT_KINDS.unregister(kind)
+
+
+def test_a_new_fault_kind_runs_as_a_study_arm(dimmer, sft_tiny, tmp_path):
+    """A fault kind registered in this test alone is a study's fault: every arm validates, the
+    real SRDD diagnosis of the warm start locates it, the targeted, healthy and SRDD-guided arms
+    place AQN by its layers, the run's summary names its layers, and the report names it.
+    Negative control: a kind whose entry says AQN cannot target it is refused for the targeted
+    arm in one line naming the field and the kinds allowed."""
+    from aqn_jax.aqn.plan import build_plan
+    from aqn_jax.diagnosis import srdd
+    from aqn_jax.diagnosis.config import diagnosis_config
+    from aqn_jax.experiment import apply_arm
+    from aqn_jax.jobs.compare import check_config, run_config
+    from aqn_jax.models.qwen2 import Qwen2ForCausalLM
+    from aqn_jax.spec import fault_layers
+    from aqn_jax.study.report import summarize, write_report
+
+    config = load_config("compare")  # the embedded 8-layer model
+    config.study_fault = "dimmer"
+    config.compare.arms = ("clean", "deadzone", "global_aqn", "targeted", "healthy", "srdd_guided")
+    check_config(config, str(tmp_path))  # its section came with its registration
+    device = dimmer.fault_plan(run_config(config, "deadzone", 0, str(tmp_path), None).faults, 8)
+    assert [i.name for i in device.injections] == ["dimmer"] and fault_layers(device, 8) == [3]
+    clean = run_config(config, "clean", 0, str(tmp_path), None)
+    assert not dimmer.fault_plan(clean.faults, 8).injections
+
+    # The diagnosis the compare job shares between the arms, on the warm start.
+    cfg, params, tok, task = sft_tiny
+    ids, mask = srdd.calibration_batch(task.examples("train", 32), tok, 8, 256)
+    spec = srdd.SrddSpec.of(diagnosis_config(), 0.05)
+    report = srdd.diagnose(Qwen2ForCausalLM(cfg), params, device, ids, mask, spec)
+    assert report["verdict"]["layers"] == [3]
+    (tmp_path / "srdd").mkdir()
+    (tmp_path / "srdd" / "srdd.json").write_text(json.dumps(report))
+    plans = {
+        arm: build_plan(rc.faults, rc.aqn, 8)
+        for arm in ("targeted", "healthy", "srdd_guided")
+        for rc in [run_config(config, arm, 0, str(tmp_path), report)]
+    }
+    for arm, plan in plans.items():  # AQN after the fault (the kind re-applies nothing)
+        assert [i.name for i in plan.injections] == ["dimmer", "aqn"], arm
+    assert plans["targeted"].injections[1].sites.layers == (3,)
+    assert plans["healthy"].injections[1].sites.layers == (0, 1, 2, 4, 5, 6, 7)
+    scales = plans["srdd_guided"].injections[1].transform.scale.layer_scales
+    assert scales[3] == max(scales.values()) > 1.0  # the located layer's sigma, raised
+
+    # The report names the kind; the deadzone's design note is the deadzone's, not the kind's.
+    final = {"acc_fault": 0.5, "acc_clean": 0.8, "heldout_loss": 1.0}
+    runs = {arm: {s: {"final": final} for s in ("0", "1")} for arm in config.compare.arms}
+    results = {"arms": list(config.compare.arms), "seeds": [0, 1], "runs": runs}
+    results.update(study_fault="dimmer", aqn={"form": "activation", "order": "between"})
+    text = Path(write_report(results, str(tmp_path / "report"))).read_text()
+    assert "- study fault: the dimmer (a test's kind) (`config.faults.dimmer`)" in text
+    assert not [n for n in summarize(results)["notes"] if "never rescue" in n]
+    results["study_fault"] = "deadzone"
+    assert [n for n in summarize(results)["notes"] if "never rescue" in n]
+
+    config.study_fault = "smudge"  # negative control
+    apply_arm(load_config("compare"), "global_aqn")
+    with pytest.raises(ValueError) as err:
+        apply_arm(config, "targeted")
+    assert str(err.value) == (
+        "config.study_fault='smudge'; allowed with arm 'targeted' (AQN placed by the fault's"
+        " layers): ('deadzone', 'dimmer')"
+    )

@@ -300,8 +300,8 @@ def test_every_default_arm_matches_modules_on_the_tiny_model():
     assert manifest["hits"]["train"]["deadzone"] == ["layers_5/layer:output"]
 
 
-def test_a_new_fault_kind_is_its_section_and_one_builder(monkeypatch):
-    # The device is a loop over `BUILDERS`: a new kind (here a systematic bias on layer 2's
+def test_a_new_fault_kind_is_its_section_and_one_builder():
+    # The device is a loop over `FAULT_KINDS`: a new kind (here a systematic bias on layer 2's
     # MLP outputs) is its config section plus one builder; fault_plan lists it after the
     # built-in kinds, and build_plan places AQN against the deadzone as before.
     from aqn_jax.faults import config as fault_cfg
@@ -316,16 +316,25 @@ def test_a_new_fault_kind_is_its_section_and_one_builder(monkeypatch):
         noise = Noise("systematic_bias", Scale(float(section.scale)))
         return [Injection("bias", SiteSelector(("mlp",), layers, "output"), noise)]
 
-    monkeypatch.setitem(fault_cfg.BUILDERS, "bias", bias)
-    cfg = make_config(faults__deadzone__enabled=True, aqn__enabled=True, aqn__layers="(3,)")
-    cfg.faults.bias = ml_collections.ConfigDict({"enabled": True, "layers": "2", "scale": 0.1})
-    device = fault_cfg.fault_plan(cfg.faults, NUM_LAYERS)
-    assert [i.name for i in device.injections] == ["deadzone", "bias"]
-    assert device.injections[1].sites.layers == (2,)
-    full = build_plan(cfg.faults, cfg.aqn, NUM_LAYERS)
-    assert [i.name for i in full.injections] == ["deadzone", "aqn", "deadzone_after_aqn", "bias"]
-    cfg.faults.bias.enabled = False  # negative control: off adds nothing
-    assert [i.name for i in fault_cfg.fault_plan(cfg.faults, NUM_LAYERS).injections] == ["deadzone"]
-    with pytest.raises(ValueError, match="config.faults.bias.layers"):
-        cfg.faults.bias.enabled, cfg.faults.bias.layers = True, "9"
-        fault_cfg.fault_plan(cfg.faults, NUM_LAYERS)
+    def section():
+        return ml_collections.ConfigDict({"enabled": False, "layers": "2", "scale": 0.1})
+
+    fault_cfg.fault_kind("bias", section)(bias)
+    try:
+        cfg = make_config(faults__deadzone__enabled=True, aqn__enabled=True, aqn__layers="(3,)")
+        assert cfg.faults.bias == section()  # its section is there with the others'
+        cfg.faults.bias.enabled = True
+        device = fault_cfg.fault_plan(cfg.faults, NUM_LAYERS)
+        assert [i.name for i in device.injections] == ["deadzone", "bias"]
+        assert device.injections[1].sites.layers == (2,)
+        full = build_plan(cfg.faults, cfg.aqn, NUM_LAYERS)
+        names = ["deadzone", "aqn", "deadzone_after_aqn", "bias"]
+        assert [i.name for i in full.injections] == names
+        cfg.faults.bias.enabled = False  # negative control: off adds nothing
+        device = fault_cfg.fault_plan(cfg.faults, NUM_LAYERS)
+        assert [i.name for i in device.injections] == ["deadzone"]
+        with pytest.raises(ValueError, match="config.faults.bias.layers"):
+            cfg.faults.bias.enabled, cfg.faults.bias.layers = True, "9"
+            fault_cfg.fault_plan(cfg.faults, NUM_LAYERS)
+    finally:
+        fault_cfg.FAULT_KINDS.unregister("bias")

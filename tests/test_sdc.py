@@ -327,24 +327,21 @@ class ScaleLike(LowFlip):
 
 
 @pytest.fixture
-def throwaway_kinds(monkeypatch):
+def throwaway_kinds():
     """Kinds low_flip, quiet_flip and scale_like, each registered in the one place a new kind
-    takes besides its transform (its `@fault_kind` builder), on copies of the registries."""
+    takes besides its transform (its `@fault_kind` builder), and unregistered after."""
     from aqn_jax.faults import config as fconfig
 
-    for name in ("BUILDERS", "SECTIONS", "BIT_KINDS"):
-        monkeypatch.setattr(fconfig, name, dict(getattr(fconfig, name)))
-    for kind, transform in (
-        ("low_flip", LowFlip),
-        ("quiet_flip", QuietFlip),
-        ("scale_like", ScaleLike),
-    ):
+    kinds = (("low_flip", LowFlip), ("quiet_flip", QuietFlip), ("scale_like", ScaleLike))
+    for kind, transform in kinds:
 
         @fconfig.fault_kind(kind, fconfig.bit_section, bits=transform)
         def build(sec, num_layers, kind=kind):
             return fconfig.bit_injection(kind, sec, num_layers, "flip")
 
-    return fconfig
+    yield fconfig
+    for kind, _ in kinds:
+        fconfig.FAULT_KINDS.unregister(kind)
 
 
 def test_a_new_bit_kind_is_checked_against_the_dtype_as_the_others(throwaway_kinds):

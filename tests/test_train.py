@@ -10,7 +10,7 @@ import textwrap
 import numpy as np
 import pytest
 
-from aqn_jax.experiment import STUDY_ARMS
+from aqn_jax.experiment import arm_names
 
 from conftest import SHALLOW_FAULT as F
 from conftest import SHALLOW_LAYERS as L
@@ -37,7 +37,7 @@ def smoke(name, sft_cache, **over):
         pytest.param(a, marks=pytest.mark.xdist_group("clean_smoke"))
         if a == "clean"
         else pytest.param(a, marks=pytest.mark.slow)
-        for a in STUDY_ARMS
+        for a in arm_names("study")
     ],
 )  # global_qerl: test_compare
 def test_every_arm_runs_on_smoke(arm, sft_cache, tmp_path, monkeypatch, request):

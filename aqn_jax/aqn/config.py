@@ -22,15 +22,31 @@ from typing import Any
 
 import ml_collections
 
-from aqn_jax.faults.fields import check_choice, check_phases, parse_layers
+from aqn_jax.faults.fields import check_phases, parse_layers
 from aqn_jax.faults.intercept import Injection
 from aqn_jax.faults.sites import SiteSelector, expand_kinds
 from aqn_jax.faults.transforms import Noise, NormWeightNoise, Scale
+from aqn_jax.registry import Registry
 
 from .schedules import SCHEDULES, sigma_at
 
 AQN_SIGMA = "aqn_sigma"  # the traced value carrying this step's AQN sigma
-AQN_FORMS = ("norm_weight", "activation")
+# config.aqn.form: name -> `(aqn, layers, scale) -> (SiteSelector, transform)`, where the noise
+# sits and what draws it.
+AQN_FORMS: Registry = Registry("config.aqn.form")
+
+
+@AQN_FORMS.register("norm_weight")
+def _norm_weight(aqn: Any, layers: Any, scale: Scale) -> tuple[SiteSelector, Any]:
+    """QeRL's: noise on every RMSNorm weight of the selected layers."""
+    return SiteSelector(("rmsnorm",), layers, "output"), NormWeightNoise(scale)
+
+
+@AQN_FORMS.register("activation")
+def _activation(aqn: Any, layers: Any, scale: Scale) -> tuple[SiteSelector, Any]:
+    """The original system's: y + sigma * randn * |y| at the output of `aqn.sites`."""
+    sites = SiteSelector(expand_kinds(aqn.sites, "config.aqn.sites"), layers, "output")
+    return sites, Noise("relative_gaussian", scale)
 
 
 def aqn_config() -> ml_collections.ConfigDict:
@@ -107,8 +123,8 @@ def aqn_injection(aqn, num_layers, fault_layers, srdd_sigmas, srdd_layers) -> In
     fault_layers: the deadzone's layers (what layers='healthy' leaves out); srdd_sigmas and
     srdd_layers: the SRDD diagnosis's sigma map and located layers, as in `build_plan`.
     """
-    form = check_choice(aqn.form, "config.aqn.form", AQN_FORMS)
-    check_choice(aqn.schedule, "config.aqn.schedule", SCHEDULES)
+    form = AQN_FORMS.get(aqn.form)
+    SCHEDULES.check(aqn.schedule)
     for name in ("sigma_start", "sigma_end"):
         if getattr(aqn, name) < 0:
             raise ValueError(f"config.aqn.{name}={getattr(aqn, name)}; must be >= 0")
@@ -159,12 +175,7 @@ def aqn_injection(aqn, num_layers, fault_layers, srdd_sigmas, srdd_layers) -> In
         # sigma_start.
         layer_scales = {i: float(s) / aqn.sigma_start for i, s in srdd_sigmas.items()}
     scale = Scale(1.0, value=AQN_SIGMA, layer_scales=layer_scales)
-    if form == "norm_weight":
-        sites = SiteSelector(("rmsnorm",), layers, "output")
-        transform = NormWeightNoise(scale)
-    else:
-        sites = SiteSelector(expand_kinds(aqn.sites, "config.aqn.sites"), layers, "output")
-        transform = Noise("relative_gaussian", scale)
+    sites, transform = form(aqn, layers, scale)
     return Injection("aqn", sites, transform, phases)
 
 

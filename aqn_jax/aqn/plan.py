@@ -4,18 +4,18 @@ interceptor.
 
   --config.aqn.enabled=True --config.aqn.layers='(15,)'
 
-AQN's layers also take 'healthy' (all but the deadzone's layers), 'located' (the layers the SRDD
-diagnosis locates, passed in as `srdd_layers`) and 'srdd' (the layers and sigmas of the SRDD
-map, passed in as `srdd_sigmas`). The device alone is `aqn_jax.faults.config.fault_plan`.
+AQN's layers also take 'healthy' (all but the layers of the fault AQN targets: a kind whose
+`FaultKind.aqn_target` is set, e.g. the deadzone), 'located' (the layers the SRDD diagnosis
+locates, passed in as `srdd_layers`) and 'srdd' (the layers and sigmas of the SRDD map, passed
+in as `srdd_sigmas`). The device alone is `aqn_jax.faults.config.fault_plan`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from aqn_jax.faults.config import fault_injections
+from aqn_jax.faults.config import fault_injections, kind_of
 from aqn_jax.faults.fields import check_choice
 from aqn_jax.faults.intercept import FaultPlan, Injection
 
@@ -61,9 +61,11 @@ def place_aqn(
 ) -> FaultPlan:
     """`build_plan` over the device's injections already parsed (`device`: a
     `faults.config.fault_plan`'s, the run spec's), so config.faults is not read again."""
-    deadzone = [i for i in device if i.name == "deadzone"]
-    others = [i for i in device if i.name != "deadzone"]
-    fault_layers = deadzone[0].sites.layers if deadzone else ()
+    # The faults AQN targets (`FaultKind.aqn_target`): their layers are what 'healthy' leaves
+    # out, and config.aqn.order places the noise around them.
+    targets = [i for i in device if _targetable(i)]
+    others = [i for i in device if not _targetable(i)]
+    fault_layers = targets[0].sites.layers if targets else ()
     fault_layers = () if fault_layers == "all" else fault_layers
     aqn_noise: Injection | None = None
     if aqn.enabled:
@@ -71,19 +73,29 @@ def place_aqn(
     # Composition at a shared site follows list order.
     order = check_choice(aqn.order, "config.aqn.order", AQN_ORDERS)
     if aqn_noise is None:
-        injections = deadzone + others
+        injections = targets + others
     elif order == "before_fault":
-        injections = [aqn_noise] + deadzone + others
-    elif order == "after_fault" or not deadzone:
-        injections = deadzone + [aqn_noise] + others
-    else:  # between: deadzone -> AQN noise -> the same deadzone again
-        again = Injection(
-            "deadzone_after_aqn",
-            deadzone[0].sites,
-            dataclasses.replace(deadzone[0].transform, reuse_threshold=True),
-            tuple(p for p in deadzone[0].phases if p in aqn_noise.phases),
-        )
-        injections = deadzone + [aqn_noise] + ([again] if again.phases else []) + others
+        injections = [aqn_noise] + targets + others
+    elif order == "after_fault" or not any(kind_of(i).again for i in targets):
+        injections = targets + [aqn_noise] + others
+    else:  # between: the fault -> AQN noise -> the same fault again
+        again = [_again(i, aqn_noise) for i in targets if kind_of(i).again is not None]
+        injections = targets + [aqn_noise] + [i for i in again if i.phases] + others
     plan = FaultPlan(injections)
     plan.validate(num_layers)
     return plan
+
+
+def _targetable(injection: Injection) -> bool:
+    kind = kind_of(injection)
+    return kind is not None and kind.aqn_target
+
+
+def _again(fault: Injection, aqn_noise: Injection) -> Injection:
+    """`fault` applied again after AQN's noise (order 'between'), in the phases AQN acts in."""
+    return Injection(
+        f"{fault.name}_after_aqn",
+        fault.sites,
+        kind_of(fault).again(fault.transform),
+        tuple(p for p in fault.phases if p in aqn_noise.phases),
+    )

@@ -13,7 +13,11 @@ from __future__ import annotations
 
 import math
 
-SCHEDULES = ("qerl", "epoch_aware", "constant", "linear", "cosine")
+from aqn_jax.registry import Registry
+
+# config.aqn.schedule: name -> `(step, total_steps, sigma_start, sigma_end, num_stages,
+# num_epochs) -> sigma`, the inputs checked by `sigma_at`.
+SCHEDULES: Registry = Registry("config.aqn.schedule")
 
 
 def qerl_sigmas(sigma_start: float, sigma_end: float, num_stages: int) -> list[float]:
@@ -42,24 +46,21 @@ def sigma_at(
     num_epochs: int = 1,
 ) -> float:
     """sigma of `schedule` at `step` (0-based) of a run of `total_steps` steps."""
-    if schedule not in SCHEDULES:
-        raise ValueError(f"aqn.schedule={schedule!r}; allowed: {SCHEDULES}")
+    fn = SCHEDULES.get(schedule)
     if total_steps <= 0:
         raise ValueError(f"total_steps={total_steps}; must be > 0")
     if sigma_start < 0 or sigma_end < 0:
         raise ValueError(f"sigma_start={sigma_start}, sigma_end={sigma_end}; must be >= 0")
-    if schedule == "constant":
-        return float(sigma_start)
-    frac = min(max(step, 0), total_steps) / total_steps
-    if schedule == "linear":
-        return float(sigma_start + (sigma_end - sigma_start) * frac)
-    if schedule == "cosine":
-        return float(sigma_end + 0.5 * (sigma_start - sigma_end) * (1 + math.cos(math.pi * frac)))
-    if schedule == "qerl":
-        return qerl_sigmas(sigma_start, sigma_end, num_stages)[
-            _interval(step, total_steps, num_stages)
-        ]
-    # epoch_aware
+    return fn(step, total_steps, sigma_start, sigma_end, num_stages, num_epochs)
+
+
+@SCHEDULES.register("qerl")
+def _qerl(step, total_steps, sigma_start, sigma_end, num_stages, num_epochs) -> float:
+    return qerl_sigmas(sigma_start, sigma_end, num_stages)[_interval(step, total_steps, num_stages)]
+
+
+@SCHEDULES.register("epoch_aware")
+def _epoch_aware(step, total_steps, sigma_start, sigma_end, num_stages, num_epochs) -> float:
     if num_epochs < 1:
         raise ValueError(f"num_epochs={num_epochs}; must be >= 1")
     steps_per_epoch = total_steps / num_epochs
@@ -69,3 +70,23 @@ def sigma_at(
     hi = sigma_start * ratio ** ((epoch + 1) / num_epochs)
     in_epoch = step - epoch * steps_per_epoch
     return qerl_sigmas(lo, hi, num_stages)[_interval(in_epoch, steps_per_epoch, num_stages)]
+
+
+@SCHEDULES.register("constant")
+def _constant(step, total_steps, sigma_start, sigma_end, num_stages, num_epochs) -> float:
+    return float(sigma_start)
+
+
+def _frac(step: int, total_steps: int) -> float:
+    return min(max(step, 0), total_steps) / total_steps
+
+
+@SCHEDULES.register("linear")
+def _linear(step, total_steps, sigma_start, sigma_end, num_stages, num_epochs) -> float:
+    return float(sigma_start + (sigma_end - sigma_start) * _frac(step, total_steps))
+
+
+@SCHEDULES.register("cosine")
+def _cosine(step, total_steps, sigma_start, sigma_end, num_stages, num_epochs) -> float:
+    frac = _frac(step, total_steps)
+    return float(sigma_end + 0.5 * (sigma_start - sigma_end) * (1 + math.cos(math.pi * frac)))

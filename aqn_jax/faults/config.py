@@ -7,19 +7,21 @@ Every experiment scripts faults the same way:
 
 Layers are 'all', an int, a tuple of ints, or a string of those ('5', '(3,5)', '3,5', '10:15'
 for a range). Validation names the field and runs before anything compiles. Each fault kind is
-one builder registered with `fault_kind` (its section's defaults beside it); `fault_plan` is
-the device alone. The treatment (AQN, `config.aqn`)
-is placed among these injections by `aqn_jax.aqn.plan.build_plan`.
+one entry of `FAULT_KINDS`: its builder registered with `fault_kind`, its section's defaults
+and what a study reads of it (`FaultKind`); `fault_plan` is the device alone. The treatment
+(AQN, `config.aqn`) is placed among these injections by `aqn_jax.aqn.plan.build_plan`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import ml_collections
+
+from aqn_jax.registry import Registry
 
 from . import bits, ops
 from .bitfaults import (
@@ -38,43 +40,69 @@ from .intercept import PHASES, FaultPlan, Injection
 from .sites import LINEAR_KINDS, POINTS, SiteSelector, expand_kinds
 from .transforms import Deadzone, Noise, NoisyLinear, Quantize, Scale
 
-# Fault kind (a subsection of `config.faults`) -> its builder (section, num_layers) -> injections,
-# and -> its section's defaults (off). A new kind is one builder registered with `fault_kind`;
-# plans list the kinds' injections in registration order, so a deadzone sees its site's value
-# first. A bit-level kind also names its activation transform (`BIT_KINDS`): its builder calls
-# `bit_injection`, and what the kind is (whether its bits are the value's, that it counts its
-# flips for the trainer) is read from that transform's class, never from the kind's name.
-BUILDERS: dict[str, Callable[[Any, int], list[Injection]]] = {}
-SECTIONS: dict[str, Callable[[], ml_collections.ConfigDict]] = {}
-BIT_KINDS: dict[str, type] = {}
+
+@dataclasses.dataclass(frozen=True)
+class FaultKind:
+    """A fault kind (a subsection of `config.faults`): how it is built, and what a study reads
+    of it. Plans list the kinds' injections in registration order, so a deadzone sees its
+    site's value first; a kind's (first) injection carries the kind's name (`kind_of`)."""
+
+    build: Callable[[Any, int], list[Injection]]  # (section, num_layers) -> [Injection]; [] off
+    section: Callable[[], ml_collections.ConfigDict]  # config.faults.<name>'s defaults, off
+    # A bit-level kind's transform at module calls (a class with `value_bits`, `counts_flips`):
+    # `bit_injection` builds it; what the kind is is read from this class, never its name.
+    bits: type | None = None
+    layered: bool = True  # it sits at decoder layers: a run's fault layers (`spec.fault_layers`)
+    # AQN can target it: arms healthy / targeted / srdd_guided place AQN by its layers, and
+    # config.aqn.order places AQN's noise around it.
+    aqn_target: bool = False
+    # config.aqn.order='between': its transform applied again after AQN's noise (None: the
+    # order acts as 'after_fault').
+    again: Callable[[Any], Any] | None = None
+    title: str = ""  # how the study report names it ('' = the kind's name)
+    # The study report's design note for the AQN settings {form, order, ...} of its AQN arms
+    # (activation form), or None.
+    aqn_note: Callable[[Mapping[str, Any]], str | None] | None = None
+
+
+# config.faults' kinds, in plan order. A new kind is one builder registered with `fault_kind`.
+FAULT_KINDS: Registry[FaultKind] = Registry("config.faults")
 
 
 def fault_kind(
-    name: str, section: Callable[[], ml_collections.ConfigDict], bits: type | None = None
+    name: str,
+    section: Callable[[], ml_collections.ConfigDict],
+    bits: type | None = None,
+    **study: Any,
 ):
     """Registers the decorated builder `(section, num_layers) -> [Injection]` as fault kind
     `name`, whose `config.faults.<name>` defaults (everything off) are `section()`; `bits`: a
-    bit-level kind's transform at module calls (a class with `counts_flips`, built by
-    `bit_injection` as `bits(fault, kind=name)` unless the builder passes its own `make`)."""
+    bit-level kind's transform at module calls (built by `bit_injection` as `bits(fault,
+    kind=name)` unless the builder passes its own `make`); `study`: the other `FaultKind`
+    fields (layered, aqn_target, again, title, aqn_note)."""
 
     def register(build):
-        BUILDERS[name], SECTIONS[name] = build, section
-        if bits is not None:
-            BIT_KINDS[name] = bits
+        FAULT_KINDS.register(name, FaultKind(build, section, bits, **study))
         return build
 
     return register
 
 
+def kind_of(injection: Injection) -> FaultKind | None:
+    """The entry of the fault kind that built `injection` (the injection carrying the kind's
+    name), or None (AQN, ABFT, a kind's second injection)."""
+    return FAULT_KINDS.get(injection.name) if injection.name in FAULT_KINDS else None
+
+
 def faults_config() -> ml_collections.ConfigDict:
     """The hardware-fault section, everything off (a clean device): one subsection per kind."""
-    return ml_collections.ConfigDict({name: section() for name, section in SECTIONS.items()})
+    return ml_collections.ConfigDict({name: k.section() for name, k in FAULT_KINDS.items()})
 
 
 def _deadzone_section() -> ml_collections.ConfigDict:
     """config.faults.deadzone: the MXFP4-style deadzone."""
     c = ml_collections.ConfigDict()
-    c.enabled = False  # MXFP4-style deadzone (REFERENCE.md)
+    c.enabled = False  # MXFP4-style deadzone (docs/ARCHITECTURE.md)
     c.layers = "15"  # decoder layer ids: 'all', 5, '(3,5)', '10:15'
     c.site = "layer"  # module kind(s); 'layer' = the residual stream after the layer
     c.point = "output"  # input | output of the module
@@ -89,17 +117,10 @@ def _deadzone_section() -> ml_collections.ConfigDict:
     c.sparsity = 1.0  # fraction of lanes that are faulty, (0, 1]
     c.sparsity_seed = 0  # seed of the fixed faulty-lane mask
     c.grad = "mask"  # mask: zero grad where flushed (original) | ste
-    # The tokens amax (or the quantile) is taken over with granularity='tensor' (issue 19):
-    # call (the module call's tensor: the original's; the whole sequence when teacher-forced,
-    # one token per row when decoding, so rollout and training see different faults) | causal
-    # (per row, its tokens so far; decoding carries the running amax: amax severity only) |
-    # token (each token alone). Measured on the warm start (WORKSPACE.md, issue 19): call
-    # makes the sampler's and the trainer's log-probs differ by 0.5 nats per token on average
-    # (max 14) and 11-25% of flush decisions differ between rollout and training; causal and
-    # token agree to 1e-5. The default stays call because the study's operating point
-    # (quantile 0.75: accuracy 0.80 -> 0.48) and every recorded result were calibrated under
-    # it, and token at the same quantile is a different, milder fault (0.67; 0.58 at 0.9):
-    # switching needs a new severity calibration. New studies: token (quantile) or causal.
+    # The tokens amax (or the quantile) is taken over with granularity='tensor': call (the
+    # module call's tensor, the original's: rollout and training see different faults) |
+    # causal (per row, its tokens so far; amax severity only) | token (each token alone).
+    # 'call' stays the default because the study's severities were calibrated under it.
     c.scope = "call"
     c.phases = PHASES  # the device is faulty in every phase
     return c
@@ -136,7 +157,27 @@ def _quant_section() -> ml_collections.ConfigDict:
     return c
 
 
-@fault_kind("deadzone", _deadzone_section)
+def _between_note(aqn: Mapping[str, Any]) -> str | None:
+    """The deadzone with activation-form AQN in order 'between': what the design cannot show."""
+    if aqn.get("form") == "activation" and aqn.get("order") == "between":
+        return (
+            "AQN order 'between' (the seed's code: deadzone, noise relative to |h|, deadzone"
+            " again) gives a flushed value zero noise and flushes it again: this form can"
+            " never rescue a flushed value; it only perturbs the values the fault keeps"
+        )
+    return None
+
+
+@fault_kind(
+    "deadzone",
+    _deadzone_section,
+    aqn_target=True,
+    # Order 'between' (the original's DeadzoneMatMul): the same deadzone again after AQN's
+    # noise, at the threshold of its first application.
+    again=lambda t: dataclasses.replace(t, reuse_threshold=True),
+    title="deadzone (flush of small |h|)",
+    aqn_note=_between_note,
+)
 def _deadzone(dz: Any, num_layers: int) -> list[Injection]:
     """`config.faults.deadzone` -> [the deadzone injection], or [] when off."""
     # Both severities' fields, whichever one is chosen and whether the fault is on: a value
@@ -172,7 +213,7 @@ def _deadzone(dz: Any, num_layers: int) -> list[Injection]:
     return [Injection("deadzone", SiteSelector(kinds, layers, point), transform, phases)]
 
 
-@fault_kind("noise", _noise_section)
+@fault_kind("noise", _noise_section, title="noise (the original's hardware error model)")
 def _noise(nz: Any, num_layers: int) -> list[Injection]:
     """`config.faults.noise` -> its injections: value noise at a point, or operator-level error
     on dX and dW of linears (`backward`, plus the forward part), or [] when off."""
@@ -180,7 +221,7 @@ def _noise(nz: Any, num_layers: int) -> list[Injection]:
         raise ValueError(f"config.faults.noise.scale={nz.scale}; must be >= 0")
     if not nz.enabled:
         return []
-    check_choice(nz.kind, "config.faults.noise.kind", ops.NOISE_KINDS)
+    ops.NOISE_KINDS.check(nz.kind)
     if not (nz.forward or nz.backward):
         raise ValueError("config.faults.noise: forward=False and backward=False inject nothing")
     layers = parse_layers(nz.layers, "config.faults.noise.layers", num_layers)
@@ -220,7 +261,7 @@ def _noise(nz: Any, num_layers: int) -> list[Injection]:
     return out
 
 
-@fault_kind("quant", _quant_section)
+@fault_kind("quant", _quant_section, title="fake quantisation (MX / NVFP4)")
 def _quant(qt: Any, num_layers: int) -> list[Injection]:
     """`config.faults.quant` -> [the fake-quantisation injection], or [] when off."""
     if not qt.enabled:
@@ -315,7 +356,8 @@ def bit_injection(
     if not sec.enabled:
         return []
     f = f"config.faults.{kind}"
-    value_bits = BIT_KINDS[kind].value_bits
+    cls = FAULT_KINDS.get(kind).bits
+    value_bits = cls.value_bits
     target = check_choice(sec.target, f"{f}.target", TARGETS)
     kinds = expand_kinds(sec.sites, f"{f}.sites")
     layers = parse_layers(sec.layers, f"{f}.layers", num_layers)
@@ -352,7 +394,7 @@ def bit_injection(
         transform, point = BitsLinear(fault, point, kind), "output"
     else:
         try:
-            transform = (make or functools.partial(BIT_KINDS[kind], kind=kind))(fault)
+            transform = (make or functools.partial(cls, kind=kind))(fault)
         except ValueError as e:
             raise ValueError(f"{f}.{e}") from e
     return [Injection(kind, SiteSelector(kinds, layers, point), transform, phases)]
@@ -403,9 +445,9 @@ def check_bit_dtypes(faults: Any, compute_dtype, param_dtype) -> None:
     and backward products in the compute dtype, weights and gradients in the param dtype,
     AdamW moments in float32 (raises naming the field). Kinds whose bits are not the value's
     (`value_bits` False: a block scale's) are checked by their transform."""
-    for kind, transform in BIT_KINDS.items():
+    for kind, entry in FAULT_KINDS.items():
         sec = faults.get(kind)
-        if sec is None or not sec.enabled or not transform.value_bits:
+        if entry.bits is None or sec is None or not sec.enabled or not entry.bits.value_bits:
             continue
         dtype = {"activation": compute_dtype, "optimizer": "float32"}.get(sec.target, param_dtype)
         bits.positions(bits.parse_bits(sec.bits), dtype, f"config.faults.{kind}.bits")
@@ -416,9 +458,9 @@ def fault_injections(faults: Any, num_layers: int) -> list[Injection]:
     # A config written before a kind existed has no section for it: that kind is off.
     return [
         inj
-        for kind, build in BUILDERS.items()
+        for kind, entry in FAULT_KINDS.items()
         if kind in faults
-        for inj in build(faults[kind], num_layers)
+        for inj in entry.build(faults[kind], num_layers)
     ]
 
 

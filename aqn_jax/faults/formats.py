@@ -36,7 +36,7 @@ reference libraries use. `grad="mask"` passes no gradient to an element that was
 zero while its input was non-zero: that is this project's (and the original system's) fault
 model for deadzones, not a convention of quantisation libraries.
 
-Pitfalls avoided (see shared/REFERENCE.md): ml_dtypes float4/float6 casts turn NaN into 0 and
+Pitfalls avoided (see docs/ARCHITECTURE.md): ml_dtypes float4/float6 casts turn NaN into 0 and
 Inf into max, and only round half to even, so no element rounding here goes through a cast;
 `jnp.exp2` is inexact on XLA CPU, so powers of two are built from their bits.
 """

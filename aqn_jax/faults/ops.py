@@ -6,7 +6,7 @@ Wiring them into a model (which modules, which layers, which phase) is the inter
 nothing here knows about modules or parameters.
 
 Three families, following the hardware-error models of the original system (see
-shared/REFERENCE.md, "Hardware-error models of the original system"):
+docs/ARCHITECTURE.md, "Hardware-error models of the original system"):
 
 * Deadzone, the original system's stand-in for MXFP4's flush-to-zero: values with
   `|x| < threshold * amax` are set to exactly 0.
@@ -24,24 +24,62 @@ axes (commonly B batch, T tokens), N those leading axes flattened into one.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import numbers
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from aqn_jax.models.precision import dot_precision
+from aqn_jax.registry import Registry
 
 GRANULARITIES = ("tensor", "token", "block")
 # How a deadzone's severity is stated: "amax", flush |x| < threshold * amax (the original
 # system's; its strength depends on the model's outliers), or "quantile", flush the `threshold`
-# fraction of smallest |x| (a severity that transfers between models; WORKSPACE.md, issue 14).
+# fraction of smallest |x| (a severity that transfers between models).
 DEADZONE_SEVERITIES = ("amax", "quantile")
 DEADZONE_GRADS = ("mask", "ste")
-NOISE_KINDS = ("relative_gaussian", "absolute_gaussian", "systematic_bias")
+
+
+# Noise kinds (`config.faults.noise.kind`): name -> `(x32, scale32, key) -> e32`, the error term
+# in float32 (`noise_error`); `random` kinds draw from `key`.
+@dataclasses.dataclass(frozen=True)
+class NoiseKind:
+    error: Callable[[jax.Array, jax.Array, jax.Array | None], jax.Array]
+    random: bool = True  # draws from the key (one is required; scale must be >= 0)
+
+
+NOISE_KINDS: Registry[NoiseKind] = Registry("config.faults.noise.kind")
+
+
+def _noise_kind(name: str, random: bool = True):
+    def register(error):
+        NOISE_KINDS.register(name, NoiseKind(error, random))
+        return error
+
+    return register
+
+
+@_noise_kind("relative_gaussian")
+def _relative_gaussian(x32, scale, key):
+    return jax.random.normal(key, x32.shape, jnp.float32) * jnp.abs(x32) * scale
+
+
+@_noise_kind("absolute_gaussian")
+def _absolute_gaussian(x32, scale, key):
+    return jax.random.normal(key, x32.shape, jnp.float32) * scale
+
+
+@_noise_kind("systematic_bias", random=False)
+def _systematic_bias(x32, scale, key):
+    return jnp.sign(x32) * scale
+
+
 # Which tokens a tensor-wide statistic (a deadzone's amax or quantile, NVFP4's global scale)
-# is taken over (issue 19): "call", the tensor of the module call (the original system's: a
+# is taken over: "call", the tensor of the module call (the original system's: a
 # whole padded sequence in training, one token per row in cached decoding); "causal", per row
 # the tokens so far, padding excluded (decoding carries it, so it equals teacher forcing);
 # "token", each token alone (what a block-scaled format does physically).
@@ -355,8 +393,8 @@ def noise_error(kind: str, x: jax.Array, scale, key: jax.Array | None) -> jax.Ar
     the gradient of `x + e` with respect to x is exactly 1 (relative noise would otherwise
     leak `randn * sign(x) * scale` into the gradient).
     """
-    _check_choice("kind", kind, NOISE_KINDS)
-    if kind != "systematic_bias":
+    noise = NOISE_KINDS.get(kind)
+    if noise.random:
         _check_concrete_nonnegative("scale", scale)
         if key is None:
             raise ValueError(f"key=None but kind={kind!r} draws random numbers; pass a PRNG key")
@@ -365,12 +403,7 @@ def noise_error(kind: str, x: jax.Array, scale, key: jax.Array | None) -> jax.Ar
         key = _after(key, x)
     x32 = x.astype(jnp.float32)
     scale = jnp.asarray(scale, jnp.float32)
-    if kind == "relative_gaussian":
-        e = jax.random.normal(key, x.shape, jnp.float32) * jnp.abs(x32) * scale
-    elif kind == "absolute_gaussian":
-        e = jax.random.normal(key, x.shape, jnp.float32) * scale
-    else:
-        e = jnp.sign(x32) * scale
+    e = noise.error(x32, scale, key)
     return jax.lax.stop_gradient(e.astype(x.dtype))
 
 

@@ -351,8 +351,7 @@ class Noise(_Scaled):
     level = "value"
 
     def __post_init__(self):
-        if self.kind not in ops.NOISE_KINDS:
-            raise ValueError(f"kind={self.kind!r}; allowed: {ops.NOISE_KINDS}")
+        ops.NOISE_KINDS.check(self.kind, "kind")
 
     def __call__(self, x, ctx: Ctx):
         e = ops.noise_error(self.kind, x, self.scale.at(ctx.site, ctx.values), ctx.key)

@@ -1,4 +1,4 @@
-"""Bit faults on the gradients and the AdamW moments (issue 44), as optax wrappers around the
+"""Bit faults on the gradients and the AdamW moments, as optax wrappers around the
 actor's optimizer, and the moments' range check of the guard.
 
 The wrappers take the step's traced values whole (`values=`, the dict every program of the step

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import ml_collections
 
-from aqn_jax.experiment import ARMS, STUDY_ARMS
+from aqn_jax.experiment import ARMS, arm_names
 from aqn_jax.faults.fields import parse_layers
 
 
 def compare_config() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
-    c.arms = STUDY_ARMS
+    c.arms = arm_names("study")
     c.seeds = (0, 1, 2, 3, 4)
     # One seed leaves the report's tests (CIs, Welch, power) without a variance: refused unless
     # asked for (a quick look at one run per arm).
@@ -31,7 +31,9 @@ def check_compare(cmp) -> None:
     arms = tuple(cmp.arms)
     bad = [a for a in arms if a not in ARMS]
     if bad or not arms:
-        raise ValueError(f"config.compare.arms={arms}; allowed: non-empty subsets of {ARMS}")
+        raise ValueError(
+            f"config.compare.arms={arms}; allowed: non-empty subsets of {ARMS.names()}"
+        )
     seeds = tuple(cmp.seeds)
     if not seeds or len(set(seeds)) != len(seeds) or any(int(s) < 0 for s in seeds):
         raise ValueError(f"config.compare.seeds={seeds}; expected distinct seeds >= 0")

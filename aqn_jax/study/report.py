@@ -28,7 +28,7 @@ Input: `results.json` (written by the `compare` job)::
           }, ...
         }, ...
       },
-      "study_fault": "deadzone",                      # the arms' fault (or "noise")
+      "study_fault": "deadzone",                      # the arms' fault (a config.faults kind)
       "aqn": {"form", "order", "schedule", ...},      # the AQN arms' form (design notes)
       "timing": {...}                                 # free-form, copied into the report
     }
@@ -68,6 +68,8 @@ from typing import Any
 
 import numpy as np
 
+from aqn_jax.experiment import ARMS
+from aqn_jax.faults.config import FAULT_KINDS, FaultKind
 from aqn_jax.files import write_json
 
 from . import stats
@@ -175,30 +177,30 @@ def _plain_reading(test: Mapping[str, Any]) -> str:
     return text + f"not significant at {ALPHA}"
 
 
-AQN_ARMS = ("global_aqn", "targeted", "healthy", "srdd_guided", "global_qerl")
+def _activation_aqn_arms() -> set[str]:
+    """The arms that run AQN in the config's (activation) form, not QeRL's."""
+    return {name for name, arm in ARMS.items() if arm.aqn and not arm.qerl_form}
+
+
+def _fault_kind(results: Mapping[str, Any]) -> tuple[str, FaultKind | None]:
+    """The study's fault (`study_fault`) and its registry entry (None: a kind not registered
+    in this process, e.g. a test's)."""
+    fault = str(results.get("study_fault", "deadzone"))
+    return fault, FAULT_KINDS.get(fault) if fault in FAULT_KINDS else None
 
 
 def _design_notes(results: Mapping[str, Any], arms: Sequence[str]) -> list[str]:
-    """What the study's design can and cannot show, from its fault and AQN form."""
-    aqn = results.get("aqn") or {}
-    fault = results.get("study_fault", "deadzone")
-    if (
-        fault == "deadzone"
-        and aqn.get("form") == "activation"
-        and aqn.get("order") == "between"
-        and set(AQN_ARMS) & set(arms)
-    ):
-        return [
-            "AQN order 'between' (the seed's code: deadzone, noise relative to |h|, deadzone"
-            " again) gives a flushed value zero noise and flushes it again: this form can"
-            " never rescue a flushed value; it only perturbs the values the fault keeps"
-        ]
-    return []
+    """What the study's design can and cannot show: its fault kind's note on the AQN form
+    (`FaultKind.aqn_note`) where an arm runs AQN in that form."""
+    _, kind = _fault_kind(results)
+    if kind is None or kind.aqn_note is None or not _activation_aqn_arms() & set(arms):
+        return []
+    note = kind.aqn_note(results.get("aqn") or {})
+    return [note] if note else []
 
 
-def summarize(results: Mapping[str, Any]) -> dict[str, Any]:
-    """Per-arm statistics over seeds, the Welch tests, robustness, telemetry and wall time."""
-    notes: list[str] = []
+def _presence(results: Mapping[str, Any], notes: list[str]):
+    """(declared seeds, {arm: seeds present}, {arm: declared seeds missing}); notes the gaps."""
     declared_seeds = [str(s) for s in results.get("seeds") or []]
     present: dict[str, list[str]] = {}
     missing: dict[str, list[str]] = {}
@@ -213,9 +215,11 @@ def summarize(results: Mapping[str, Any]) -> dict[str, Any]:
             notes.append(f"arm {arm}: missing seeds {', '.join(missing[arm])}")
         if len(runs) == 1:
             notes.append(f"arm {arm}: a single seed; std, CI and its tests are n/a")
-    arms = list(present)
-    notes += _design_notes(results, arms)
+    return declared_seeds, present, missing
 
+
+def _final(results: Mapping[str, Any], arms: Sequence[str], notes: list[str]) -> dict:
+    """{metric: {arm: describe() + seeds and values}} of FINAL_METRICS; notes missing values."""
     final: dict[str, dict[str, Any]] = {}
     for metric in FINAL_METRICS:
         final[metric] = {}
@@ -228,7 +232,11 @@ def summarize(results: Mapping[str, Any]) -> dict[str, Any]:
             if d["n_dropped"]:
                 lost = [s for s, v in zip(runs, values, strict=True) if v is None]
                 notes.append(f"arm {arm}: {metric} missing or not finite for seeds {lost}")
+    return final
 
+
+def _tests(results: Mapping[str, Any], arms, present, final) -> list[dict[str, Any]]:
+    """Welch's test of each comparison per metric, Holm-corrected over the metric's family."""
     tests: list[dict[str, Any]] = []
     comparisons = _comparisons(results, arms)
     for metric in FINAL_METRICS:
@@ -249,7 +257,10 @@ def summarize(results: Mapping[str, Any]) -> dict[str, Any]:
             test["p_holm"] = adj
             test["reading"] = _plain_reading(test)
         tests.extend(family)
+    return tests
 
+
+def _robustness(results: Mapping[str, Any], arms: Sequence[str]) -> dict[str, Any]:
     conditions = _conditions(results, arms)
     robustness = {
         arm: {
@@ -260,7 +271,10 @@ def summarize(results: Mapping[str, Any]) -> dict[str, Any]:
         }
         for arm in arms
     }
+    return {"conditions": conditions, "arms": robustness}
 
+
+def _telemetry(results: Mapping[str, Any], arms: Sequence[str]) -> dict[str, dict[str, Any]]:
     telemetry: dict[str, dict[str, Any]] = {}
     for arm in arms:
         runs = list(_arm_runs(results, arm).values())
@@ -270,14 +284,26 @@ def summarize(results: Mapping[str, Any]) -> dict[str, Any]:
         telemetry[arm] = {
             k: stats.describe([_num((r.get("telemetry") or {}).get(k)) for r in runs]) for k in keys
         }
+    return telemetry
 
+
+def _wall_time(results: Mapping[str, Any], arms: Sequence[str]) -> dict[str, dict[str, Any]]:
     wall_time: dict[str, dict[str, Any]] = {}
     for arm in arms:
         values = [_num(r.get("wall_time_s")) for r in _arm_runs(results, arm).values()]
         d = stats.describe(values)
         d["total"] = float(sum(v for v in values if v is not None))
         wall_time[arm] = d
+    return wall_time
 
+
+def summarize(results: Mapping[str, Any]) -> dict[str, Any]:
+    """Per-arm statistics over seeds, the Welch tests, robustness, telemetry and wall time."""
+    notes: list[str] = []
+    declared_seeds, present, missing = _presence(results, notes)
+    arms = list(present)
+    notes += _design_notes(results, arms)
+    final = _final(results, arms, notes)
     return {
         "name": results.get("name", ""),
         "variant": results.get("variant", ""),
@@ -289,10 +315,10 @@ def summarize(results: Mapping[str, Any]) -> dict[str, Any]:
         "missing": missing,
         "notes": notes,
         "final": final,
-        "tests": tests,
-        "robustness": {"conditions": conditions, "arms": robustness},
-        "telemetry": telemetry,
-        "wall_time": wall_time,
+        "tests": _tests(results, arms, present, final),
+        "robustness": _robustness(results, arms),
+        "telemetry": _telemetry(results, arms),
+        "wall_time": _wall_time(results, arms),
     }
 
 
@@ -474,14 +500,17 @@ def plot_robustness(summary: Mapping[str, Any], path: str) -> str:
 # The report
 
 
-def _markdown(results: Mapping[str, Any], s: Mapping[str, Any]) -> str:
+def _md_head(results: Mapping[str, Any], s: Mapping[str, Any]) -> list[str]:
+    """The title, what was run and how it is tested, and the runs table with the notes."""
     level = round(100 * s["ci_level"])
     arms = s["arms"]
+    fault, kind = _fault_kind(results)
     lines = [
         f"# Study report: {s['name']} ({s['variant']})",
         "",
         f"- arms present: {len(arms)} ({', '.join(arms) or 'none'}); declared seeds:"
         f" {', '.join(s['seeds']) or 'none'}; reference arm: {results.get('reference_arm')}",
+        f"- study fault: {(kind.title if kind else '') or fault} (`config.faults.{fault}`)",
         f"- statistics over seeds: mean ± std (ddof=1), {level}% CI of the mean (t, n-1 df);"
         f" Welch's two-sided t-test at α = {s['alpha']} with Holm's correction over the"
         " comparisons of each metric (formulas: `aqn_jax/study/stats.py`)",
@@ -496,8 +525,12 @@ def _markdown(results: Mapping[str, Any], s: Mapping[str, Any]) -> str:
     lines += _table(["arm", "seeds present", "seeds missing"], rows)
     if s["notes"]:
         lines += ["", "Notes:", ""] + [f"- {n}" for n in s["notes"]]
+    return lines
 
-    lines += ["", "## Tests", ""]
+
+def _md_tests(s: Mapping[str, Any]) -> list[str]:
+    """The tests table, their readings and how to read them."""
+    level = round(100 * s["ci_level"])
     rows = []
     for t in s["tests"]:
         dec = _decimals(t["metric"])
@@ -524,9 +557,10 @@ def _markdown(results: Mapping[str, Any], s: Mapping[str, Any]) -> str:
     header = ["comparison (a vs b)", "metric", "n", f"mean diff a−b [{level}% CI]", "t", "df"]
     header += ["p", "Holm p", "Cohen's d", "Hedges' g", "MDD (80% power)", "seeds for 0.05"]
     header += ["note"]
+    lines = ["", "## Tests", ""]
     lines += _table(header, rows) if rows else ["No comparisons."]
     lines += ["", "Readings:", ""] + [f"- {t['reading']}" for t in s["tests"]]
-    lines += [
+    return lines + [
         "",
         "Cohen's d = (mean_a − mean_b) / sqrt((var_a + var_b) / 2) (root of the mean of the two"
         " sample variances); Hedges' g = d · (1 − 3 / (4 (n_a + n_b) − 9)).",
@@ -534,10 +568,14 @@ def _markdown(results: Mapping[str, Any], s: Mapping[str, Any]) -> str:
         " seeds and the observed SDs (noncentral t); seeds for 0.05: seeds per arm that would"
         " detect a difference of 0.05 (accuracy metrics) with 80% power. Planning figures: the"
         " observed SDs are taken as the true ones.",
-        "",
-        "## Final metrics",
-        "",
     ]
+
+
+def _md_final(s: Mapping[str, Any]) -> list[str]:
+    """Per metric, each arm's mean, CI and seeds; then the curves and robustness."""
+    level = round(100 * s["ci_level"])
+    arms = s["arms"]
+    lines = ["", "## Final metrics", ""]
     for metric in FINAL_METRICS:
         dec = _decimals(metric)
         rows = []
@@ -556,7 +594,12 @@ def _markdown(results: Mapping[str, Any], s: Mapping[str, Any]) -> str:
         for arm in arms
     ]
     lines += _table(["arm", "n", *conditions], rows) if conditions else ["No robustness data."]
-    lines += ["", f"![robustness]({ROBUSTNESS_PNG})", "", "## Telemetry", ""]
+    return lines + ["", f"![robustness]({ROBUSTNESS_PNG})"]
+
+
+def _md_tail(results: Mapping[str, Any], s: Mapping[str, Any]) -> list[str]:
+    """Telemetry, timing and the files."""
+    arms = s["arms"]
     keys: list[str] = []
     for arm in arms:
         keys += [k for k in s["telemetry"][arm] if k not in keys]
@@ -565,6 +608,7 @@ def _markdown(results: Mapping[str, Any], s: Mapping[str, Any]) -> str:
         + [_pm(s["telemetry"][arm][k], 4) if k in s["telemetry"][arm] else "n/a" for k in keys]
         for arm in arms
     ]
+    lines = ["", "## Telemetry", ""]
     lines += [
         "Per run, means over its RL steps: the deadzone's flushed and rescued fractions (0"
         " without a fault) and, where logged, the sampler-trainer mismatch (`mismatch_kl`,"
@@ -575,24 +619,23 @@ def _markdown(results: Mapping[str, Any], s: Mapping[str, Any]) -> str:
     lines += _table(["arm", *keys], rows)
     lines += ["", "## Timing", ""]
     rows = [
-        [
-            arm,
-            str(s["wall_time"][arm]["n"]),
-            _pm(s["wall_time"][arm], 1),
-            _f(s["wall_time"][arm]["total"], 1),
-        ]
-        for arm in arms
+        [arm, str(w["n"]), _pm(w, 1), _f(w["total"], 1)]
+        for arm, w in ((arm, s["wall_time"][arm]) for arm in arms)
     ]
     lines += _table(["arm", "n", "wall time per run (s)", "total (s)"], rows)
     timing = results.get("timing")
     if timing:
         lines += ["", "```json", json.dumps(timing, indent=2, sort_keys=True), "```"]
-    lines += [
+    return lines + [
         "",
         f'Files: `{RESULTS_FILE}` (runs, and this summary under `"summary"`), `{CURVES_PNG}`,'
         f" `{FINAL_PNG}`, `{ROBUSTNESS_PNG}`.",
         "",
     ]
+
+
+def _markdown(results: Mapping[str, Any], s: Mapping[str, Any]) -> str:
+    lines = _md_head(results, s) + _md_tests(s) + _md_final(s) + _md_tail(results, s)
     return "\n".join(lines)
 
 
