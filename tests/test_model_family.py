@@ -19,7 +19,7 @@ from aqn_jax.diagnosis import srdd
 from aqn_jax.diagnosis.config import diagnosis_config
 from aqn_jax.faults.intercept import FaultPlan, Injection, step_key
 from aqn_jax.faults.sites import SiteSelector
-from aqn_jax.faults.transforms import Deadzone, Noise, Scale
+from aqn_jax.faults.transforms import Deadzone, Noise, NoisyLinear, NormWeightNoise, Scale
 from aqn_jax.forward import forward, trace_manifest
 from aqn_jax.models import qwen2, registry
 
@@ -219,6 +219,27 @@ def test_faults_hit_the_familys_sites(lite):
     keep = np.abs(clean[1]) >= 0.5 * np.abs(clean[1]).max()
     np.testing.assert_array_equal(faulty[1], np.where(keep, clean[1], 0.0))
     assert 0 < keep.mean() < 1
+
+
+def test_aqn_and_operator_faults_reach_the_familys_modules(lite):
+    """AQN's norm-weight noise (QeRL's form) and a noisy linear select the family's own norm and
+    linear kinds, though the family was registered after the transforms' module was imported;
+    the noise at block 1's norms leaves block 0 bitwise and moves block 1."""
+    model, params = lite
+    aqn = Injection("aqn", SiteSelector(("rmsnorm",), (1,)), NormWeightNoise(Scale(0.1)))
+    op = Injection("op", SiteSelector(("linear",), (2,)), NoisyLinear(Scale(0.1)))
+    hits = trace_manifest(FaultPlan([aqn, op]), model, params, "train")
+    assert sorted(hits["aqn"]) == ["layers_1/attn_norm:output", "layers_1/mlp_norm:output"]
+    assert sorted(hits["op"]) == sorted(f"layers_2/{k}:output" for k in LINEARS)
+    clean = _outputs(model, {"params": params})
+    noisy = _outputs(model, {"params": params}, FaultPlan([aqn]))
+    np.testing.assert_array_equal(noisy[0], clean[0])
+    assert np.abs(noisy[1] - clean[1]).max() > 1e-4  # sigma 0.1 on weights of ~1: a real move
+    # The negative control: at sigma 0 the same plan is the clean model.
+    zero = Injection("aqn", SiteSelector(("rmsnorm",), (1,)), NormWeightNoise(Scale(0.0)))
+    np.testing.assert_array_equal(
+        _outputs(model, {"params": params}, FaultPlan([zero]))[1], clean[1]
+    )
 
 
 def test_qwen2_names_find_no_site_in_it(lite):

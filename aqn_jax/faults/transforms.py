@@ -34,8 +34,8 @@ import numpy as np
 
 from aqn_jax.models import registry
 
-from . import formats, ops
-from .sites import GROUPS, LINEAR_KINDS, Site
+from . import formats, ops, sites
+from .sites import Site
 
 # --- what a transform sees ----------------------------------------------------------------------
 STATS_COLLECTION = "fault_stats"  # telemetry, sown at each site
@@ -428,6 +428,17 @@ class Quantize(TransformBase):
         )
 
 
+class _Kinds:
+    """A transform's `allowed_kinds` read from the registered model families when used, so a
+    family registered after this module's import counts too."""
+
+    def __init__(self, read):
+        self.read = read
+
+    def __get__(self, obj, cls) -> tuple[str, ...]:
+        return self.read()
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class NoisyLinear(_Scaled):
     """Operator-level error in a linear: relative error on y (forward) and on dX, dW
@@ -437,7 +448,7 @@ class NoisyLinear(_Scaled):
     forward: bool = True
     backward: bool = True
     level = "op"
-    allowed_kinds = LINEAR_KINDS
+    allowed_kinds = _Kinds(lambda: sites.LINEAR_KINDS)
     per_call_draw = True  # dW's error is one product's: two calls would be two products
 
     def __call__(self, module, args, ctx: Ctx):
@@ -472,7 +483,7 @@ class NormWeightNoise(_Scaled):
 
     scale: Scale
     level = "op"
-    allowed_kinds = GROUPS["rmsnorm"]
+    allowed_kinds = _Kinds(lambda: sites.GROUPS["rmsnorm"])
     per_call_draw = True  # the weight vector is drawn per call
 
     def __call__(self, module, args, ctx: Ctx):
