@@ -21,7 +21,9 @@ import subprocess
 
 import numpy as np
 
-ARMS = ("full", "lora", "nvfp4_lora", "mxfp4_lora", "nvfp4_lora_aqn")
+from aqn_jax.experiment import arm_names
+
+ARMS = arm_names("qerl")  # QeRL Table 1's columns, in the registry's order
 
 
 def _rows(path):

@@ -120,7 +120,7 @@ def parse_layer_sigmas(value: Any, num_layers: int) -> dict[int, float] | None:
 def aqn_injection(aqn, num_layers, fault_layers, srdd_sigmas, srdd_layers) -> Injection:
     """The AQN injection of `config.aqn` (enabled) for a model of `num_layers` layers.
 
-    fault_layers: the deadzone's layers (what layers='healthy' leaves out); srdd_sigmas and
+    fault_layers: the study fault's layers (what layers='healthy' leaves out); srdd_sigmas and
     srdd_layers: the SRDD diagnosis's sigma map and located layers, as in `build_plan`.
     """
     form = AQN_FORMS.get(aqn.form)
@@ -147,8 +147,8 @@ def aqn_injection(aqn, num_layers, fault_layers, srdd_sigmas, srdd_layers) -> In
     if layers == "healthy":
         if not fault_layers:
             raise ValueError(
-                "config.aqn.layers='healthy' means all layers but the faulty ones; enable"
-                " config.faults.deadzone with explicit layers"
+                "config.aqn.layers='healthy' means all layers but the faulty ones; enable a"
+                " layered fault (config.faults.<kind> with explicit layers)"
             )
         layers = tuple(i for i in range(num_layers) if i not in fault_layers)
     elif layers == "located":

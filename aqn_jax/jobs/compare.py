@@ -55,7 +55,7 @@ from aqn_jax.checks import check_train, warm_start_spec
 from aqn_jax.data.config import load_split
 from aqn_jax.diagnosis import srdd
 from aqn_jax.evaluation import conditions, robustness
-from aqn_jax.experiment import apply_arm
+from aqn_jax.experiment import ARMS, apply_arm
 from aqn_jax.faults.config import fault_plan
 from aqn_jax.files import write_json
 from aqn_jax.jobs import run_policy
@@ -105,9 +105,10 @@ def run_config(config, arm: str, seed: int, workdir: str, diagnosis: dict | None
         # Every seed of the study shares one warm start.
         c.sft.seed = sft_seed(config.sft, config.seed)
         c.sft.cache_dir = os.path.join(os.path.abspath(workdir), "cache")
-        if diagnosis is not None and arm == "targeted":
+        placed = None if diagnosis is None else ARMS.get(arm).layers
+        if placed == "located":  # the layers SRDD located, as explicit ids
             c.aqn.layers = str(tuple(diagnosis["verdict"]["layers"]))
-        elif diagnosis is not None and arm == "srdd_guided":
+        elif placed == "srdd":  # SRDD's per-layer sigma map
             c.aqn.layer_sigmas = os.path.join(os.path.abspath(workdir), "srdd", "srdd.json")
     return c
 
@@ -135,7 +136,7 @@ def run(config, workdir: str) -> None:
     model_cfg, params, _ = warm_start(warm_start_spec(base), workdir)
     timing = {"sft_s": time.perf_counter() - t0}
     diagnosis = None
-    if {"targeted", "srdd_guided"} & set(arms):
+    if any(ARMS.get(a).layers in ("located", "srdd") for a in arms):
         diagnosis = _diagnose(base, arms, workdir, model_cfg, params, timing)
     if cmp.get("baseline", False):
         timing.update(_baseline(base, workdir, model_cfg, params))
@@ -174,10 +175,11 @@ def _diagnose(base, arms, workdir: str, model_cfg, params, timing: dict) -> dict
         )
         timing["srdd_s"] = time.perf_counter() - t0
     print(f"SRDD (shared by every run): {diagnosis['verdict']['message']}")
-    if not diagnosis["verdict"]["layers"] and "targeted" in arms:
+    located = [a for a in arms if ARMS.get(a).layers == "located"]
+    if not diagnosis["verdict"]["layers"] and located:
         raise ValueError(
-            "the SRDD diagnosis found no faulty layer, so the targeted arm has nothing to"
-            " target; check config.faults or drop 'targeted' from config.compare.arms"
+            f"the SRDD diagnosis found no faulty layer, so arms {located} have nothing to"
+            f" target; check config.faults or drop them from config.compare.arms"
         )
     return diagnosis
 
