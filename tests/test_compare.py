@@ -346,6 +346,7 @@ def dimmer():
         fault_cfg.FAULT_KINDS.unregister(kind)
 
 
+@pytest.mark.slow  # the real SRDD diagnosis of the warm start (~5 s): the slow tier
 def test_a_new_fault_kind_runs_as_a_study_arm(dimmer, sft_tiny, tmp_path):
     """A fault kind registered in this test alone is a study's fault: every arm validates, the
     real SRDD diagnosis of the warm start locates it, the targeted, healthy and SRDD-guided arms
