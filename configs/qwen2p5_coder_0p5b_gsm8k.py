@@ -182,7 +182,8 @@ def _gsm8k(config) -> None:
 
 
 def _gpu(config) -> None:
-    """`,gpu`: the lent GPU's learning run."""
+    """`,gpu`: the lent GPU's learning run (results: docs/gpu_gsm8k_learn/; at this operating
+    point every response ran to the 384-token cut)."""
     # QeRL mode in bf16 on one H100 shared by two arms (faulty, clean control) at
     # XLA_PYTHON_CLIENT_MEM_FRACTION=0.45 each. Signal: 16 samples a prompt (a prompt the
     # faulty device solves with p = 0.05 has an advantage with probability 1 - 0.95^16 -
