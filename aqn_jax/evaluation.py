@@ -233,6 +233,7 @@ def _condition(
     """One condition's accuracy on `examples` (under every answer reading too)."""
     values = {EVAL_NOISE: np.float32(cond.level)} if cond.kind == "noise" else {}
     texts: list[str] = []
+    ended: list[bool] = []
     weights = params
     if cond.weights != "none":  # the same program over the format's weights
         weights = quant_base.fake_quantized(params, cond.weights, family_of(model_cfg).site_of)
@@ -248,6 +249,7 @@ def _condition(
         key=jax.random.key(spec.seed),
         texts=texts,
         method=spec.reward_method,
+        ended=ended,
     )
     truths = [ex.ground_truth for ex in examples for _ in range(spec.samples)]
     return {
@@ -257,6 +259,8 @@ def _condition(
             m: float(np.mean(score_batch(texts, truths, method=m))) for m in METHODS
         },
         "n": len(scores),
+        # The share of completions cut at the token budget (no EOS): answers it may have cut.
+        "clipped": float(1.0 - np.mean(ended)),
         "samples": spec.samples,
         "fault": cond.fault,
         "perturbation": cond.kind,

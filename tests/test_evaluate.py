@@ -96,8 +96,10 @@ def test_matrix_agrees_with_validation_and_noise_zero_is_exact(sft_tiny):
     refs = {}
     for name, plan in (("clean", FaultPlan()), ("fault", hw)):
         refs[name] = Sampler(model, greedy, plan, (BUCKET,), phase="eval")
-        ref = eval_scores(refs[name], params, examples, tok, 8, BUCKET, fault_key=key)
+        ended = []
+        ref = eval_scores(refs[name], params, examples, tok, 8, BUCKET, fault_key=key, ended=ended)
         assert conds[name]["acc"] == pytest.approx(float(np.mean(ref)), abs=0)
+        assert len(ended) == 16 and conds[name]["clipped"] == 1.0 - np.mean(ended)
         # Every reading of the same completions; the config's own (strict) is `acc`, and boxed
         # reads '#### N' as strict does when there is no box (tests/test_rewards.py).
         readings = conds[name]["acc_by_reading"]
@@ -284,3 +286,23 @@ def test_eval_scores_reads_answers_with_the_configured_method():
     flexible = eval_scores(sampler, None, examples, tok, 4, 72, method="flexible")
     np.testing.assert_array_equal(strict, [0.0, 1.0, 0.0, 0.0])
     np.testing.assert_array_equal(flexible, [1.0, 1.0, 0.0, 0.0])
+    # `ended`: whether each completion emitted EOS; none of these did (cut at the budget) ...
+    ended = []
+    eval_scores(sampler, None, examples, tok, 4, 72, ended=ended)
+    assert ended == [False] * 4
+    # ... and with EOS ending rows 1 and 3, on 3 examples (a batch of 4: row 3 is padding), row 1
+    # ended and the padding row is dropped.
+    eos_rows = {1, 3}
+
+    def ending(params, ids, mask, key, fault_key=None, values=None):
+        out = sampler(params, ids, mask, key)
+        for i in range(ids.shape[0]):
+            if i % len(answers) in eos_rows:
+                j = int(out.response_mask[i].sum())
+                out.tokens[i, j - 1], out.response_mask[i, j - 1] = tok.eos_id, 1
+        return out
+
+    ending.sampling = sampler.sampling
+    ended = []
+    eval_scores(ending, None, examples[:3], tok, 4, 72, ended=ended)
+    assert ended == [False, True, False]

@@ -26,12 +26,14 @@ def eval_scores(
     key=None,
     texts: list[str] | None = None,
     method: str = "strict",
+    ended: list[bool] | None = None,
 ) -> np.ndarray:
     """verl scores (`method`: strict `####` | flexible) of `sampler`'s completions for every
     example, in order (the last batch padded with repeats of its first prompt, which are
     dropped); with `sampler.sampling.n > 1` each example's score is the mean over its n samples
     (mean@n).
-    `texts`, when given, receives the decoded completions (n per example, in order)."""
+    `texts`, when given, receives the decoded completions (n per example, in order); `ended`,
+    whether each of them emitted EOS (False: cut at the token budget)."""
     n = sampler.sampling.n
     scores = []
     for start in range(0, len(examples), batch_size):
@@ -59,4 +61,10 @@ def eval_scores(
         scores.extend(s.tolist())
         if texts is not None:
             texts.extend(decoded)
+        if ended is not None:
+            eos = [
+                bool((t[m > 0] == tokenizer.eos_id).any())
+                for t, m in zip(out.tokens, out.response_mask, strict=True)
+            ]
+            ended.extend(eos[: real * n])
     return np.asarray(scores, np.float32)
