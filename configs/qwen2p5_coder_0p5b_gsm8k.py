@@ -79,12 +79,13 @@ STUDY_ARMS = ("deadzone", "clean", "targeted", "global_aqn")
 def get_config(arg: str | None = None):
     parts = [p for p in (arg or "deadzone").split(",") if p]
     smoke, gpu, arith = "smoke" in parts, "gpu" in parts, "arith" in parts
-    names = [p for p in parts if p not in ("smoke", "gpu", "arith")] or ["deadzone"]
+    short = "short" in parts
+    names = [p for p in parts if p not in ("smoke", "gpu", "arith", "short")] or ["deadzone"]
     allowed = (*ARMS.names(), *JOBS)
     if len(names) != 1 or names[0] not in allowed:
         raise ValueError(
             f"--config=configs/qwen2p5_coder_0p5b_gsm8k.py:{arg}; allowed: one of {allowed},"
-            " optionally followed by ',gpu' or ',arith', and/or ',smoke'"
+            " optionally followed by ',gpu', ',arith' or ',short', and/or ',smoke'"
         )
     name = names[0]
     config = base_config("smoke" if smoke else None)
@@ -94,6 +95,8 @@ def get_config(arg: str | None = None):
 
     if arith:
         _short_answers(config)
+    if short:
+        _gsm8k_short(config)
     if gpu:  # the lent GPU's run (bench/device/learn.sh, CALL.md "The learning run")
         _gpu(config)
     if smoke:  # every stage once at the smallest shapes (tests/test_qwen_gsm8k_config.py)
@@ -105,7 +108,7 @@ def get_config(arg: str | None = None):
         return _study(config, smoke)
     if name == "evaluate":
         config.job = "evaluate"
-        config.rollout.max_new_tokens = 4 if smoke else 320  # greedy answers, whole
+        config.rollout.max_new_tokens = 4 if smoke else (160 if short else 320)  # whole answers
         return apply_arm(config, "deadzone")
     config = apply_arm(config, name)
     # QeRL's arms: this model's settings, not the embedded model's (rank 16, lr x 10).
@@ -178,6 +181,30 @@ def _gsm8k(config) -> None:
     config.diagnosis.num_prompts = 8
 
     config.evaluate.size = 128  # test problems
+    config.evaluate.batch_size = 32
+
+
+def _gsm8k_short(config) -> None:
+    """`,short`: GSM8K asked for short answers, one worked train problem shown first (the CPU
+    feasibility probe of a GSM8K study: `:evaluate,short` for greedy accuracy and the clipped
+    share on both devices, `:deadzone,short` for the signal and the step time). The one-shot
+    chat prompts are 177-352 tokens (median 215)."""
+    config.data.shots = 1
+    config.data.instruction = (
+        " Write the equations, one per line, then the final answer as \\boxed{N}."
+    )
+    config.rollout.max_prompt_len = 352
+    config.rollout.prompt_buckets = (256, 352)
+    config.rollout.max_new_tokens = 160
+    config.rollout.n = 8
+    config.rollout.temperature = 0.7
+    config.data_batch.prompts = 4
+    config.actor.mini_batch_prompts = 4
+    config.actor.micro_batch_rows = 8  # a whole group: its prompt computed once
+    config.actor.lr = 1e-4  # as the arith track's
+    config.trainer.val_size = 128
+    config.trainer.val_batch_size = 32
+    config.evaluate.size = 128
     config.evaluate.batch_size = 32
 
 
