@@ -71,6 +71,8 @@ from aqn_jax.study.config import compare_config, severity_config
 
 FAULT_LAYER = 15  # of 24 (the seed's layer index)
 JOBS = ("severity", "evaluate", "study")
+# The operating-point modifiers after the name; ',smoke' combines with any of them.
+MODIFIERS = ("gpu", "arith", "short")
 # The study's arms (job compare) under their names in docs/qwen05_arith_study.json
 # (aqn_jax/study/outcome.py): faulty, clean_rl, targeted_aqn, global_aqn.
 STUDY_ARMS = ("deadzone", "clean", "targeted", "global_aqn")
@@ -80,12 +82,12 @@ def get_config(arg: str | None = None):
     parts = [p for p in (arg or "deadzone").split(",") if p]
     smoke, gpu, arith = "smoke" in parts, "gpu" in parts, "arith" in parts
     short = "short" in parts
-    names = [p for p in parts if p not in ("smoke", "gpu", "arith", "short")] or ["deadzone"]
+    names = [p for p in parts if p not in (*MODIFIERS, "smoke")] or ["deadzone"]
     allowed = (*ARMS.names(), *JOBS)
     if len(names) != 1 or names[0] not in allowed:
         raise ValueError(
             f"--config=configs/qwen2p5_coder_0p5b_gsm8k.py:{arg}; allowed: one of {allowed},"
-            " optionally followed by ',gpu', ',arith' or ',short', and/or ',smoke'"
+            f" optionally followed by one of {tuple(',' + m for m in MODIFIERS)}, and/or ',smoke'"
         )
     name = names[0]
     config = base_config("smoke" if smoke else None)

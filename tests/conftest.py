@@ -270,8 +270,8 @@ def shallow(config, **over):
     return set_fields(config, **{**SHALLOW, **over})
 
 
-def load_config(name: str, arg: str | None = None):
-    """`configs/<name>.py`'s get_config([arg]), as `--config=configs/<name>.py[:arg]` loads it."""
+def config_module(name: str):
+    """`configs/<name>.py` as a module, loaded by path as `--config=configs/<name>.py` loads it."""
     import importlib.util
     import pathlib
 
@@ -279,6 +279,12 @@ def load_config(name: str, arg: str | None = None):
     spec = importlib.util.spec_from_file_location(f"_config_{name}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    return module
+
+
+def load_config(name: str, arg: str | None = None):
+    """`configs/<name>.py`'s get_config([arg]), as `--config=configs/<name>.py[:arg]` loads it."""
+    module = config_module(name)
     return module.get_config() if arg is None else module.get_config(arg)
 
 
