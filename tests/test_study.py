@@ -463,6 +463,15 @@ def test_study_outcome_recomputes_from_the_run_directories(tmp_path):
     expect = {ps[0]: min(1, 2 * ps[0]), ps[1]: max(min(1, 2 * ps[0]), ps[1])}
     assert main["p_holm"] == pytest.approx(expect[main["p"]])
     assert by[("targeted_aqn", "faulty", "faulty")]["p"] is None
+    # The markdown tables carry the same numbers: the faulty arm's 0.6 with its t interval
+    # (s = 0.1, t_0.975,2 = 4.303: 0.6 -/+ 0.248) and the hand-computed comparison.
+    md = O.table({**got, **res}).splitlines()
+    assert "| faulty | 3 | 0.600 [0.352, 0.848] | 0.803 [0.765, 0.841] | 0.25 0.50 |" in md
+    row = next(line for line in md if line.startswith("| faulty − clean_rl | faulty |"))
+    assert row.startswith(f"| faulty − clean_rl | faulty | 3 | 0.100 [{main['ci'][0]:.3f}, ")
+    assert f"| {stats.format_p(main['p'])} | {stats.format_p(main['p_holm'])} | 1.14 |" in row
+    assert "| targeted_aqn − faulty | faulty | 0 | n/a | n < 2 pairs (n=0) | n/a |" in "\n".join(md)
+    assert "| faulty | 1 | 2 | 0.180 → 0.600 (256) | 0.580 → 0.820 (256) |" in md
     # Negative control: one seed's pairing changed, and the test's p moves.
     swapped = [dict(r) for r in got["runs"]]
     for r in swapped:

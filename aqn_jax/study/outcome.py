@@ -8,8 +8,9 @@ the family, Hedges' g and the minimum detectable difference.
   python -m aqn_jax.study.outcome --workdir=runs/qwen05_study --out=docs/qwen05_arith_study
 
 reads the compare job's workdir (`baseline/evaluation.json`, `runs/<arm>/seed<k>/`,
-`srdd/srdd.json`) and writes `<out>.json` and `<out>.png`. Only finished runs count (those with
-`evaluation.json`); a comparison needs at least two seeds finished in both of its arms.
+`srdd/srdd.json`) and writes `<out>.json`, `<out>.png` and `<out>.md` (the tables). Only
+finished runs count (those with `evaluation.json`); a comparison needs at least two seeds
+finished in both of its arms (its p is otherwise `n/a` with the reason).
 """
 
 from __future__ import annotations
@@ -179,6 +180,66 @@ def plot(result: Mapping[str, Any], path: str) -> str:
     return path
 
 
+def _num(x: float | None, digits: int = 3) -> str:
+    return "n/a" if x is None else f"{x:.{digits}f}"
+
+
+def _interval(d: Mapping[str, Any]) -> str:
+    """`mean [low, high]` of a `stats.describe`, or the mean alone under two seeds."""
+    if d["ci_low"] is None:
+        return _num(d["mean"])
+    return f"{_num(d['mean'])} [{_num(d['ci_low'])}, {_num(d['ci_high'])}]"
+
+
+def table(result: Mapping[str, Any]) -> str:
+    """The outcome as markdown: the arms (final accuracies with their 95% intervals over
+    seeds, the share of groups with a signal), the paired comparisons and every run."""
+    runs = result["runs"]
+    lines = [
+        f"SRDD's layers: {result['srdd_layers']}. Step 0 (every arm): faulty device "
+        + (
+            f"{_num(runs[0]['faulty_step0'])}, clean device {_num(runs[0]['clean_step0'])}."
+            if runs
+            else "n/a."
+        ),
+        "",
+        "| arm | seeds | faulty device, final | clean device, final | groups with a signal |",
+        "|---|---|---|---|---|",
+    ]
+    for name, arm in result["arms"].items():
+        signal = arm["signal_per_step"]
+        shown = " ".join(f"{s:.2f}" for s in signal) if signal else "n/a"
+        lines.append(
+            f"| {name} | {len(arm['seeds'])} | {_interval(arm['faulty_final'])} | "
+            f"{_interval(arm['clean_final'])} | {shown} |"
+        )
+    lines += [
+        "",
+        "| a − b | device | seeds | mean diff [95% CI] | p | p (Holm) | Hedges' g | MDD |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for c in result["comparisons"]:
+        p = stats.format_p(c["p"]) if c["p"] is not None or not c["reason"] else c["reason"]
+        ci = "" if c["ci"][0] is None else f" [{_num(c['ci'][0])}, {_num(c['ci'][1])}]"
+        lines.append(
+            f"| {c['a']} − {c['b']} | {c['device']} | {len(c['seeds'])} | "
+            f"{_num(c['mean_diff'])}{ci} | {p} | "
+            f"{stats.format_p(c['p_holm'])} | {_num(c['g'], 2)} | {_num(c['mdd'])} |"
+        )
+    lines += [
+        "",
+        "| arm | seed | steps | faulty device (n) | clean device (n) |",
+        "|---|---|---|---|---|",
+    ]
+    for r in runs:
+        lines.append(
+            f"| {r['arm']} | {r['seed']} | {r['steps']} | "
+            f"{_num(r['faulty_step0'])} → {_num(r['faulty_final'])} ({r['n']}) | "
+            f"{_num(r['clean_step0'])} → {_num(r['clean_final'])} ({r['n_clean']}) |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workdir", required=True)
@@ -190,12 +251,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     with open(args.out + ".json", "w") as f:
         json.dump(result, f, indent=2)
     plot(result, args.out + ".png")
+    with open(args.out + ".md", "w") as f:
+        f.write(table(result))
     for c in result["comparisons"]:
         print(
             f"{c['a']} - {c['b']} ({c['device']} device, seeds {c['seeds']}): "
             f"{c['mean_diff']} p_holm {c['p_holm']} g {c['g']} mdd {c['mdd']}"
         )
-    print(f"wrote {args.out}.json, {args.out}.png ({len(result['runs'])} runs)")
+    print(f"wrote {args.out}.json, .png and .md ({len(result['runs'])} runs)")
 
 
 if __name__ == "__main__":
