@@ -391,6 +391,7 @@ def test_dry_run_writes_what_comes_back_from_the_device(dry_run):
         assert "jax" in tar.extractfile("setup/env.txt").read().decode()
     # The faulty arm's adapters (its last checkpoint, step 2), bf16, in parts that check.
     assert parts.main(["check", f"--dir={out / 'adapter'}"]) == 0
+    import ml_dtypes  # noqa: F401  (registers 'bfloat16' with numpy, which load_file asks for)
     from safetensors.numpy import load_file
 
     joined = dry_run["snap"].parent / "adapter.safetensors"
@@ -437,3 +438,96 @@ def test_gpu_variant_is_the_issue_operating_point_and_leaves_the_others():
     assert "gpu" in modifiers and "arith" in modifiers
     for m in (*modifiers, "smoke"):
         assert f"',{m}'" in str(refused.value)
+
+
+# --- the study on the device (learn.sh study), on this CPU after the learning run's calls ---------
+@pytest.fixture(scope="module")
+def study_dry_run(dry_run):
+    """CALL.md's study call with the learning run's parts still in PARTS: the import is reused
+    (the parts' sha256), cut to 6 layers with the fault at layer 3 (SRDD compares layers: at 2
+    its robust z cannot pass 3), two arms side by side (the first evaluates step 0, the
+    targeted one runs SRDD and places AQN by it), one seed; then the same call again (the
+    second call of CALL.md's study), which finds every run done."""
+    root = dry_run["snap"].parent
+    env = {
+        **os.environ,
+        "OUT": str(root / "OUT_study"),
+        "PARTS": str(dry_run["dest"]),
+        "SRC": str(dry_run["src"]),
+        "PY": sys.executable,
+        "SMOKE": "1",
+        "LAYERS": "6",
+        "SNAP": str(dry_run["snap"]),
+        "WORK": str(root / "study"),
+        "DEADLINE_S": "900",
+        "PACK_EVERY": "5",
+        "ARMS": "deadzone targeted",
+        "SEEDS": "(0,)",
+        "EXTRA": "--config.faults.deadzone.layers=3 --config.compare.allow_single_seed=True",
+        "HF_HUB_OFFLINE": "1",
+    }
+    learn = ["bash", str(ROOT / "bench" / "device" / "learn.sh"), "study"]
+    first = subprocess.run(learn, env=env, capture_output=True, text=True, timeout=1200)
+    again = subprocess.run(
+        learn, env={**env, "OUT": str(root / "OUT_again")}, capture_output=True, text=True
+    )
+    return {"first": first, "again": again, "root": root}
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("smollm2")
+def test_study_dry_run_brings_back_the_outcome_and_resumes(study_dry_run):
+    from aqn_jax.study import outcome
+
+    root, first = study_dry_run["root"], study_dry_run["first"]
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    out = root / "OUT_study"
+    files = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())
+    assert files == [
+        "runs.tgz",
+        "setup.tgz",
+        "study.json",
+        "study.md",
+        "study.png",
+        "summary.txt",
+    ]
+    assert all((out / f).stat().st_size <= 16 * MIB for f in files)
+    summary = (out / "summary.txt").read_text()
+    assert "import: reused" in summary  # the learning run's import, its sha256 the parts'
+    assert "deadzone: rc 0" in summary and "targeted: rc 0" in summary
+    study = json.loads((out / "study.json").read_text())
+    assert study["srdd_layers"] == [3]  # SRDD names the fault's layer of 6
+    assert sorted((r["arm"], r["seed"]) for r in study["runs"]) == [
+        ("faulty", 0),
+        ("targeted_aqn", 0),
+    ]
+    assert all((r["steps"], r["n"], r["n_clean"]) == (1, 2, 1) for r in study["runs"])
+    assert "| targeted_aqn − faulty | faulty | 1 | " in (out / "study.md").read_text()
+    # What comes back is the arms' workdirs without checkpoints or caches; the targeted run
+    # placed AQN on SRDD's layer; step 0 was evaluated by the first arm alone.
+    extracted = root / "runs_back"
+    with tarfile.open(out / "runs.tgz") as tar:
+        names = tar.getnames()
+        tar.extractall(extracted, filter="data")
+    assert not any(("checkpoints" in n or "xla_cache" in n) for n in names)
+    assert "deadzone/baseline/evaluation.json" in names and "logs/targeted.log" in names
+    assert not any(n.startswith("targeted/baseline") for n in names)
+    run = json.loads((extracted / "targeted/runs/targeted/seed0/config.json").read_text())
+    assert run["aqn"]["layers"] == "(3,)" and run["faults"]["deadzone"]["layers"] == "3"
+    # study.json is what the outcome computes from those directories, merged.
+    merged = root / "merged_back"
+    (merged / "runs").mkdir(parents=True)
+    (merged / "baseline").symlink_to(extracted / "deadzone" / "baseline")
+    (merged / "srdd").symlink_to(extracted / "targeted" / "srdd")
+    for arm in ("deadzone", "targeted"):
+        (merged / "runs" / arm).symlink_to(extracted / arm / "runs" / arm)
+    got = outcome.collect(str(merged))
+    assert got["runs"] == study["runs"] and got["srdd_layers"] == study["srdd_layers"]
+    # The second call: every run done, reused; the same outcome.
+    again = study_dry_run["again"]
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    for arm in ("deadzone", "targeted"):
+        log = (root / "study" / "logs" / f"{arm}.log").read_text()  # both calls' output
+        assert log.count(f"== {arm} seed 0 -> ") == 1
+        assert log.index(f"== {arm} seed 0 -> ") < log.index(f"== {arm} seed 0: done, reused")
+    assert json.loads((root / "OUT_again" / "study.json").read_text())["runs"] == study["runs"]

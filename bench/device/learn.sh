@@ -5,6 +5,10 @@
 #
 #   bash bench/device/learn.sh take K      # part call K: check part K of .parts/, move it to $PARTS
 #   bash bench/device/learn.sh run         # the run call: check all, import, two arms, pack $OUT
+#   bash bench/device/learn.sh study       # the study (issue 59) on the GPU: the four arms of
+#                                          # configs/qwen2p5_coder_0p5b_gsm8k.py:study,arith side by
+#                                          # side, one compare job an arm over SEEDS; resumable:
+#                                          # call it again while the machine is warm
 #   # here, the CPU dry run (tests/test_device_parts.py):
 #   SMOKE=1 LAYERS=2 OUT=/tmp/o PARTS=/tmp/p PY=python bash bench/device/learn.sh run
 #
@@ -19,6 +23,13 @@
 # $OUT (at most 8 files): summary.txt, setup.tgz (env, parts check, import log and record),
 #   <arm>.tgz per arm (the workdir without checkpoints: metrics.jsonl, summary.json, log),
 #   adapter/ (manifest.json + 3 parts of the faulty arm's latest adapters, bf16).
+# `study` differs: ARMS ('deadzone clean targeted global_aqn'), VARIANT (study,arith), SEEDS
+#   ('(0,1,2,3,4)'), MEMFRAC (0.2), each arm's compare job in WORK/<arm> (/root/study: kept for
+#   a second call, which resumes) and SNAP (/root/snapshot: imported once, reused while its
+#   sha256 is the parts'); the first arm evaluates step 0, the targeted arm runs SRDD. $OUT:
+#   summary.txt, setup.tgz, runs.tgz (every arm's workdir without checkpoints and caches, and
+#   logs/<arm>.log: the launch output of every call) and
+#   study.json, study.png, study.md (python -m aqn_jax.study.outcome over the arms merged).
 set -u
 T0=$(date +%s)
 MODE=${1:?usage: learn.sh take K | learn.sh run}
@@ -37,19 +48,35 @@ if [ "$MODE" = take ]; then
   echo "take $K: $(($(date +%s) - T0)) s; $(df -h "$PARTS" | tail -1 | tr -s ' ')"
   exit 0
 fi
-[ "$MODE" = run ] || { echo "learn.sh: mode '$MODE'; allowed: take K | run" >&2; exit 2; }
+case "$MODE" in
+  run | study) ;;
+  *) echo "learn.sh: mode '$MODE'; allowed: take K | run | study" >&2; exit 2 ;;
+esac
 
 DATA=${DATA:-.devdata/gsm8k}
 DEADLINE_S=${DEADLINE_S:-420}
-ARMS=${ARMS:-deadzone clean}
 CFG=${CFG:-configs/qwen2p5_coder_0p5b_gsm8k.py}
-VARIANT=${VARIANT:-gpu}
-MEMFRAC=${MEMFRAC:-0.45}
+if [ "$MODE" = study ]; then
+  ARMS=${ARMS:-deadzone clean targeted global_aqn}
+  VARIANT=${VARIANT:-study,arith}
+  SEEDS=${SEEDS:-(0,1,2,3,4)}
+  MEMFRAC=${MEMFRAC:-0.2}
+  WORK=${WORK:-/root/study}
+  SNAP=${SNAP:-/root/snapshot}
+else
+  ARMS=${ARMS:-deadzone clean}
+  VARIANT=${VARIANT:-gpu}
+  MEMFRAC=${MEMFRAC:-0.45}
+fi
 EXTRA=${EXTRA:-}
 PACK_EVERY=${PACK_EVERY:-30}
 ADAPTER_ARM=${ADAPTER_ARM:-deadzone}
 W=$(mktemp -d /tmp/learn.XXXX)
 trap 'rm -rf "$W"' EXIT  # what matters is in $OUT (and SNAP, where set)
+WORK=${WORK:-$W}  # the arms' workdirs (`study`: kept for the next call)
+LOGS=$W  # each arm's launch output (`study`: WORK/logs, appended by every call)
+[ "$MODE" = study ] && LOGS=$WORK/logs
+mkdir -p "$LOGS"
 mkdir -p "$OUT" "$W/setup"
 SUM="$OUT/summary.txt"
 : >"$SUM"
@@ -74,6 +101,8 @@ for n in ('jax','jaxlib','flax','optax','orbax-checkpoint','ml_collections','ten
     try: print(n, m.version(n))
     except Exception: print(n, 'MISSING')"
 } >"$W/setup/env.txt" 2>&1
+gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1)
+DEVICE="${gpu:-no GPU}; host $(lscpu 2>/dev/null | grep 'Model name' | sed 's/.*: *//' | head -n 1)"
 say "mode: SMOKE=$SMOKE ARMS='$ARMS' VARIANT=$VARIANT DEADLINE_S=$DEADLINE_S MEMFRAC=$MEMFRAC; $(grep -c MISSING "$W/setup/env.txt") packages missing $(grep MISSING "$W/setup/env.txt" | tr '\n' ' ')"
 
 # -- 1. the parts: all there and intact, then the import on the CPU -------------------------------
@@ -84,19 +113,29 @@ if ! $PY bench/device/parts.py check --dir="$PARTS" >"$W/setup/parts.log" 2>&1; 
 fi
 say "parts: $(tail -n 1 "$W/setup/parts.log")"
 SNAP=${SNAP:-$W/snapshot}  # the imported HF snapshot (kept where SNAP says)
+sha=$($PY bench/device/parts.py sha256 --dir="$PARTS")
 t=$(date +%s)
-JAX_PLATFORMS=cpu $PY -m aqn_jax.models.gguf --gguf="$($PY bench/device/parts.py paths --dir="$PARTS")" \
-  --sha256="$($PY bench/device/parts.py sha256 --dir="$PARTS")" --out="$SNAP" >"$W/setup/import.log" 2>&1
-rc=$?
-cp "$SNAP/gguf_import.json" "$W/setup/" 2>/dev/null
-if [ $rc != 0 ]; then
-  say "import FAILED (rc $rc): $(grep -E '^error' "$W/setup/import.log" | tail -n 1)"
-  pack_setup
-  exit 1
+if [ -f "$SNAP/gguf_import.json" ] && grep -q "\"$sha\"" "$SNAP/gguf_import.json"; then
+  cp "$SNAP/gguf_import.json" "$W/setup/"
+  say "import: reused $SNAP (the parts' sha256)"
+else
+  rm -rf "$SNAP" "$SNAP-${LAYERS:-}"
+  JAX_PLATFORMS=cpu $PY -m aqn_jax.models.gguf --gguf="$($PY bench/device/parts.py paths --dir="$PARTS")" \
+    --sha256="$sha" --out="$SNAP" >"$W/setup/import.log" 2>&1
+  rc=$?
+  cp "$SNAP/gguf_import.json" "$W/setup/" 2>/dev/null
+  if [ $rc != 0 ]; then
+    say "import FAILED (rc $rc): $(grep -E '^error' "$W/setup/import.log" | tail -n 1)"
+    rm -rf "$SNAP"  # never reused half-written
+    pack_setup
+    exit 1
+  fi
+  say "import: $(tail -n 1 "$W/setup/import.log") (wall $(($(date +%s) - t)) s)"
 fi
-say "import: $(tail -n 1 "$W/setup/import.log") (wall $(($(date +%s) - t)) s)"
 if [ "$SMOKE" = 1 ] && [ -n "${LAYERS:-}" ]; then
-  $PY bench/device/make_snapshot.py "$SNAP" "$SNAP-$LAYERS" --first-layers="$LAYERS" >>"$W/setup/import.log" 2>&1 || { say "cut to $LAYERS layers FAILED"; exit 1; }
+  if [ ! -f "$SNAP-$LAYERS/config.json" ]; then
+    $PY bench/device/make_snapshot.py "$SNAP" "$SNAP-$LAYERS" --first-layers="$LAYERS" >>"$W/setup/import.log" 2>&1 || { say "cut to $LAYERS layers FAILED"; exit 1; }
+  fi
   SNAP=$SNAP-$LAYERS
 fi
 pack_setup
@@ -118,17 +157,42 @@ for arm in $ARMS; do
   if [ "$ncpu" -ge $((2 * n)) ] && command -v taskset >/dev/null; then
     pin=(taskset -c "$((i * per))-$((i * per + per - 1))")
   fi
+  if [ "$MODE" = study ]; then  # the arm's compare job: its seeds, step 0 by the first arm
+    first=False; [ "$i" = 0 ] && first=True
+    args=(--config="$CFG:$variant" "--config.compare.arms=('$arm',)" "--config.compare.seeds=$SEEDS"
+      --config.compare.baseline=$first)
+  else
+    args=(--config="$CFG:$arm,$variant" --config.data.train_path="$DATA/train.jsonl"
+      --config.data.test_path="$DATA/test.jsonl")
+  fi
   # shellcheck disable=SC2086
   env "${platform[@]}" XLA_PYTHON_CLIENT_MEM_FRACTION="$MEMFRAC" timeout -s TERM -k 30 "$t" \
-    "${pin[@]}" $PY -m aqn_jax.launch --config="$CFG:$arm,$variant" --workdir="$W/$arm" \
-    --config.model.hf_path="$SNAP" --config.data.train_path="$DATA/train.jsonl" \
-    --config.data.test_path="$DATA/test.jsonl" $EXTRA >"$W/$arm.log" 2>&1 &
+    "${pin[@]}" $PY -m aqn_jax.launch "${args[@]}" --workdir="$WORK/$arm" \
+    --config.model.hf_path="$SNAP" $EXTRA >>"$LOGS/$arm.log" 2>&1 &
   PIDS+=($!)
-  say "$arm: started ($CFG:$arm,$variant; SIGTERM at $t s${pin:+, ${pin[*]}})"
+  say "$arm: started (${args[*]}; SIGTERM at $t s${pin:+, ${pin[*]}})"
   i=$((i + 1))
 done
 
+pack_study() {  # every arm's workdir (no checkpoints, caches) and the outcome so far -> $OUT
+  local m=$W/merged arm
+  rm -rf "$m" && mkdir -p "$m/runs"
+  for arm in $ARMS; do
+    [ -d "$WORK/$arm/runs/$arm" ] && ln -s "$WORK/$arm/runs/$arm" "$m/runs/$arm"
+    [ -d "$WORK/$arm/baseline" ] && [ ! -e "$m/baseline" ] && ln -s "$WORK/$arm/baseline" "$m/baseline"
+    [ -d "$WORK/$arm/srdd" ] && [ ! -e "$m/srdd" ] && ln -s "$WORK/$arm/srdd" "$m/srdd"
+  done
+  # shellcheck disable=SC2086
+  tar czf "$W/runs.tgz" -C "$WORK" --exclude=checkpoints --exclude=xla_cache --exclude=cache \
+    --exclude='*.lock' $(cd "$WORK" && ls -d logs $ARMS 2>/dev/null) && mv "$W/runs.tgz" "$OUT/runs.tgz"
+  if [ -f "$m/baseline/evaluation.json" ]; then
+    $PY -m aqn_jax.study.outcome --workdir="$m" --out="$W/study" --cpu="$DEVICE" \
+      >"$W/outcome.log" 2>&1 && mv "$W"/study.{json,png,md} "$OUT/"
+  fi
+}
+
 pack() {  # what the arms have so far -> $OUT, each file replaced whole
+  [ "$MODE" = study ] && { pack_study; return; }
   for arm in $ARMS; do
     [ -d "$W/$arm" ] || continue
     cp "$W/$arm.log" "$W/$arm/launch.log" 2>/dev/null
@@ -156,11 +220,20 @@ done
 for j in "${!PIDS[@]}"; do
   wait "${PIDS[$j]}"; rc=$?
   arm=$(echo $ARMS | cut -d' ' -f$((j + 1)))
-  err=$(grep -E 'Error|error:' "$W/$arm.log" | tail -n 1)
+  err=$(tail -n 40 "$LOGS/$arm.log" | grep -E 'Error|error:' | tail -n 1)
   say "$arm: rc $rc$([ $rc = 124 ] && echo ' (stopped at its deadline)')${err:+; $err}"
 done
 pack
-say "adapter ($ADAPTER_ARM): $(tail -n 1 "$W/adapter.log" 2>/dev/null || echo none)"
-$PY bench/device/learn_pack.py summary $(for a in $ARMS; do echo "$W/$a"; done) | tee -a "$SUM"
+if [ "$MODE" = study ]; then
+  if [ -f "$OUT/study.md" ]; then
+    say "outcome: $(tail -n 1 "$W/outcome.log")"
+    tee -a "$SUM" <"$OUT/study.md"
+  else
+    say "outcome: none yet ($(tail -n 1 "$W/outcome.log" 2>/dev/null || echo 'no step-0 evaluation'))"
+  fi
+else
+  say "adapter ($ADAPTER_ARM): $(tail -n 1 "$W/adapter.log" 2>/dev/null || echo none)"
+  $PY bench/device/learn_pack.py summary $(for a in $ARMS; do echo "$W/$a"; done) | tee -a "$SUM"
+fi
 say "done in $(elapsed) s; files: $(cd "$OUT" && find . -type f | sort | tr '\n' ' ')"
 exit 0
