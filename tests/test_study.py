@@ -430,7 +430,16 @@ def test_study_outcome_recomputes_from_the_run_directories(tmp_path):
         for seed, (f, c) in seeds.items():
             run = tmp_path / "runs" / arm / f"seed{seed}"
             write(run / "evaluation.json", ev(f, c))
-            rows = [{"step": s, "critic/groups_with_advantage": 0.25 * s} for s in (1, 2)]
+            noisy = arm == "clean"  # stands in for an AQN arm: its sigma and the mismatch
+            rows = [
+                {
+                    "step": s,
+                    "critic/groups_with_advantage": 0.25 * s,
+                    "aqn/sigma": 0.01 * s if noisy else 0.0,
+                    "rollout_corr/log_ppl_abs_diff": 0.001 * s if noisy else 0.0,
+                }
+                for s in (1, 2)
+            ]
             (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
     (tmp_path / "runs" / "targeted" / "seed0").mkdir(parents=True)  # unfinished: not counted
     got = O.collect(str(tmp_path))
@@ -447,10 +456,18 @@ def test_study_outcome_recomputes_from_the_run_directories(tmp_path):
         "n": 256,
         "n_clean": 256,
         "signal": [0.25, 0.5],
+        "aqn_sigma": [0.0, 0.0],
+        "mismatch": [0.0, 0.0],
     }
     res = O.outcome(got["runs"])
     assert res["arms"]["faulty"]["faulty_final"]["mean"] == pytest.approx(0.6)
     assert res["arms"]["faulty"]["signal_per_step"] == [0.25, 0.5]
+    assert (res["arms"]["faulty"]["aqn_sigma_max"], res["arms"]["faulty"]["mismatch_mean"]) == (
+        0,
+        0,
+    )
+    assert res["arms"]["clean_rl"]["aqn_sigma_max"] == pytest.approx(0.02)
+    assert res["arms"]["clean_rl"]["mismatch_mean"] == pytest.approx(0.0015)
     by = {(c["a"], c["b"], c["device"]): c for c in res["comparisons"]}
     main = by[("faulty", "clean_rl", "faulty")]  # the hand-computed pairs above
     assert main["mean_diff"] == pytest.approx(0.1) and main["seeds"] == [0, 1, 2]
@@ -466,7 +483,12 @@ def test_study_outcome_recomputes_from_the_run_directories(tmp_path):
     # The markdown tables carry the same numbers: the faulty arm's 0.6 with its t interval
     # (s = 0.1, t_0.975,2 = 4.303: 0.6 -/+ 0.248) and the hand-computed comparison.
     md = O.table({**got, **res}).splitlines()
-    assert "| faulty | 3 | 0.600 [0.352, 0.848] | 0.803 [0.765, 0.841] | 0.25 0.50 |" in md
+    assert "| faulty | 3 | 0.600 [0.352, 0.848] | 0.803 [0.765, 0.841] | 0.0e+00 | 0.0e+00 |" in (
+        "\n".join(md)
+    )
+    assert any(
+        r.startswith("| clean_rl | 3 |") and "| 2.0e-02 | 1.5e-03 | 0.25 0.50 |" in r for r in md
+    )
     row = next(line for line in md if line.startswith("| faulty − clean_rl | faulty |"))
     assert row.startswith(f"| faulty − clean_rl | faulty | 3 | 0.100 [{main['ci'][0]:.3f}, ")
     assert f"| {stats.format_p(main['p'])} | {stats.format_p(main['p_holm'])} | 1.14 |" in row

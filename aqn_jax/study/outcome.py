@@ -1,9 +1,11 @@
 """The paired study's outcome (`configs/qwen2p5_coder_0p5b_gsm8k.py:study`): for each run the
 faulty- and clean-device accuracies at step 0 (the warm start, evaluated once for the whole
 study: greedy decoding of one model is deterministic) and at the end; for each arm the mean
-with its 95% interval over seeds and the share of groups with a signal per step; the paired
-comparisons (the arms of a seed see the same prompts in the same order) with Holm's p over
-the family, Hedges' g and the minimum detectable difference.
+with its 95% interval over seeds, the share of groups with a signal per step, and AQN's
+largest sigma with the rollout's mean |log-perplexity difference| from the training pass (the
+check that an AQN arm's condition differs: 0 without AQN); the paired comparisons (the arms
+of a seed see the same prompts in the same order) with Holm's p over the family, Hedges' g
+and the minimum detectable difference.
 
   python -m aqn_jax.study.outcome --workdir=runs/qwen05_study --out=docs/qwen05_arith_study
 
@@ -49,14 +51,24 @@ def _load(path: str) -> dict:
         return json.load(f)
 
 
-def _signal(run_dir: str) -> list[float]:
-    """The share of groups with an advantage at each RL step (metrics.jsonl)."""
+# Per RL step, from metrics.jsonl: the share of groups with an advantage (the run had signal),
+# AQN's sigma and the rollout's |log-perplexity difference| from the training pass (AQN acts on
+# the rollout only, so this is how far its noise moved the sampler: 0 without AQN).
+PER_STEP = {
+    "signal": "critic/groups_with_advantage",
+    "aqn_sigma": "aqn/sigma",
+    "mismatch": "rollout_corr/log_ppl_abs_diff",
+}
+
+
+def _per_step(run_dir: str) -> dict[str, list[float]]:
+    """`PER_STEP`'s series of one run, each over the RL steps that logged it."""
     path = os.path.join(run_dir, "metrics.jsonl")
-    if not os.path.isfile(path):
-        return []
-    with open(path) as f:
-        rows = [json.loads(line) for line in f if line.strip()]
-    return [r["critic/groups_with_advantage"] for r in rows if "critic/groups_with_advantage" in r]
+    rows = []
+    if os.path.isfile(path):
+        with open(path) as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+    return {name: [r[key] for r in rows if key in r] for name, key in PER_STEP.items()}
 
 
 def collect(workdir: str) -> dict[str, Any]:
@@ -73,19 +85,19 @@ def collect(workdir: str) -> dict[str, Any]:
             if not os.path.isfile(ev_path):
                 continue
             conds = _load(ev_path)["conditions"]
-            signal = _signal(run_dir)
+            series = _per_step(run_dir)
             runs.append(
                 {
                     "arm": name,
                     "seed": int(seed_dir.removeprefix("seed")),
-                    "steps": len(signal),  # the RL steps the run logged
+                    "steps": len(series["signal"]),  # the RL steps the run logged
                     "faulty_step0": base["fault"]["acc"],
                     "faulty_final": conds["fault"]["acc"],
                     "clean_step0": base["clean"]["acc"],
                     "clean_final": conds["clean"]["acc"],
                     "n": int(conds["fault"]["n"]),
                     "n_clean": int(conds["clean"]["n"]),
-                    "signal": signal,
+                    **series,
                 }
             )
     srdd_path = os.path.join(workdir, "srdd", "srdd.json")
@@ -101,11 +113,15 @@ def outcome(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         mine = [r for r in runs if r["arm"] == name]
         signal = [r["signal"] for r in mine if r["signal"]]
         steps = min((len(s) for s in signal), default=0)
+        sigmas = [x for r in mine for x in r.get("aqn_sigma", [])]
+        mismatch = [x for r in mine for x in r.get("mismatch", [])]
         arms[name] = {
             "seeds": sorted(r["seed"] for r in mine),
             "faulty_final": stats.describe([r["faulty_final"] for r in mine]),
             "clean_final": stats.describe([r["clean_final"] for r in mine]),
             "signal_per_step": [float(np.mean([s[i] for s in signal])) for i in range(steps)],
+            "aqn_sigma_max": max(sigmas) if sigmas else None,
+            "mismatch_mean": float(np.mean(mismatch)) if mismatch else None,
         }
     comparisons = []
     for a, b, device in COMPARISONS:
@@ -184,6 +200,10 @@ def _num(x: float | None, digits: int = 3) -> str:
     return "n/a" if x is None else f"{x:.{digits}f}"
 
 
+def _sci(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.1e}"
+
+
 def _interval(d: Mapping[str, Any]) -> str:
     """`mean [low, high]` of a `stats.describe`, or the mean alone under two seeds."""
     if d["ci_low"] is None:
@@ -203,15 +223,17 @@ def table(result: Mapping[str, Any]) -> str:
             else "n/a."
         ),
         "",
-        "| arm | seeds | faulty device, final | clean device, final | groups with a signal |",
-        "|---|---|---|---|---|",
+        "| arm | seeds | faulty device, final | clean device, final | AQN σ, max |"
+        " rollout vs train, mean abs Δ log ppl | groups with a signal, per step |",
+        "|---|---|---|---|---|---|---|",
     ]
     for name, arm in result["arms"].items():
         signal = arm["signal_per_step"]
         shown = " ".join(f"{s:.2f}" for s in signal) if signal else "n/a"
         lines.append(
             f"| {name} | {len(arm['seeds'])} | {_interval(arm['faulty_final'])} | "
-            f"{_interval(arm['clean_final'])} | {shown} |"
+            f"{_interval(arm['clean_final'])} | {_sci(arm['aqn_sigma_max'])} | "
+            f"{_sci(arm['mismatch_mean'])} | {shown} |"
         )
     lines += [
         "",
