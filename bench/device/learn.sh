@@ -32,7 +32,7 @@
 #   study.json, study.png, study.md (python -m aqn_jax.study.outcome over the arms merged).
 set -u
 T0=$(date +%s)
-MODE=${1:?usage: learn.sh take K | learn.sh run}
+MODE=${1:?usage: learn.sh take K | learn.sh run | learn.sh study}
 OUT=${OUT:?OUT must be set}
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$ROOT"
