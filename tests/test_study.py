@@ -4,6 +4,7 @@ import copy
 import json
 import math
 import os
+import re
 
 import numpy as np
 import pytest
@@ -494,6 +495,8 @@ def test_study_outcome_recomputes_from_the_run_directories(tmp_path):
     assert f"| {stats.format_p(main['p'])} | {stats.format_p(main['p_holm'])} | 1.14 |" in row
     assert "| targeted_aqn − faulty | faulty | 0 | n/a | n < 2 pairs (n=0) | n/a |" in "\n".join(md)
     assert "| faulty | 1 | 2 | 0.180 → 0.600 (256) | 0.580 → 0.820 (256) |" in md
+    # The JSON's `cpu` by default: this machine's class, as /proc/cpuinfo names it.
+    assert re.fullmatch(r".+, family \d+ model \d+; flags .+", O._machine())
     # Negative control: one seed's pairing changed, and the test's p moves.
     swapped = [dict(r) for r in got["runs"]]
     for r in swapped:

@@ -158,6 +158,28 @@ def _commit() -> str:
         return "unknown"
 
 
+def _machine() -> str:
+    """This CPU as `cpu` records it: its model name, family and model, and the flags that set
+    XLA:CPU's matmul speed and rounding (the study's seeds pair only on one machine class)."""
+    from aqn_jax.compute_dtype import cpu_flags
+
+    info: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if not line.strip():
+                    break  # the first processor's block
+                info.setdefault(key.strip(), value.strip())
+    except OSError:
+        return "unknown"
+    flags = ",".join(cpu_flags() or ()) or "none of avx2/avx512/amx"
+    return (
+        f"{info.get('model name', 'unknown')}, family {info.get('cpu family', '?')} model"
+        f" {info.get('model', '?')}; flags {flags}"
+    )
+
+
 def plot(result: Mapping[str, Any], path: str) -> str:
     """Each run's faulty-device accuracy at step 0 and at the end, per arm, with the arm's
     mean and interval; beside it the clean device's."""
@@ -266,10 +288,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workdir", required=True)
     p.add_argument("--out", required=True, help="the path without .json / .png")
-    p.add_argument("--cpu", default="", help="the machine, as lscpu names it")
+    p.add_argument("--cpu", default=None, help="the machine the runs ran on (default: this one)")
     args = p.parse_args(argv)
     got = collect(args.workdir)
-    result = {**got, **outcome(got["runs"]), "commit": _commit(), "cpu": args.cpu}
+    result = {**got, **outcome(got["runs"]), "commit": _commit(), "cpu": args.cpu or _machine()}
     with open(args.out + ".json", "w") as f:
         json.dump(result, f, indent=2)
     plot(result, args.out + ".png")
