@@ -235,7 +235,8 @@ def _interval(d: Mapping[str, Any]) -> str:
 
 def table(result: Mapping[str, Any]) -> str:
     """The outcome as markdown: the arms (final accuracies with their 95% intervals over
-    seeds, the share of groups with a signal), the paired comparisons and every run."""
+    seeds, AQN's sigma and its effect on the rollout, the share of groups with a signal), the
+    paired comparisons (with why one is untested) and every run."""
     runs = result["runs"]
     lines = [
         f"SRDD's layers: {result['srdd_layers']}. Step 0 (every arm): faulty device "
@@ -287,7 +288,7 @@ def table(result: Mapping[str, Any]) -> str:
 def main(argv: Sequence[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workdir", required=True)
-    p.add_argument("--out", required=True, help="the path without .json / .png")
+    p.add_argument("--out", required=True, help="the path without .json / .png / .md")
     p.add_argument("--cpu", default=None, help="the machine the runs ran on (default: this one)")
     args = p.parse_args(argv)
     got = collect(args.workdir)
