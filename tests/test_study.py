@@ -406,6 +406,9 @@ def test_paired_t_hand_computed():
     # Pairing matters: the same values unpaired (Welch) do not reach the same p.
     assert S.welch([0.5, 0.6, 0.7], [0.4, 0.45, 0.65])["p"] > 2 * out["p"]
     assert S.paired([0.5, 0.6], [0.4, 0.5])["reason"].startswith("every pair")
+    # Two pairs: tested (df 1), but J = 1 - 3 / 3 = 0 leaves g undefined, not 0.
+    two = S.paired([0.5, 0.6], [0.4, 0.45])
+    assert two["p"] is not None and two["reason"] is None and two["hedges_g"] is None
     assert S.paired([0.5, None, 0.7], [0.4, 0.3, 0.6])["n_dropped"] == 1
 
 

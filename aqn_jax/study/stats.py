@@ -39,7 +39,8 @@ paired(a, b)  (a_i, b_i measured on the same seed i; d_i = a_i - b_i, n pairs)
   diff  = mean(d);  sd_d = sqrt(sum((d - diff)^2) / (n - 1));  se = sd_d / sqrt(n)
   t     = diff / se, df = n - 1, p = 2 * cdf(-|t|, df)             (paired t-test, two-sided)
   CI    diff ± t_{(1+level)/2, n-1} * se
-  d_z   = diff / sd_d;  Hedges' g = J * d_z with J = 1 - 3 / (4 (n - 1) - 1)
+  d_z   = diff / sd_d;  Hedges' g = J * d_z with J = 1 - 3 / (4 (n - 1) - 1); at n = 2
+        (df 1) J is 0, so g is None there: undefined, not a zero effect
   mdd   the diff > 0 detected with power 0.8: P(T' > tc) + P(T' < -tc) = 0.8,
         T' ~ noncentral t(n - 1, diff / se), tc = t_{0.975, n-1}
   Degenerate: n < 2, or every difference the same (sd_d = 0) -> None with `reason`.
@@ -272,7 +273,7 @@ def paired(
         p=float(min(1.0, 2.0 * _sps.t.cdf(-abs(t), df))),
         diff_ci_low=m - half,
         diff_ci_high=m + half,
-        hedges_g=(1.0 - 3.0 / (4.0 * df - 1.0)) * m / sd,
+        hedges_g=(1.0 - 3.0 / (4.0 * df - 1.0)) * m / sd if df >= 2 else None,
         mdd=paired_mdd(sd, n),
     )
     return out
