@@ -336,6 +336,16 @@ def _study(config, smoke: bool):
     device (the primary outcome) and the first 128 on the clean device; step 0 is the same
     model for every run and is evaluated once (config.compare.baseline). The runs' own
     validation is a 16-problem check. The statistics: `python -m aqn_jax.study.outcome`.
+
+    The reading so far (10 of 12 runs, f32 on AVX2 EPYC; docs/qwen05_arith_study.md):
+    SRDD names layer 15, the fault's. Every run had signal (0.25-1.0 of groups per step). RL
+    on either device lifts the faulty device from 0.203 to 0.62-0.79. Training on the faulty
+    device buys it nothing detectable over clean training: faulty - clean_rl +0.022 over 3
+    pairs (p 0.71, MDD 0.29); the faulty arm's SD over seeds (0.089) is 3x the binomial SE
+    of one 256-problem validation (0.029): the seeds, not the test set, limit it. On the
+    clean device it costs in every seed (-0.023, -0.195, -0.070; mean -0.096, p 0.20). AQN
+    at 2 seeds: targeted - faulty +0.004, global - faulty -0.020 (MDD 0.70 and 0.19): no gain
+    seen, none excluded.
     """
     config.job = "compare"
     # One dtype whatever machine a later session resumes on ('auto' picks bf16 on AVX-512 BF16
