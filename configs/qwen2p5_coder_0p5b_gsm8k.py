@@ -339,7 +339,7 @@ def _study(config, smoke: bool):
 
     The reading so far (10 of 12 runs, f32 on AVX2 EPYC; docs/qwen05_arith_study.md):
     SRDD names layer 15, the fault's. Every run had signal (a mean 0.56-0.71 of groups a step). RL
-    on either device lifts the faulty device from 0.203 to 0.62-0.79. Training on the faulty
+    on either device lifts the faulty device from 0.203 to 0.61-0.79. Training on the faulty
     device buys it nothing detectable over clean training: faulty - clean_rl +0.022 over 3
     pairs (p 0.71, MDD 0.29); the faulty arm's SD over seeds (0.089) is 3x the binomial SE
     of one 256-problem validation (0.029): the seeds, not the test set, limit it. On the
