@@ -305,8 +305,8 @@ def _loop(r: _Run, state, start: int, writer, history: list):
             acc = _last_val(history)["val-core/acc"]
             bar.set_postfix(reward=f"{m['critic/score/mean']:.3f}", acc=f"{acc:.3f}")
             if ckpt.due(step) or step == total or stop.requested:
-                _save(r, step, state, m, fired)
-            if stop.requested and step < total:
+                _save(r, step, state, m, fired, resumable=stop.requested)
+            if stop.requested:  # also at the last step: the rerun finishes (export, summary)
                 print(f"SIGTERM: saved RL step {step} to {ckpt.directory}; rerun to resume")
                 raise SystemExit(143)
             step += 1
@@ -330,9 +330,11 @@ def _latest(r: _Run, state):
     return restored.replace(base=state.base), meta["data"], int(back) + 1
 
 
-def _save(r: _Run, step: int, state, m: dict, fired: dict[int, str]) -> None:
+def _save(r: _Run, step: int, state, m: dict, fired: dict[int, str], resumable=False) -> None:
     """Checkpoint `step` if the run is sane (`check_sane`; else it raises and nothing is
-    saved), naming the bit faults that fired since the last save."""
+    saved), naming the bit faults that fired since the last save. `resumable` (a SIGTERM):
+    the whole state even at the last step, whatever config.checkpoint.final says, since the
+    rerun resumes there to finish the run."""
     saved = rl_step.saveable(state)
     cause = "; ".join(f"a bit fault fired in RL step {t} ({f})" for t, f in fired.items())
     hint = guard_hint(r.loop.recovery.note)
@@ -341,7 +343,7 @@ def _save(r: _Run, step: int, state, m: dict, fired: dict[int, str]) -> None:
     meta = {"step": step, "data": r.loop.batcher.state(), "base": r.base_print}
     if r.base_print is not None:  # a LoRA run: the warm start its base came from
         meta["warm_start"] = r.spec.warm_start.key
-    r.ckpt.save(step, saved, meta, step == r.total)
+    r.ckpt.save(step, saved, meta, step == r.total and not resumable)
 
 
 def _last_val(history: list) -> dict:

@@ -187,6 +187,44 @@ def test_kill_and_resume_equals_uninterrupted(tmp_path, monkeypatch, sft_cache):
     _assert_same(final, _state(killed, STEPS))
 
 
+@pytest.mark.slow
+def test_sigterm_at_the_last_step_saves_and_exits(tmp_path, monkeypatch, sft_cache):
+    """A SIGTERM during the run's last step: the loop saves the whole state (even under
+    config.checkpoint.final='params', whose checkpoint could not be resumed) and exits 143,
+    before the export and summary (it used to go on: a compare job then started its final
+    evaluation). The rerun resumes at that step, trains nothing and finishes the run."""
+    from aqn_jax.launch import run
+    from aqn_jax.rl.trainer import Trainer
+
+    config = shallow(load_config("deadzone", "smoke"), **{"trainer.total_steps": 2})
+    config.sft.cache_dir, config.checkpoint.every, config.checkpoint.final = sft_cache, 0, "params"
+    real, steps = Trainer.step, []
+
+    def preempted(self, state, step):  # the signal arrives inside the last step
+        if step == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        steps.append(step)
+        return real(self, state, step)
+
+    with monkeypatch.context() as m, pytest.raises(SystemExit) as stopped:
+        m.setattr(Trainer, "step", preempted)
+        run(config, str(tmp_path))
+    assert stopped.value.code == 143 and steps == [1, 2]
+    assert not (tmp_path / "summary.json").exists()  # stopped before the finish
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["2"]
+    saved = _state(tmp_path, 2)
+    assert {"params", "opt_state", "step"} <= set(saved)  # the whole state, not params-only
+    rows = _rows(tmp_path)
+    assert [r["step"] for r in rows] == [0, 1, 2]
+
+    with monkeypatch.context() as m:
+        m.setattr(Trainer, "step", preempted)
+        run(config, str(tmp_path))  # resumes at step 2: nothing left to train
+    assert steps == [1, 2]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["steps"] == 2 and _rows(tmp_path) == rows  # no row written twice
+
+
 def test_sigterm_requests_a_final_checkpoint():
     """The train loop's SIGTERM handler only sets a flag; the loop then saves and exits 143."""
     from aqn_jax.checkpoint import Preemption
