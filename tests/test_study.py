@@ -507,3 +507,27 @@ def test_study_outcome_recomputes_from_the_run_directories(tmp_path):
             r["seed"] = 2 if r["seed"] == 0 else 0
     moved = O.outcome(swapped)["comparisons"][0]
     assert moved["mean_diff"] == pytest.approx(0.1) and abs(moved["p"] - main["p"]) > 0.01
+
+
+def test_committed_study_agrees_with_its_run_directories():
+    """docs/qwen05_arith_study.{json,md} (issue 59) are what `study.outcome` computes from the
+    run directories committed beside them (docs/qwen05_study: each run's evaluation.json and
+    metrics.jsonl, the step-0 evaluation, SRDD's verdict): the per-seed numbers, the means and
+    intervals, and the paired tests with their Holm p-values."""
+    from aqn_jax.study import outcome as O
+
+    docs = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs")
+    with open(os.path.join(docs, "qwen05_arith_study.json")) as f:
+        committed = json.load(f)
+    got = O.collect(os.path.join(docs, "qwen05_study"))
+    assert len(got["runs"]) >= 11 and got["srdd_layers"] == committed["srdd_layers"] == [15]
+    assert got["runs"] == committed["runs"]
+    res = json.loads(json.dumps(O.outcome(got["runs"])))  # the JSON's round trip (tuples, keys)
+    assert res["arms"] == committed["arms"]
+    assert res["comparisons"] == committed["comparisons"]
+    with open(os.path.join(docs, "qwen05_arith_study.md")) as f:
+        assert f.read() == O.table({**got, **res})
+    # Negative control: one run's final accuracy changed, and its comparison's p moves.
+    moved = [dict(r) for r in got["runs"]]
+    next(r for r in moved if r["arm"] == "faulty" and r["seed"] == 0)["faulty_final"] -= 0.1
+    assert O.outcome(moved)["comparisons"][0]["p"] != committed["comparisons"][0]["p"]
