@@ -337,15 +337,22 @@ def _study(config, smoke: bool):
     model for every run and is evaluated once (config.compare.baseline). The runs' own
     validation is a 16-problem check. The statistics: `python -m aqn_jax.study.outcome`.
 
-    The reading so far (10 of 12 runs, f32 on AVX2 EPYC; docs/qwen05_arith_study.md):
-    SRDD names layer 15, the fault's. Every run had signal (a mean 0.56-0.71 of groups a step). RL
-    on either device lifts the faulty device from 0.203 to 0.61-0.79. Training on the faulty
-    device buys it nothing detectable over clean training: faulty - clean_rl +0.022 over 3
-    pairs (p 0.71, MDD 0.29); the faulty arm's SD over seeds (0.089) is 3x the binomial SE
-    of one 256-problem validation (0.029): the seeds, not the test set, limit it. On the
-    clean device it costs in every seed (-0.023, -0.195, -0.070; mean -0.096, p 0.20). AQN
-    at 2 seeds: targeted - faulty +0.004, global - faulty -0.020 (MDD 0.70 and 0.19): no gain
-    seen, none excluded.
+    The reading (all 12 runs: 4 arms x 3 seeds, 12 steps each, f32 on AVX2 EPYC, 2026-11-28/29;
+    docs/qwen05_arith_study.md). SRDD names layer 15, the fault's. Every run had signal (a mean
+    0.56-0.71 of groups a step carried an advantage). RL on either device lifts the faulty
+    device from 0.203 to 0.61-0.79 (arm means 0.66-0.69). Paired over seeds, faulty device:
+    - faulty - clean_rl +0.022 [-0.20, 0.24], p 0.71 (Holm 1.00), MDD 0.29: training on the
+      faulty device buys it nothing detectable over clean training;
+    - targeted_aqn - faulty +0.004 [-0.10, 0.11], MDD 0.14; global_aqn - faulty +0.007
+      [-0.11, 0.12], MDD 0.15; targeted - global -0.003, MDD 0.18: no AQN gain seen, and the
+      95% intervals exclude gains above 0.11-0.12. QeRL's reported AQN gains (0.4 and 2.3
+      points, 3B and 7B) are far below what 3 seeds resolve: at this spread, 0.05 needs 8-9
+      pairs, 0.02 needs 39-45.
+    On the clean device, faulty - clean_rl -0.096 (-0.023, -0.195, -0.070; p 0.20): adapting
+    to the fault cost clean accuracy in every seed, not significant at n = 3. The seeds, not
+    the test set, limit the power: the arms' SD over seeds is 0.045-0.089 against a binomial
+    SE of 0.029 for one 256-problem validation, and a seed lifts or sinks every arm alike
+    (seed means 0.738, 0.669, 0.635), which the pairing removes.
     """
     config.job = "compare"
     # One dtype whatever machine a later session resumes on ('auto' picks bf16 on AVX-512 BF16
