@@ -520,7 +520,10 @@ def test_committed_study_agrees_with_its_run_directories():
     with open(os.path.join(docs, "qwen05_arith_study.json")) as f:
         committed = json.load(f)
     got = O.collect(os.path.join(docs, "qwen05_study"))
-    assert len(got["runs"]) >= 11 and got["srdd_layers"] == committed["srdd_layers"] == [15]
+    assert sorted((r["arm"], r["seed"]) for r in got["runs"]) == [  # the whole study: 4 x 3
+        (a, s) for a in ("clean_rl", "faulty", "global_aqn", "targeted_aqn") for s in (0, 1, 2)
+    ]
+    assert got["srdd_layers"] == committed["srdd_layers"] == [15]
     assert got["runs"] == committed["runs"]
     res = json.loads(json.dumps(O.outcome(got["runs"])))  # the JSON's round trip (tuples, keys)
     assert res["arms"] == committed["arms"]
