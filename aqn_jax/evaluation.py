@@ -93,6 +93,7 @@ class EvalSpec:
     seed: int
     reward_method: str
     share_prompt: bool = True  # config.rollout.share_prompt (mean@n: one prefill per prompt)
+    share_prefix: bool = True  # config.rollout.share_prefix (the prompts' common prefix once)
     clean_size: int = 0  # config.evaluate.clean_size: the fault-off conditions' first examples
 
 
@@ -219,11 +220,13 @@ def _eval_sampling(spec: EvalSpec, tokenizer: Tokenizer) -> SamplingParams:
     return SamplingParams(
         max_new_tokens=spec.max_new_tokens,
         eos_id=tokenizer.eos_id,
+        stop_ids=tokenizer.stop_ids,
         pad_id=tokenizer.pad_id,
         temperature=0.0 if spec.samples == 1 else spec.temperature,
         n=spec.samples,
         vocab_size=tokenizer.vocab_size,
         share_prompt=spec.share_prompt,
+        share_prefix=spec.share_prefix,
     )
 
 
@@ -274,6 +277,7 @@ def greedy_sampling(max_new_tokens: int, tokenizer: Tokenizer) -> SamplingParams
     return SamplingParams(
         max_new_tokens=int(max_new_tokens),
         eos_id=tokenizer.eos_id,
+        stop_ids=tokenizer.stop_ids,
         pad_id=tokenizer.pad_id,
         temperature=0.0,
         vocab_size=tokenizer.vocab_size,

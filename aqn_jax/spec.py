@@ -187,6 +187,7 @@ def loop_spec(config: Any) -> LoopSpec:
         top_k=int(ro.top_k),
         top_p=float(ro.top_p),
         share_prompt=flag(ro, "config.rollout", "share_prompt"),
+        share_prefix=flag(ro, "config.rollout", "share_prefix"),
         reward_method=str(config.data.reward_method),
         aqn=AqnSchedule.of(config.aqn),
     )
@@ -286,6 +287,7 @@ def eval_spec(config: Any) -> EvalSpec:
         max_new_tokens=int(config.rollout.max_new_tokens),
         temperature=float(config.rollout.temperature),
         share_prompt=flag(config.rollout, "config.rollout", "share_prompt"),
+        share_prefix=flag(config.rollout, "config.rollout", "share_prefix"),
         clean_size=int(ev.get("clean_size", 0)),
         buckets=tuple(int(b) for b in config.rollout.prompt_buckets),
         max_prompt_len=int(config.rollout.max_prompt_len),

@@ -101,12 +101,16 @@ class _Run:
         return v
 
 
-def _levers_off(static, plan, rollout_share: bool) -> list[str]:
+def _levers_off(static, plan, rollout_share: bool, prefix_share: bool = False) -> list[str]:
     """The step-cost levers asked for and off, one line each with the reason."""
     lines = list(static.levers_off)
     if rollout_share and static.h.n > 1:
         why = plan.split_refusals("rollout", split=False)
         lines += [f"config.rollout.share_prompt off: {w}" for w in why]
+    if prefix_share:
+        for phase in ("rollout", "eval"):
+            why = plan.prefix_refusals(phase)
+            lines += [f"config.rollout.share_prefix off ({phase}): {w}" for w in why]
     return lines
 
 
@@ -193,7 +197,7 @@ def _programs(r: _Run, train_examples, params) -> rl_step.RLState:
     batcher = prompt_batcher(spec.loop, train_examples, spec.tokenizer)
     r.total = spec.trainer.steps(batcher.batches_per_epoch)
     static = rl_step.static_from(spec.step, spec.model, r.plan, spec.device, r.total)
-    for line in _levers_off(static, r.plan, spec.loop.share_prompt):
+    for line in _levers_off(static, r.plan, spec.loop.share_prompt, spec.loop.share_prefix):
         print(line)
     sh = rl_step.shardings(static, mesh)
     lora_key = jax.random.fold_in(jax.random.key(spec.seed), 0x10AA)

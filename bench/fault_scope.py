@@ -89,7 +89,13 @@ def main():
         f"amax threshold flushing 75% (call, teacher forcing): {np.quantile(h, 0.75) / h.max():.3f}"
     )
 
-    sp = SamplingParams(24, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id, temperature=0.0)
+    sp = SamplingParams(
+        24,
+        eos_id=tokenizer.eos_id,
+        stop_ids=tokenizer.stop_ids,
+        pad_id=tokenizer.pad_id,
+        temperature=0.0,
+    )
     print(
         "| setting | scope | flushed, rollout | flushed, training | flush decisions that differ |"
     )

@@ -183,6 +183,7 @@ def gsm8k_greedy(args, cfg, model, weights, hf, tok, load: str) -> None:
     sp = SamplingParams(
         args.new_tokens,
         eos_id=tok.eos_id,
+        stop_ids=tok.stop_ids,
         pad_id=tok.pad_id,
         temperature=0.0,
         vocab_size=tok.vocab_size,

@@ -249,7 +249,7 @@ def test_an_unfinished_run_is_evaluated_as_such(tmp_path):
     assert run_status(str(tmp_path), 30) == {"step": 30, "finished": True, "total_steps": 30}
 
 
-def test_eval_scores_reads_answers_with_the_configured_method():
+def test_eval_scores_reads_answers_with_the_configured_method(capsys):
     """`config.data.reward_method` reaches the score: a prose answer ("... is 12") scores 0
     strict (no '#### ') and 1 flexible (the last number), a '#### 12' answer 1 under both, a
     wrong number 0 under both, and "... is 12." 0 under both (verl's flexible pattern takes the
@@ -279,17 +279,27 @@ def test_eval_scores_reads_answers_with_the_configured_method():
         resp = np.zeros_like(tokens)
         for i, r in enumerate(rows):
             tokens[i, : len(r)], resp[i, : len(r)] = r, 1
-        return types.SimpleNamespace(tokens=tokens, response_mask=resp)
+        ended = np.zeros(ids.shape[0], bool)
+        return types.SimpleNamespace(tokens=tokens, response_mask=resp, ended=ended)
 
-    sampler.sampling = types.SimpleNamespace(n=1)
+    eos = (tok.eos_id,)
+    sampler.sampling = types.SimpleNamespace(n=1, max_new_tokens=width, eos_id=eos[0], stop_ids=eos)
+    sampler.phase = "eval"
     strict = eval_scores(sampler, None, examples, tok, 4, 72, method="strict")
     flexible = eval_scores(sampler, None, examples, tok, 4, 72, method="flexible")
     np.testing.assert_array_equal(strict, [0.0, 1.0, 0.0, 0.0])
     np.testing.assert_array_equal(flexible, [1.0, 1.0, 0.0, 0.0])
     # `ended`: whether each completion emitted EOS; none of these did (cut at the budget) ...
     ended = []
+    capsys.readouterr()
     eval_scores(sampler, None, examples, tok, 4, 72, ended=ended)
     assert ended == [False] * 4
+    # A call in which no response ended says so, in one line.
+    assert capsys.readouterr().out == (
+        f"eval: every one of 4 responses ran to the {width}-token cap without a stop id"
+        f" [{tok.eos_id}]: the answers may be cut, or the tokenizer's eos is not the model's end"
+        " of turn\n"
+    )
     # ... and with EOS ending rows 1 and 3, on 3 examples (a batch of 4: row 3 is padding), row 1
     # ended and the padding row is dropped.
     eos_rows = {1, 3}
@@ -300,9 +310,11 @@ def test_eval_scores_reads_answers_with_the_configured_method():
             if i % len(answers) in eos_rows:
                 j = int(out.response_mask[i].sum())
                 out.tokens[i, j - 1], out.response_mask[i, j - 1] = tok.eos_id, 1
+                out.ended[i] = True
         return out
 
     ending.sampling = sampler.sampling
     ended = []
     eval_scores(ending, None, examples[:3], tok, 4, 72, ended=ended)
     assert ended == [False, True, False]
+    assert capsys.readouterr().out == ""  # one response ended: no line

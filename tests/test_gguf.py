@@ -119,7 +119,7 @@ def k_quant_blocks(shape, qtype, seed=0):
     return raw.reshape(rows, cols // block * type_size)
 
 
-def write_gguf(path, model, arch="llama", name="tiny", quantise=(QUANTISED,)):
+def write_gguf(path, model, arch="llama", name="tiny", quantise=(QUANTISED,), tokens=TOKENS):
     """`model` (a transformers decoder) as llama.cpp writes it; returns {gguf name: the array
     stored, dequantised}. `quantise`: names stored Q8_0, or {name: ggml type} (Q4_0/Q5_0/Q8_0
     quantised by gguf.quants; Q4_K/Q6_K random blocks, see `k_quant_blocks`)."""
@@ -139,13 +139,14 @@ def write_gguf(path, model, arch="llama", name="tiny", quantise=(QUANTISED,)):
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("default")
-    w.add_token_list(TOKENS)
+    w.add_token_list(tokens)
     w.add_token_types(
-        [gguf.TokenType.CONTROL if t in SPECIALS else gguf.TokenType.NORMAL for t in TOKENS]
+        [gguf.TokenType.CONTROL if t in SPECIALS else gguf.TokenType.NORMAL for t in tokens]
     )
     w.add_token_merges(MERGES)
-    w.add_bos_token_id(TOKENS.index("<|im_start|>"))
-    w.add_eos_token_id(TOKENS.index("<|im_end|>"))
+    w.add_bos_token_id(tokens.index("<|im_start|>"))
+    w.add_eos_token_id(tokens.index("<|im_end|>"))
+    w.add_pad_token_id(tokens.index("<|endoftext|>"))
     w.add_chat_template(CHATML)
     types = quantise if isinstance(quantise, dict) else dict.fromkeys(quantise, "Q8_0")
     stored = {}
@@ -252,6 +253,82 @@ def test_tiny_gguf_snapshot_files_and_record(tiny):
     assert (config.vocab_size, config.hidden_size, config.intermediate_size) == (VOCAB, 64, 96)
     assert (config.num_attention_heads, config.num_key_value_heads) == (H, K)
     assert not config.tie_word_embeddings
+
+
+def test_tiny_gguf_special_tokens_are_the_files(tiny):
+    # bos, eos and pad are the GGUF's own ids, in every file of the snapshot, and the stop ids
+    # are its end-of-generation control tokens (eos first).
+    out, im_end, text = tiny["out"], TOKENS.index("<|im_end|>"), TOKENS.index("<|endoftext|>")
+    tok = HFTokenizer.from_pretrained(out)
+    assert (tok.eos_id, tok.pad_id, tok.bos_id) == (im_end, text, TOKENS.index("<|im_start|>"))
+    assert tok.stop_ids == (im_end, text)
+    assert json.loads((out / "config.json").read_text())["eos_token_id"] == im_end
+    gen = json.loads((out / "generation_config.json").read_text())
+    assert gen["eos_token_id"] == [im_end, text]
+    assert tiny["record"]["special_tokens"]["eos"] == {"id": im_end, "text": "<|im_end|>"}
+
+
+def _fallback_of_transformers_5_17(monkeypatch):
+    """transformers 5.17 set no special-token strings from a qwen2 GGUF's metadata, so its
+    tokenizer fell back to eos "</s>" and bos "<s>": reproduced by dropping them from what
+    `get_gguf_tokenizer` returns (transformers imports it inside the tokenizer's __init__)."""
+    import transformers.integrations.gguf as tgguf
+
+    real = tgguf.get_gguf_tokenizer
+
+    def without_specials(path):
+        arch, tokenizer, config = real(path)
+        config = {
+            k: v for k, v in config.items() if k not in ("bos_token", "eos_token", "pad_token")
+        }
+        return arch, tokenizer, config
+
+    monkeypatch.setattr(tgguf, "get_gguf_tokenizer", without_specials)
+
+
+def test_eos_comes_from_the_gguf_whatever_transformers_writes(tmp_path, monkeypatch):
+    # A vocabulary that also holds an ordinary "</s>" and "<s>" (Qwen's: ids 128247, 128245).
+    tokens = TOKENS + ["</s>", "<s>"]
+    original = make_hf_model(
+        tmp_path / "hf", seed=4, family="qwen2", vocab_size=len(tokens), tie_word_embeddings=True
+    )
+    write_gguf(tmp_path / "q.gguf", original, arch="qwen2", quantise=(), tokens=tokens)
+    _fallback_of_transformers_5_17(monkeypatch)
+    # The stub reproduces the fault: transformers alone writes the ordinary "</s>" ...
+    ref = gguf_import._load_tokenizer(str(tmp_path), "q.gguf")
+    assert ref.eos_token == "</s>" and ref.eos_token_id == tokens.index("</s>")
+    # ... which the snapshot's check refuses when the GGUF's tokens are not pinned (negative
+    # control: what the import published before). transformers registers its "</s>" as a
+    # special token, so the refusal is the model's eos ids, not the token's kind.
+    with monkeypatch.context() as m:
+        m.setattr(gguf_import, "pin_specials", lambda tmp, specials: None)
+        s_id = tokens.index("</s>")
+        with pytest.raises(ValueError, match=rf"eos_token '</s>' \(id {s_id}.*not an id the model"):
+            gguf_import.gguf_to_hf(str(tmp_path / "q.gguf"), str(tmp_path / "unpinned"))
+    assert_nothing_written(tmp_path / "unpinned")
+    record = gguf_import.gguf_to_hf(str(tmp_path / "q.gguf"), str(tmp_path / "out"))
+    tok = HFTokenizer.from_pretrained(tmp_path / "out")
+    im_end = tokens.index("<|im_end|>")
+    assert (tok.eos_id, tok.pad_id) == (im_end, tokens.index("<|endoftext|>"))
+    cfg = json.loads((tmp_path / "out" / "tokenizer_config.json").read_text())
+    assert cfg["eos_token"] == "<|im_end|>" and cfg["bos_token"] == "<|im_start|>"
+    assert record["special_tokens"]["eos"]["id"] == im_end
+
+
+def test_an_eos_that_is_not_a_control_token_is_refused(tmp_path):
+    # The file's own eos id pointing at an ordinary token: nothing ends a turn on it.
+    tokens = TOKENS + ["</s>"]
+    original = make_hf_model(tmp_path / "hf", seed=4, vocab_size=len(tokens))
+    path = tmp_path / "q.gguf"
+    write_gguf(path, original, arch="qwen2", quantise=(), tokens=tokens)
+    data = path.read_bytes()
+    key = b"tokenizer.ggml.eos_token_id"
+    at = data.index(key) + len(key) + 4  # the value's type (u32), then the value
+    data = data[:at] + np.uint32(tokens.index("</s>")).tobytes() + data[at + 4 :]
+    path.write_bytes(data)
+    with pytest.raises(ValueError, match=r"eos_token_id=\d+ \('</s>'\) is not a control token"):
+        gguf_import.gguf_to_hf(str(path), str(tmp_path / "out"))
+    assert_nothing_written(tmp_path / "out")
 
 
 def test_the_import_parses_the_file_once_and_puts_gguf_back(tiny, tmp_path, monkeypatch):
@@ -671,6 +748,15 @@ def test_qwen2_parts_import_q5_0_and_k_quants(qwen_parts):
         ref = torch_logits(qwen_parts["ref_model"], ids)
         assert np.abs(ours).max() > 2.0  # O(1-10) logits: the bound is not vacuous
         assert np.abs(ours - ref).max() <= 1e-4
+
+
+def test_parts_into_an_out_whose_folders_do_not_exist_yet(qwen_parts, tmp_path):
+    # The joined file goes in the nearest folder that exists; --out's folders appear with the
+    # snapshot, and nothing else is left (the first real import failed here: ENOENT).
+    out = tmp_path / "models" / "deep" / "snapshot"
+    assert gguf_import.main([f"--gguf={','.join(qwen_parts['parts'])}", f"--out={out}"]) == 0
+    assert (out / "gguf_import.json").is_file()
+    assert os.listdir(tmp_path) == ["models"] and os.listdir(out.parent) == ["snapshot"]
 
 
 def test_transformers_header_reader_lacks_q5_0_and_the_gguf_reader_agrees(qwen_parts, tiny):

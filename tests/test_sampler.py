@@ -12,8 +12,9 @@ import pytest
 
 from aqn_jax.faults.intercept import FaultPlan, Injection
 from aqn_jax.faults.sites import SiteSelector
-from aqn_jax.faults.transforms import Deadzone
+from aqn_jax.faults.transforms import Deadzone, Noise, Scale
 from aqn_jax.models.qwen2 import Qwen2Config, Qwen2ForCausalLM
+from aqn_jax.rl import sampler as sampler_mod
 from aqn_jax.rl.sampler import Sampler, SamplingParams
 
 from conftest import left_padded_batch, random_params
@@ -107,6 +108,23 @@ def test_eos_stops_each_sequence_independently():
         np.testing.assert_array_equal(out.tokens[row, :stop], free.tokens[row, :stop])
         assert (out.tokens[row, stop:] == 0).all() and (out.logprobs[row, stop:] == 0).all()
     assert out.response_mask.sum(1).min() < out.response_mask.sum(1).max()  # really independent
+
+
+def test_stop_ids_end_rows_and_ended_says_which():
+    # A model's generation config may list several end-of-turn ids (Qwen2.5-Instruct: 151645
+    # and 151643): a row ends on any of them, and `ended` is the rows that stopped (what the
+    # clip metrics read). Negative control: with eos alone the rows run on.
+    ids, mask = prompts()
+    free = sampler(eos_id=-1)(WEIGHTS, ids, mask, jax.random.key(0))
+    assert not free.ended.any()  # nothing stops: every row ran to the cap
+    stop = int(free.tokens[1, 1])
+    out = sampler(eos_id=-1, stop_ids=(stop,))(WEIGHTS, ids, mask, jax.random.key(0))
+    for row in range(len(LENGTHS)):
+        hits = np.flatnonzero(free.tokens[row] == stop)
+        end = hits[0] + 1 if len(hits) else NEW
+        np.testing.assert_array_equal(out.response_mask[row], np.arange(NEW) < end)
+        assert out.ended[row] == bool(len(hits))
+    assert out.ended[1] and out.response_mask[1].sum() <= 2
 
 
 def test_same_key_same_samples_and_different_key_differs():
@@ -205,6 +223,85 @@ def test_shared_prompt_prefill_equals_one_prefill_per_row():
     np.testing.assert_array_equal(c.tokens[3:], a.tokens[3:])
 
 
+def prefixed(own=(7, 3, 10), common=20, seed=1):
+    """Left-padded prompts that all start with the same `common` tokens, then their own."""
+    rng = np.random.RandomState(seed)
+    head = rng.randint(2, VOCAB, common)
+    rows = [np.concatenate([head, rng.randint(2, VOCAB, n)]) for n in own]
+    L = max(len(r) for r in rows)
+    ids = np.zeros((len(rows), L), np.int32)
+    mask = np.zeros((len(rows), L), np.int32)
+    for i, r in enumerate(rows):
+        ids[i, L - len(r) :], mask[i, L - len(r) :] = r, 1
+    return ids, mask
+
+
+def test_shared_prefix_len_and_layout():
+    ids, mask = prefixed(common=20)
+    assert sampler_mod.shared_prefix_len(ids, mask) == 16  # 20 common, rounded down to 16
+    assert sampler_mod.shared_prefix_len(*prefixed(common=15)) == 0
+    assert sampler_mod.shared_prefix_len(ids[:1], mask[:1]) == 0  # one prompt: nothing to share
+    # Every row keeps one token of its own: a prompt that is all prefix shares one token less.
+    same = np.tile(ids[2:3], (2, 1))
+    assert sampler_mod.shared_prefix_len(same, mask[2:3].repeat(2, 0)) == 16  # 30 tokens: 29 -> 16
+    prefix, own, own_mask = sampler_mod.split_prefix(ids, mask, 16, 32)
+    assert prefix.shape == (1, 16) and own.shape == own_mask.shape == (3, 16)
+    for i in range(3):
+        real = ids[i][mask[i] > 0]
+        np.testing.assert_array_equal(np.concatenate([prefix[0], own[i][own_mask[i] > 0]]), real)
+        assert own_mask[i, -1] == 1 and own_mask[i].sum() == len(real) - 16  # left-padded
+
+
+@pytest.mark.parametrize("fault", [None, "token"])
+@pytest.mark.parametrize("n", [1, 3])
+def test_shared_prefix_gives_the_greedy_tokens_of_a_whole_prefill(fault, n):
+    # The prefix every prompt starts with, prefilled once and broadcast, then each row's own
+    # tokens: the same greedy tokens as prefilling every prompt whole, with no fault and with a
+    # deterministic per-token deadzone (scope 'token': each token's flush is its own).
+    plan = None
+    if fault:
+        dz = Deadzone(0.3, scope=fault)
+        plan = FaultPlan([Injection("dz", SiteSelector(("layer",), (1,)), dz, phases=("rollout",))])
+    ids, mask = prefixed()
+    on = sampler(n=n, plan=plan, temperature=0.0)
+    off = sampler(n=n, plan=plan, temperature=0.0, share_prefix=False)
+    assert not on.prefix_refused and off.prefix_refused == ["config.rollout.share_prefix=False"]
+    a = on(WEIGHTS, ids, mask, jax.random.key(0))
+    b = off(WEIGHTS, ids, mask, jax.random.key(0))
+    assert on.prefix_calls == 1 and off.prefix_calls == 0
+    np.testing.assert_array_equal(a.tokens, b.tokens)
+    np.testing.assert_array_equal(a.prompt_ids, b.prompt_ids)  # the train rows: today's layout
+    # The same products over other slots (the padding moved after the prefix) and batches:
+    # f32 rounding along the path at the logits' scale.
+    tol = bound(
+        forward_path(CONFIG, BUCKETS[1] + NEW, log_softmax=True), logit_bound(CONFIG, WEIGHTS)
+    )
+    np.testing.assert_allclose(a.logprobs, b.logprobs, atol=tol, rtol=0)
+    # (The telemetry is a mean over every slot, padding included, and a padding query now
+    # sees the prefix: the flushed share differs by what the padding slots flush.)
+    # Negative control: one prefix token changed in row 0 only: nothing is shared beyond it,
+    # and row 0's result differs from what the shared prefix gave.
+    ids2 = ids.copy()
+    ids2[0, np.flatnonzero(mask[0])[3]] += 1
+    c = on(WEIGHTS, ids2, mask, jax.random.key(0))
+    assert on.prefix_calls == 1  # no shared prefix: the whole prefill
+    assert np.abs(c.logprobs[:n] - a.logprobs[:n]).max() > tol
+
+
+def test_shared_prefix_is_off_where_it_would_change_the_values():
+    # A call-wide statistic, or a draw per call: one line naming the injection.
+    for t, why in (
+        (Deadzone(0.3, scope="call"), "a statistic over the whole call"),
+        (Noise("relative_gaussian", Scale(0.1)), "draws its values per call"),
+    ):
+        plan = FaultPlan([Injection("f", SiteSelector(("layer",), (1,)), t, phases=("rollout",))])
+        s = sampler(plan=plan)
+        assert len(s.prefix_refused) == 1 and why in s.prefix_refused[0]
+        ids, mask = prefixed()
+        s(WEIGHTS, ids, mask, jax.random.key(0))
+        assert s.prefix_calls == 0
+
+
 def test_norm_weight_noise_is_drawn_once_per_rollout():
     # AQN's norm-weight noise (QeRL's form) models the weights the rollout device holds: one
     # draw for the prefill and every decode step. The sampler's log-probs then equal one
@@ -264,7 +361,7 @@ MESH = textwrap.dedent(
     import jax, jax.numpy as jnp, numpy as np
     sys.path.insert(0, {tests!r})
     import ml_collections
-    from test_sampler import MODEL, WEIGHTS, prompts, sampler
+    from test_sampler import MODEL, WEIGHTS, prefixed, prompts, sampler
     from aqn_jax import parallel
     from aqn_jax.faults.intercept import FaultPlan, Injection
     from aqn_jax.faults.sites import SiteSelector
@@ -291,6 +388,18 @@ MESH = textwrap.dedent(
             got.append(s(WEIGHTS, ids, mask, jax.random.key(0)))
         np.testing.assert_array_equal(got[0].tokens, got[1].tokens)
         out[len(lengths)] = float(np.abs(got[0].logprobs - got[1].logprobs).max())
+    # The shared prefix on the mesh (a deterministic per-token deadzone): 4 prompts x 2 over
+    # the two devices, the prefix replicated, the same greedy tokens as whole prefills.
+    tok = FaultPlan([Injection("dz", SiteSelector(("layer",), (1,)), Deadzone(0.3, scope="token"),
+                               phases=("rollout",))])
+    ids, mask = prefixed(own=(7, 3, 10, 5))
+    got = []
+    for share in (True, False):
+        s = Sampler(MODEL, SamplingParams(**sp, n=2, share_prefix=share), tok, (32,), mesh=mesh)
+        got.append(s(WEIGHTS, ids, mask, jax.random.key(0)))
+        assert s.prefix_calls == int(share)
+    np.testing.assert_array_equal(got[0].tokens, got[1].tokens)
+    out["prefix"] = float(np.abs(got[0].logprobs - got[1].logprobs).max())
     # Silent groups' advantages exactly 0 on the mesh (rows split over both devices).
     for n in (3, 5, 7):
         scores = np.ones(4 * n, np.float32)
@@ -299,7 +408,7 @@ MESH = textwrap.dedent(
         m = jax.device_put(np.ones((4 * n, 2), np.float32), parallel.batch_sharding(mesh, 2))
         adv = np.asarray(jax.jit(A.grpo_outcome_advantage, static_argnums=2)(x, m, n))
         assert np.all(adv[n:] == 0.0) and np.all(adv[:n] != 0.0), n
-    print("MAXDIFF", out[3], out[2])
+    print("MAXDIFF", out[3], out[2], out["prefix"])
     """
 )
 
@@ -319,7 +428,7 @@ def test_shared_prefill_on_a_two_device_mesh(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     diffs = [float(x) for x in proc.stdout.split("MAXDIFF")[1].split()]
     tol = bound(
-        forward_path(CONFIG, BUCKETS[0] + NEW, log_softmax=True), logit_bound(CONFIG, WEIGHTS)
+        forward_path(CONFIG, BUCKETS[1] + NEW, log_softmax=True), logit_bound(CONFIG, WEIGHTS)
     )
     assert max(diffs) <= tol
 

@@ -567,3 +567,49 @@ def test_module_does_not_import_transformers(hf_dirs):
     ).stdout.split()
     assert int(out[0]) > 10
     assert out[1:] == ["False", "False"]
+
+
+def _snapshot_with_ordinary_s(root, eos, config=None, generation=None):
+    """A tokenizer whose vocabulary holds `</s>` as an ordinary word (as Qwen's does, id 128247)
+    beside the special `<|im_end|>` and `<|endoftext|>`; `eos` in tokenizer_config.json, and a
+    config.json / generation_config.json stating the model's eos ids, when given."""
+    from tokenizers import Tokenizer as RustTokenizer
+    from tokenizers import models, pre_tokenizers
+
+    root.mkdir()
+    words = {"a": 0, "b": 1, "</s>": 2, "<unk>": 3}
+    rust = RustTokenizer(models.WordLevel(words, unk_token="<unk>"))
+    rust.pre_tokenizer = pre_tokenizers.Whitespace()
+    rust.add_special_tokens(["<|endoftext|>", "<|im_end|>"])  # ids 4, 5
+    rust.save(str(root / "tokenizer.json"))
+    cfg = {"eos_token": eos, "chat_template": "{{ messages[0].content }}"}
+    (root / "tokenizer_config.json").write_text(json.dumps(cfg))
+    for name, ids in (("config.json", config), ("generation_config.json", generation)):
+        if ids is not None:
+            (root / name).write_text(json.dumps({"eos_token_id": ids}))
+    return root
+
+
+def test_hf_eos_must_be_a_special_token_the_model_ends_on(tmp_path):
+    # transformers 5.17's GGUF fallback wrote eos "</s>" for Qwen2.5 (an ordinary token): every
+    # response ran to the cap. Refused in one line naming the files and the ids.
+    bad = _snapshot_with_ordinary_s(tmp_path / "bad", "</s>", config=5)
+    with pytest.raises(
+        ValueError,
+        match=r"eos_token '</s>' \(id 2, tokenizer_config.json\) is an ordinary vocabulary"
+        r" token.*config.json eos_token_id \[5\]",
+    ):
+        HFTokenizer.from_pretrained(bad)
+    # With no model config at all, an ordinary eos is still refused.
+    with pytest.raises(ValueError, match="is an ordinary vocabulary token"):
+        HFTokenizer.from_pretrained(_snapshot_with_ordinary_s(tmp_path / "bare", "</s>"))
+    # A special token, but not the one the model's config ends a turn on.
+    other = _snapshot_with_ordinary_s(tmp_path / "other", "<|endoftext|>", config=5)
+    with pytest.raises(ValueError, match=r"id 4.*not an id the model ends a turn on"):
+        HFTokenizer.from_pretrained(other)
+    # The model's eos: accepted, and the generation config's ids are the stop ids (eos first).
+    good = _snapshot_with_ordinary_s(tmp_path / "good", "<|im_end|>", config=5, generation=[5, 4])
+    tok = HFTokenizer.from_pretrained(good)
+    assert (tok.eos_id, tok.stop_ids) == (5, (5, 4))
+    alone = HFTokenizer.from_pretrained(_snapshot_with_ordinary_s(tmp_path / "alone", "<|im_end|>"))
+    assert alone.stop_ids == (5,)

@@ -52,6 +52,8 @@ HF_CONFIG_FILE = "tokenizer_config.json"
 HF_SPECIAL_TOKENS_MAP_FILE = "special_tokens_map.json"
 HF_CHAT_TEMPLATE_JINJA_FILE = "chat_template.jinja"
 HF_CHAT_TEMPLATE_JSON_FILE = "chat_template.json"
+HF_MODEL_CONFIG_FILE = "config.json"
+HF_GENERATION_CONFIG_FILE = "generation_config.json"
 CHAR_TOKENIZER_FILE = "char_tokenizer.json"
 
 # The GSM8K-style instruction appended to every synthetic question (one token in CharTokenizer).
@@ -136,6 +138,13 @@ class Tokenizer(abc.ABC):
     def bos_id(self) -> int | None:
         """Beginning-of-sequence id, or None when the tokenizer has none (as for Qwen2.5)."""
 
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        """Every id that ends a generated response, `eos_id` first (the sampler stops on any
+        of them). By default `eos_id` alone; a snapshot's `generation_config.json` may list
+        more (Qwen2.5-Instruct: 151645 `<|im_end|>` and 151643 `<|endoftext|>`)."""
+        return (self.eos_id,)
+
     @abc.abstractmethod
     def encode(self, text: str) -> list[int]:
         """Encode text without adding special tokens (special-token text still maps to its id)."""
@@ -212,6 +221,54 @@ def _read_json(path: Path) -> dict[str, Any]:
     return data
 
 
+def _eos_ids_of(path: Path) -> list[int] | None:
+    """`eos_token_id` of a model's config.json or generation_config.json (an int or a list of
+    ints; HF allows both), or None when the file or the field is absent."""
+    if not path.is_file():
+        return None
+    value = _read_json(path).get("eos_token_id")
+    if value is None:
+        return None
+    ids = value if isinstance(value, list) else [value]
+    if not ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise ValueError(f"{path}: eos_token_id must be an int or a list of ints, got {value!r}")
+    return ids
+
+
+def _check_eos(
+    root: Path, rust: Any, decoder: Mapping[str, Any], eos: str, eos_id: int
+) -> list[int]:
+    """The snapshot's eos is a special token and one of the ids its model's config.json /
+    generation_config.json end a turn on (where they state any); returns those ids (the
+    generation config's first), the sampler's further stop ids. One line naming the files and
+    ids otherwise: an ordinary vocabulary token as eos (transformers 5.17's GGUF fallback writes
+    Qwen's ordinary `</s>`, id 128247) lets every response run to the token budget."""
+    added = rust.get_added_tokens_decoder()
+    special = eos_id in added and bool(added[eos_id].special)
+    entry = decoder.get(str(eos_id))
+    if isinstance(entry, Mapping) and entry.get("content") == eos:
+        special = special or bool(entry.get("special"))
+    stated = {
+        name: ids
+        for name in (HF_GENERATION_CONFIG_FILE, HF_MODEL_CONFIG_FILE)
+        if (ids := _eos_ids_of(root / name)) is not None
+    }
+    model_ids = list(dict.fromkeys(i for ids in stated.values() for i in ids))
+    said = "; ".join(f"{name} eos_token_id {ids}" for name, ids in stated.items())
+    if not special:
+        raise ValueError(
+            f"{root}: eos_token {eos!r} (id {eos_id}, {HF_CONFIG_FILE}) is an ordinary"
+            f" vocabulary token, not a special one{'; ' + said if said else ''}: set eos_token"
+            " to the model's end-of-turn token"
+        )
+    if model_ids and eos_id not in model_ids:
+        raise ValueError(
+            f"{root}: eos_token {eos!r} (id {eos_id}, {HF_CONFIG_FILE}) is not an id the"
+            f" model ends a turn on ({said}): set eos_token to one of those"
+        )
+    return model_ids
+
+
 def _compile_chat_template(template: str) -> Any:
     """Compile a chat template in the same sandboxed Jinja environment `transformers` uses.
 
@@ -266,6 +323,7 @@ class HFTokenizer(Tokenizer):
         unk_token: str | None = None,
         added_tokens: Mapping[str, int] | None = None,
         name_or_path: str = "<in-memory>",
+        stop_ids: Sequence[int] = (),
     ) -> None:
         """Wrap a `tokenizers.Tokenizer`.
 
@@ -278,6 +336,8 @@ class HFTokenizer(Tokenizer):
           added_tokens: extra content -> id map (from `added_tokens_decoder`) consulted when the
             tokenizer itself does not know a special-token string.
           name_or_path: used in error messages and repr.
+          stop_ids: further ids that end a response besides eos (the model's generation
+            config); `stop_ids` is eos first, then these, each once.
         """
         self._tok = tokenizer
         self._tok.no_padding()
@@ -300,6 +360,12 @@ class HFTokenizer(Tokenizer):
         self._eos_id = self._id_of(eos_token, "eos_token")
         self._pad_id = self._eos_id if pad_token is None else self._id_of(pad_token, "pad_token")
         self._bos_id = None if bos_token is None else self._id_of(bos_token, "bos_token")
+        bad = [int(i) for i in stop_ids if not 0 <= int(i) < self._vocab_size]
+        if bad:
+            raise ValueError(
+                f"{self._name}: stop ids {bad} are outside the vocabulary [0, {self._vocab_size})"
+            )
+        self._stop_ids = tuple(dict.fromkeys([self._eos_id, *map(int, stop_ids)]))
 
     def _id_of(self, token: str, field: str) -> int:
         tid = self._tok.token_to_id(token)
@@ -374,8 +440,9 @@ class HFTokenizer(Tokenizer):
                     f"{cfg_file}: added_tokens_decoder key {key!r} is not an integer id"
                 ) from e
 
-        return cls(
-            RustTokenizer.from_file(str(tok_file)),
+        rust = RustTokenizer.from_file(str(tok_file))
+        tok = cls(
+            rust,
             chat_template=cls._find_chat_template(root, config),
             eos_token=eos,
             pad_token=special("pad_token"),
@@ -384,6 +451,15 @@ class HFTokenizer(Tokenizer):
             added_tokens=added,
             name_or_path=str(root),
         )
+        model_stops = _check_eos(root, rust, decoder, eos, tok.eos_id)
+        outside = [i for i in model_stops if not 0 <= i < tok.vocab_size]
+        if outside:
+            raise ValueError(
+                f"{root}: eos_token_id {outside} of the model's config is outside the"
+                f" tokenizer's vocabulary [0, {tok.vocab_size})"
+            )
+        tok._stop_ids = tuple(dict.fromkeys([tok.eos_id, *model_stops]))
+        return tok
 
     @staticmethod
     def _find_chat_template(root: Path, config: Mapping[str, Any]) -> str:
@@ -429,6 +505,10 @@ class HFTokenizer(Tokenizer):
     @property
     def bos_id(self) -> int | None:
         return self._bos_id
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        return self._stop_ids
 
     @property
     def unk_id(self) -> int | None:

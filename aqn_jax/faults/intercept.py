@@ -216,6 +216,18 @@ class FaultPlan:
                 out.append(f"{inj.name}: {t.describe()} draws once per call")
         return out
 
+    def prefix_refusals(self, phase: str) -> list[str]:
+        """Why prefilling the prefix that every prompt of a batch shares once, in a call of
+        its own, would change what `phase`'s device computes (empty: it may): what a split
+        into two calls changes (`split_refusals(split=True)`), and a transform that draws
+        random values per call."""
+        out = self.split_refusals(phase, split=True)
+        named = {line.split(":", 1)[0] for line in out}
+        for _, inj in self.active(phase):
+            if inj.transform.draws and inj.name not in named:
+                out.append(f"{inj.name}: {inj.transform.describe()} draws its values per call")
+        return out
+
     def describe(self) -> str:
         if not self.injections:
             return "fault plan: empty (clean model)"

@@ -152,6 +152,9 @@ class TransformBase:
     # A shared prompt (rl/sampler.py, rl/step.py) computes a group's prompt once: see
     # `call_statistic` and `per_call_draw`, read by `FaultPlan.split_refusals`.
     per_call_draw: ClassVar[bool] = False  # one draw per call that the whole pass should share
+    # Its values are random draws keyed per call and shaped by it: a prefix shared by every
+    # prompt of a batch (computed once, in a call of its own) would draw other values.
+    draws: ClassVar[bool] = False
 
     @property
     def call_statistic(self) -> str | None:
@@ -353,6 +356,10 @@ class Noise(_Scaled):
     def __post_init__(self):
         ops.NOISE_KINDS.check(self.kind, "kind")
 
+    @property
+    def draws(self) -> bool:  # a systematic bias draws nothing
+        return ops.NOISE_KINDS.get(self.kind).random
+
     def __call__(self, x, ctx: Ctx):
         e = ops.noise_error(self.kind, x, self.scale.at(ctx.site, ctx.values), ctx.key)
         ctx.chain.setdefault("pre_noise", x)
@@ -450,6 +457,7 @@ class NoisyLinear(_Scaled):
     level = "op"
     allowed_kinds = _Kinds(lambda: sites.LINEAR_KINDS)
     per_call_draw = True  # dW's error is one product's: two calls would be two products
+    draws = True
 
     def __call__(self, module, args, ctx: Ctx):
         params = nn.unbox(module.variables["params"])
@@ -485,6 +493,7 @@ class NormWeightNoise(_Scaled):
     level = "op"
     allowed_kinds = _Kinds(lambda: sites.GROUPS["rmsnorm"])
     per_call_draw = True  # the weight vector is drawn per call
+    draws = True
 
     def __call__(self, module, args, ctx: Ctx):
         weight = nn.unbox(module.variables["params"])["weight"]

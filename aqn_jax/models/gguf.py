@@ -32,6 +32,12 @@ parsing here. What this adds:
   the GGUF quantisation marker is cleared;
 - a check before anything is published: the snapshot is loaded back through our loader, and
   our JAX logits on a chat prompt must match the GGUF-loaded PyTorch model's;
+- the special tokens from the source: bos, eos and pad are the GGUF's
+  `tokenizer.ggml.{bos,eos,padding}_token_id`, written into `tokenizer_config.json`,
+  `config.json` and `generation_config.json` (with the file's other end-of-generation control
+  tokens as further stop ids, llama.cpp's set), whatever the installed transformers wrote
+  (5.17 falls back to eos `</s>` for a qwen2 GGUF: an ordinary token in Qwen's vocabulary,
+  which no response ever ends on); a snapshot whose eos is not a control token is refused;
 - the snapshot appears atomically (written beside `--out`, then renamed), with
   `gguf_import.json`: source file, size, sha256, tensor types, the check's numbers.
 
@@ -329,6 +335,107 @@ def _load_tokenizer(root: str, name: str):
     return TokenizersBackend.from_pretrained(root, gguf_file=name)
 
 
+# The end-of-generation texts llama.cpp adds to a vocabulary's stop set when the file marks them
+# as control tokens (llama-vocab.cpp, `special_eog_ids`); Qwen2.5-Instruct's generation config
+# lists two of them (151645 `<|im_end|>`, 151643 `<|endoftext|>`).
+EOG_TEXTS = (
+    "<|eot_id|>",
+    "<|im_end|>",
+    "<|end|>",
+    "<end_of_turn>",
+    "<|endoftext|>",
+    "<|eom_id|>",
+    "<EOT>",
+    "_<EOT>",
+    "<|end_of_text|>",
+    "<end_of_utterance>",
+)
+_CONTROL = 3  # gguf.TokenType.CONTROL
+
+
+@dataclasses.dataclass(frozen=True)
+class Specials:
+    """The GGUF's special tokens: {'bos'|'eos'|'pad': (id, text)}, and every id that ends a
+    generation (eos first)."""
+
+    tokens: dict[str, tuple[int, str]]
+    stop_ids: tuple[int, ...]
+
+
+def read_specials(gguf_path: str, label: str) -> Specials:
+    """bos, eos and pad from the GGUF's own metadata (`tokenizer.ggml.*_token_id`, the `gguf`
+    package's reader: independent of what the installed transformers makes of them); eos must
+    be present and a control token."""
+    import gguf
+
+    fields = gguf.GGUFReader(gguf_path).fields
+
+    def scalar(key):
+        f = fields.get(key)
+        return None if f is None else int(f.parts[f.data[0]][0])
+
+    tok_field = fields.get("tokenizer.ggml.tokens")
+    if tok_field is None:
+        raise ValueError(f"{label}: no tokenizer.ggml.tokens: the file carries no vocabulary")
+    n = len(tok_field.data)
+    type_field = fields.get("tokenizer.ggml.token_type")
+    types = [int(type_field.parts[i][0]) for i in type_field.data] if type_field else [0] * n
+
+    def text(i):
+        return bytes(tok_field.parts[tok_field.data[i]]).decode("utf-8")
+
+    tokens = {}
+    for name, key in (
+        ("bos", "bos_token_id"),
+        ("eos", "eos_token_id"),
+        ("pad", "padding_token_id"),
+    ):
+        i = scalar(f"tokenizer.ggml.{key}")
+        if i is None:
+            continue
+        if not 0 <= i < n:
+            raise ValueError(f"{label}: tokenizer.ggml.{key}={i} is outside its {n} tokens")
+        tokens[name] = (i, text(i))
+    if "eos" not in tokens:
+        raise ValueError(f"{label}: no tokenizer.ggml.eos_token_id: its end of turn is unknown")
+    eos, eos_text = tokens["eos"]
+    if types[eos] != _CONTROL:
+        raise ValueError(
+            f"{label}: tokenizer.ggml.eos_token_id={eos} ({eos_text!r}) is not a control token"
+            f" (type {types[eos]}); the snapshot is not published"
+        )
+    extra = [scalar(f"tokenizer.ggml.{k}_token_id") for k in ("eot", "eom")]
+    extra += [i for i in range(n) if types[i] == _CONTROL and text(i) in EOG_TEXTS]
+    stops = tuple(dict.fromkeys([eos, *(i for i in extra if i is not None and 0 <= i < n)]))
+    return Specials(tokens, stops)
+
+
+def _update_json(path: str, fields: dict) -> None:
+    data = {}
+    if os.path.exists(path):
+        with open(path) as f:
+            data = json.load(f)
+    data.update(fields)
+    with open(path, "w") as f:
+        json.dump(data, f, indent=2)
+
+
+def pin_specials(tmp: str, specials: Specials) -> None:
+    """Write the GGUF's bos/eos/pad into the snapshot at `tmp`: the strings into
+    tokenizer_config.json, the ids into config.json, and the stop ids into
+    generation_config.json."""
+    ids = {f"{k}_token_id": i for k, (i, _) in specials.tokens.items()}
+    _update_json(
+        os.path.join(tmp, "tokenizer_config.json"),
+        {f"{k}_token": t for k, (_, t) in specials.tokens.items()},
+    )
+    _update_json(os.path.join(tmp, "config.json"), ids)
+    _update_json(
+        os.path.join(tmp, "generation_config.json"),
+        {**ids, "eos_token_id": list(specials.stop_ids)},
+    )
+
+
 def check_inputs(paths: list[str], out: str) -> None:
     """Every check that needs no model load: one line naming the field and value."""
     if len(paths) == 1:
@@ -391,7 +498,13 @@ def gguf_to_hf(
         if sha256 is not None and _sha256(gguf_path) != sha256:
             raise ValueError(f"{label}: sha256 {_sha256(gguf_path)[:12]}…, expected {sha256[:12]}…")
     else:
-        gguf_path, label = tmp + ".gguf", f"the {len(paths)} parts joined ({paths[0]!r}, ...)"
+        # Beside --out, in the nearest folder that exists (--out's parents are made only once
+        # the snapshot is ready).
+        parent = os.path.dirname(tmp)
+        while not os.path.isdir(parent):
+            parent = os.path.dirname(parent)
+        gguf_path = os.path.join(parent, os.path.basename(tmp) + ".gguf")
+        label = f"the {len(paths)} parts joined ({paths[0]!r}, ...)"
         pin = Source((), sha256=sha256) if sha256 else SOURCES.get(source)
         joined = join_parts(paths, gguf_path, pin)
     try:
@@ -431,34 +544,38 @@ def _gguf_parsed_once():
 
 
 def _load_gguf(gguf_path: str, label: str):
-    """(transformers model, tokenizer) of the GGUF, its weights dequantised to float32 and the
-    quantisation marker cleared so that `save_pretrained` writes them."""
+    """(transformers model, tokenizer, the file's own special tokens) of the GGUF, its weights
+    dequantised to float32 and the quantisation marker cleared so that `save_pretrained`
+    writes them. The special tokens are read first, from the one parse of the file."""
     import torch
     from transformers import AutoModelForCausalLM
 
     root, name = os.path.split(os.path.abspath(gguf_path))
-    try:
-        with _gguf_parsed_once():
+    with _gguf_parsed_once():
+        specials = read_specials(gguf_path, label)  # its own one-line errors
+        try:
             model = AutoModelForCausalLM.from_pretrained(root, gguf_file=name, dtype=torch.float32)
             tokenizer = _load_tokenizer(root, name)
-    except (
-        ValueError,
-        KeyError,
-        IndexError,
-        RuntimeError,
-        NotImplementedError,
-        struct.error,
-    ) as e:  # what transformers' GGUF path raises for a file it cannot map
-        raise ValueError(f"{label}: transformers cannot load it ({type(e).__name__}: {e})") from e
+        except (
+            ValueError,
+            KeyError,
+            IndexError,
+            RuntimeError,
+            NotImplementedError,
+            struct.error,
+        ) as e:  # what transformers' GGUF path raises for a file it cannot map
+            raise ValueError(
+                f"{label}: transformers cannot load it ({type(e).__name__}: {e})"
+            ) from e
     model.eval()
     # The weights were dequantised on load; only the marker stops save_pretrained.
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    return model, tokenizer
+    return model, tokenizer, specials
 
 
-def _check_snapshot(tmp: str, model, tokenizer):
+def _check_snapshot(tmp: str, model, tokenizer, specials: Specials | None = None):
     """Our loader and tokenizer read the snapshot at `tmp`; our logits on the check prompt must
     be the GGUF model's. Returns (config, ids, our logits, transformers' logits, max |diff|)."""
     import numpy as np
@@ -469,7 +586,15 @@ def _check_snapshot(tmp: str, model, tokenizer):
     from aqn_jax.models.registry import causal_lm
 
     config, params = load_hf_checkpoint(tmp)
-    ours_tok = HFTokenizer.from_pretrained(tmp)
+    ours_tok = HFTokenizer.from_pretrained(tmp)  # refuses an eos that is an ordinary token
+    if specials is not None:
+        eos, text = specials.tokens["eos"]
+        got = (ours_tok.eos_id, config.eos_token_id)
+        if got != (eos, eos):
+            raise ValueError(
+                f"{tmp}: the snapshot's eos is {got[0]} (tokenizer) / {got[1]} (config.json), the"
+                f" GGUF's {eos} ({text!r}); the snapshot is not published"
+            )
     ids = ours_tok.encode_chat([{"role": "user", "content": CHECK_PROMPT}])
     ref_ids = tokenizer.apply_chat_template(
         [{"role": "user", "content": CHECK_PROMPT}], add_generation_prompt=True, tokenize=True
@@ -500,12 +625,13 @@ def _import(gguf_path, label, joined, paths, out, tmp, t0) -> dict:
     import numpy as np
 
     header = _check_complete(gguf_path, label)
-    model, tokenizer = _load_gguf(gguf_path, label)
+    model, tokenizer, specials = _load_gguf(gguf_path, label)
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        config, ids, ours, ref, diff = _check_snapshot(tmp, model, tokenizer)
+        pin_specials(tmp, specials)
+        config, ids, ours, ref, diff = _check_snapshot(tmp, model, tokenizer, specials)
         record = {
             "source": [os.path.abspath(p) for p in paths] if joined else os.path.abspath(paths[0]),
             "bytes": os.path.getsize(gguf_path),
@@ -516,6 +642,8 @@ def _import(gguf_path, label, joined, paths, out, tmp, t0) -> dict:
             "num_hidden_layers": config.num_hidden_layers,
             "params": int(sum(p.numel() for p in model.parameters())),
             "weights": "float32, dequantised from the GGUF tensors",
+            "special_tokens": {k: {"id": i, "text": t} for k, (i, t) in specials.tokens.items()},
+            "stop_ids": list(specials.stop_ids),
             "check": {
                 "prompt": CHECK_PROMPT,
                 "tokens": len(ids),

@@ -69,6 +69,10 @@ def rollout_config() -> ml_collections.ConfigDict:
     # Each distinct prompt prefilled once for its n samples (off where a fault's values would
     # differ: `FaultPlan.split_refusals`).
     c.share_prompt = True
+    # The prefix every prompt of a call starts with (the chat template's system turn, a worked
+    # example) prefilled once, in the rollout, validation and evaluation (off where a fault's
+    # values would differ: `FaultPlan.prefix_refusals`).
+    c.share_prefix = True
     return c
 
 

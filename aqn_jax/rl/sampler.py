@@ -41,6 +41,9 @@ from aqn_jax.forward import forward
 from aqn_jax.models.registry import init_cache
 
 NEG_INF = -1e30  # masks logits that may never be sampled (finite: no NaN in log-softmax)
+# A shared prefix is a multiple of this many tokens (the rest of the common tokens go with each
+# row's own): one program per multiple, not per length.
+PREFIX_GRANULE = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,10 +62,17 @@ class SamplingParams:
     top_p: float = 1.0
     n: int = 1
     vocab_size: int | None = None
+    # Ids that also end a row, besides eos_id (the tokenizer's `stop_ids`: a model's generation
+    # config may list several end-of-turn ids).
+    stop_ids: tuple[int, ...] = ()
     # Prefill each distinct prompt once and broadcast its KV cache, last logits and fault state
     # to its n rows (config.rollout.share_prompt); off where the fault plan says the values
     # would differ (`FaultPlan.split_refusals`).
     share_prompt: bool = True
+    # Prefill the prefix that every prompt of a call shares (a chat template's system turn, a
+    # worked example) once and broadcast its KV cache to every row (config.rollout.share_prefix);
+    # off where the fault plan says the values would differ (`FaultPlan.prefix_refusals`).
+    share_prefix: bool = True
 
     def __post_init__(self):
         _check_sampling(self, "")
@@ -137,6 +147,7 @@ class SampleOutput:
     logprobs: np.ndarray  # [B*n, max_new_tokens], 0 where masked
     response_mask: np.ndarray  # [B*n, max_new_tokens], 1 for generated tokens (EOS included)
     fault_stats: dict[str, Any]  # mean over prefill and decode steps, per stat
+    ended: np.ndarray  # [B*n] bool: the row emitted a stop id (False: cut at max_new_tokens)
 
 
 class Sampler:
@@ -167,8 +178,13 @@ class Sampler:
         if not sampling.share_prompt:
             self.unshared = ["config.rollout.share_prompt=False"]
         share = sampling.n > 1 and not self.unshared
+        # Why the prefix common to a call's prompts is not prefilled once ([] when it is).
+        self.prefix_refused = self.plan.prefix_refusals(phase)
+        if not sampling.share_prefix:
+            self.prefix_refused = ["config.rollout.share_prefix=False"]
         self._spec = _Program(model, sampling, self.plan, phase, mesh, share, on_trace=self._traced)
         self._program = jax.jit(functools.partial(generate, self._spec), donate_argnums=(4,))
+        self.prefix_calls = 0  # calls that prefilled a shared prefix (tests read it)
 
     def _traced(self) -> None:
         self.traces += 1
@@ -201,17 +217,25 @@ class Sampler:
             )
         B, L = input_ids.shape
         bucket = self.bucket(L)
+        P = 0 if self.prefix_refused else shared_prefix_len(input_ids, attention_mask)
         pad = bucket - L
+        prefix = None
+        if P:  # [1, P] once; each row's own tokens left-padded in the bucket's other slots
+            prefix, own_ids, own_mask = split_prefix(input_ids, attention_mask, P, bucket)
+            prefix = self._put_replicated(prefix)
+            dev_ids, dev_mask = self._place(own_ids, own_mask, B)
+            self.prefix_calls += 1
         input_ids = np.pad(input_ids, ((0, 0), (pad, 0)), constant_values=self.sampling.pad_id)
         attention_mask = np.pad(attention_mask, ((0, 0), (pad, 0)))
-        dev_ids, dev_mask = self._place(input_ids, attention_mask, B)
+        if not P:
+            dev_ids, dev_mask = self._place(input_ids, attention_mask, B)
         input_ids = np.repeat(input_ids, self.sampling.n, axis=0)
         attention_mask = np.repeat(attention_mask, self.sampling.n, axis=0)
         rows = B * self.sampling.n
         cache = self._take_cache(rows, bucket)
         fault_key = key if fault_key is None else fault_key
-        tokens, logprobs, mask, stats, cache = self._program(
-            weights, dev_ids, dev_mask, (key, fault_key), cache, dict(values or {})
+        tokens, logprobs, mask, stats, ended, cache = self._program(
+            weights, dev_ids, dev_mask, (key, fault_key), cache, dict(values or {}), prefix
         )
         self._caches[(rows, bucket)] = cache
         # Every process gets the whole batch back (an all-gather when it spans several hosts).
@@ -222,6 +246,7 @@ class Sampler:
             logprobs=parallel.to_host(logprobs),
             response_mask=parallel.to_host(mask),
             fault_stats=jax.tree_util.tree_map(parallel.to_host, stats),
+            ended=parallel.to_host(ended).astype(bool),
         )
 
     def compile(self, weights, rows: int, bucket: int, keys, values: dict[str, Any]) -> None:
@@ -234,6 +259,11 @@ class Sampler:
         self._caches[(rows, bucket)] = cache
         placed = self._place(ids, ids, prompts)
         self._program.lower(weights, *placed, keys, cache, dict(values)).compile()
+
+    def _put_replicated(self, x):
+        if self.mesh is None:
+            return x
+        return parallel.put_global(x, parallel.replicated(self.mesh))
 
     def _take_cache(self, rows: int, bucket: int):
         """The pool's KV cache for (rows, bucket), taken out of it, or a new one."""
@@ -276,6 +306,42 @@ class _Program:
     on_trace: Callable[[], None]
 
 
+def shared_prefix_len(input_ids: np.ndarray, attention_mask: np.ndarray) -> int:
+    """The length of the prefix that every left-padded prompt of `[B, L]` starts with, rounded
+    down to a multiple of PREFIX_GRANULE and leaving each row at least one token of its own
+    (its last logits come from the second call); 0 for a single prompt or none to share."""
+    if input_ids.shape[0] < 2:
+        return 0
+    lengths = attention_mask.sum(1)
+    shortest = int(lengths.min())
+    if shortest < 2:
+        return 0
+    L = input_ids.shape[1]
+    start = L - lengths  # left padding: row i's tokens are input_ids[i, start_i:]
+    cols = start[:, None] + np.arange(shortest - 1)[None, :]
+    real = np.take_along_axis(input_ids, cols, axis=1)
+    same = (real == real[:1]).all(axis=0)
+    common = shortest - 1 if same.all() else int(np.argmin(same))
+    return common // PREFIX_GRANULE * PREFIX_GRANULE
+
+
+def split_prefix(input_ids: np.ndarray, attention_mask: np.ndarray, P: int, bucket: int):
+    """([1, P] the shared prefix, [B, bucket - P] each row's own tokens left-padded, their mask):
+    the cache's slots are then the prefix, the padding, the row's own tokens, as the positions
+    (a count of real tokens) of today's layout, with the padding moved after the prefix."""
+    B, L = input_ids.shape
+    lengths = attention_mask.sum(1)
+    width = bucket - P
+    own = np.zeros((B, width), np.int32)
+    own_mask = np.zeros((B, width), np.int32)
+    for i in range(B):
+        tail = input_ids[i, L - lengths[i] + P :]
+        own[i, width - len(tail) :] = tail
+        own_mask[i, width - len(tail) :] = 1
+    prefix = input_ids[:1, L - lengths[0] : L - lengths[0] + P].astype(np.int32)
+    return prefix, own, own_mask
+
+
 def _cache_sharding(mesh, cache):
     """The KV cache's rows split over ('data', 'fsdp'); scalars replicated."""
     return jax.tree_util.tree_map(
@@ -307,9 +373,10 @@ def _forward(p: _Program, weights, ids, mask, cache, fault_state, fault_key, val
     return logits, cache, state.get(STATS_COLLECTION, {}), state.get(STATE_COLLECTION, {})
 
 
-def generate(p: _Program, weights, input_ids, attention_mask, keys, cache, values):
+def generate(p: _Program, weights, input_ids, attention_mask, keys, cache, values, prefix=None):
     """Prefill, then a `while_loop` of one-token steps: (tokens, logprobs, mask, fault stats,
-    cache). Jitted per `Sampler` with `p` bound and the cache donated."""
+    ended, cache). Jitted per `Sampler` with `p` bound and the cache donated. `prefix`: `[1, P]`
+    tokens every prompt starts with, prefilled once (`input_ids` are then each row's own)."""
     p.on_trace()
     sp = p.sampling
     key, fault_key = keys
@@ -320,7 +387,7 @@ def generate(p: _Program, weights, input_ids, attention_mask, keys, cache, value
     rows = input_ids.shape[0] * (sp.n if p.share else 1)
     prefill_key = jax.random.fold_in(fault_key, 0)
     logits, cache, stats, fault_state = _prefill(
-        p, weights, input_ids, attention_mask, cache, prefill_key, values
+        p, weights, input_ids, attention_mask, cache, prefill_key, values, prefix
     )
     T = sp.max_new_tokens
     state = dict(
@@ -346,12 +413,14 @@ def generate(p: _Program, weights, input_ids, attention_mask, keys, cache, value
         )
     # Telemetry: the mean over the prefill and every decode step that ran.
     stats = jax.tree_util.tree_map(lambda v: v / (s["t"] + 1).astype(v.dtype), s["stats_sum"])
-    return s["tokens"], s["logprobs"], s["mask"], stats, s["cache"]
+    return s["tokens"], s["logprobs"], s["mask"], stats, s["done"], s["cache"]
 
 
-def _prefill(p: _Program, weights, input_ids, attention_mask, cache, prefill_key, values):
+def _prefill(p: _Program, weights, input_ids, attention_mask, cache, prefill_key, values, prefix):
     """The prompts' pass: (last logits, KV cache, fault stats, fault state) of every row."""
     sp = p.sampling
+    if prefix is not None:
+        return _prefill_prefix(p, weights, prefix, input_ids, attention_mask, prefill_key, values)
     if p.share:
         # One prefill per distinct prompt ([B, L], a fresh cache of B rows), then its KV
         # cache, last logits and fault state repeated to the group's n rows. A random fault
@@ -377,6 +446,35 @@ def _prefill(p: _Program, weights, input_ids, attention_mask, cache, prefill_key
     return _forward(p, weights, input_ids, attention_mask, cache, {}, prefill_key, values)
 
 
+def _prefill_prefix(p: _Program, weights, prefix, own_ids, own_mask, prefill_key, values):
+    """The shared prefix `[1, P]` into a one-row cache, broadcast to every prompt's row, then
+    each row's own tokens `[B, W]` after it (then to each group's n rows when the prompt is
+    shared). The telemetry is the slot-weighted mean of the two calls, as a prefill over the
+    P + W slots of every row would average it."""
+    sp = p.sampling
+    P, B, W = prefix.shape[1], own_ids.shape[0], own_ids.shape[1]
+    length = P + W + sp.max_new_tokens  # the pool's cache's slots
+    one = init_cache(p.model.config, 1, length)
+    ones = jnp.ones((1, P), jnp.int32)
+    _, one, stats_p, fault_state = _forward(p, weights, prefix, ones, one, {}, prefill_key, values)
+    cache, fault_state = jax.tree_util.tree_map(
+        lambda x: jnp.repeat(x, B, axis=0) if x.ndim else x, (one, fault_state)
+    )
+    if p.mesh is not None:
+        cache = jax.lax.with_sharding_constraint(cache, _cache_sharding(p.mesh, cache))
+    logits, cache, stats_o, fault_state = _forward(
+        p, weights, own_ids, own_mask, cache, fault_state, prefill_key, values
+    )
+    stats = jax.tree_util.tree_map(lambda a, b: (a * P + b * W) / (P + W), stats_p, stats_o)
+    if p.share:
+        logits, cache, fault_state = jax.tree_util.tree_map(
+            lambda x: jnp.repeat(x, sp.n, axis=0) if x.ndim else x, (logits, cache, fault_state)
+        )
+        if p.mesh is not None:
+            cache = jax.lax.with_sharding_constraint(cache, _cache_sharding(p.mesh, cache))
+    return logits, cache, stats, fault_state
+
+
 def _decode_step(p: _Program, weights, key, fault_key, values, s):
     """One step of the decode loop: sample token `s['t']` from the last logits, record it and
     its log-prob, and run it through the model (the loop state `s` -> the next one)."""
@@ -395,6 +493,9 @@ def _decode_step(p: _Program, weights, key, fault_key, values, s):
     logprobs = s["logprobs"].at[:, t].set(jnp.where(live, logprob, 0.0))
     mask = s["mask"].at[:, t].set(live.astype(jnp.int32))
     done = s["done"] | (token == sp.eos_id)
+    for stop in sp.stop_ids:
+        if stop != sp.eos_id:
+            done = done | (token == stop)
     # Finished rows feed padding (mask 0): their slots stay invalid in the cache.
     logits, cache, stats, fault_state = _forward(
         p,

@@ -33,9 +33,10 @@ def eval_scores(
     dropped); with `sampler.sampling.n > 1` each example's score is the mean over its n samples
     (mean@n).
     `texts`, when given, receives the decoded completions (n per example, in order); `ended`,
-    whether each of them emitted EOS (False: cut at the token budget)."""
+    whether each of them emitted a stop id (False: cut at the token budget)."""
     n = sampler.sampling.n
     scores = []
+    ended_all: list[bool] = []
     for start in range(0, len(examples), batch_size):
         chunk = list(examples[start : start + batch_size])
         real = len(chunk)
@@ -61,10 +62,20 @@ def eval_scores(
         scores.extend(s.tolist())
         if texts is not None:
             texts.extend(decoded)
-        if ended is not None:
-            eos = [
-                bool((t[m > 0] == tokenizer.eos_id).any())
-                for t, m in zip(out.tokens, out.response_mask, strict=True)
-            ]
-            ended.extend(eos[: real * n])
+        ended_all.extend(out.ended[: real * n].tolist())  # the rows ended on a stop id
+    if ended is not None:
+        ended.extend(ended_all)
+    if ended_all and not any(ended_all):
+        print(
+            cap_line(f"{sampler.phase}: every one of {len(ended_all)} responses", sampler.sampling)
+        )
     return np.asarray(scores, np.float32)
+
+
+def cap_line(what: str, sampling) -> str:
+    """The one line for a call in which no response ended on its own (`what` names it)."""
+    stops = sorted({sampling.eos_id, *sampling.stop_ids})
+    return (
+        f"{what} ran to the {sampling.max_new_tokens}-token cap without a stop id {stops}: the"
+        " answers may be cut, or the tokenizer's eos is not the model's end of turn"
+    )

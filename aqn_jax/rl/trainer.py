@@ -33,7 +33,7 @@ from aqn_jax.data.tokenizers import Tokenizer
 from aqn_jax.faults.intercept import FaultPlan, step_key, summarize_stats
 from aqn_jax.models.registry import causal_lm
 from aqn_jax.rewards import score_batch
-from aqn_jax.rl.scoring import eval_scores
+from aqn_jax.rl.scoring import cap_line, eval_scores
 from aqn_jax.sdc import telemetry
 from aqn_jax.sdc.guard import GuardSpec
 from aqn_jax.sdc.recovery import Attempted, Recovery
@@ -73,6 +73,7 @@ class LoopSpec:
     reward_method: str
     aqn: AqnSchedule
     share_prompt: bool = True  # config.rollout.share_prompt: one prefill per distinct prompt
+    share_prefix: bool = True  # config.rollout.share_prefix: the prompts' common prefix once
 
 
 def prompt_batcher(spec: LoopSpec, train_examples: Sequence[Example], tokenizer: Tokenizer):
@@ -118,6 +119,7 @@ class Trainer:
         sampling = SamplingParams(
             max_new_tokens=static.max_new,
             eos_id=tokenizer.eos_id,
+            stop_ids=tokenizer.stop_ids,
             pad_id=tokenizer.pad_id,
             temperature=spec.temperature,
             top_k=spec.top_k,
@@ -125,6 +127,7 @@ class Trainer:
             n=static.h.n,
             vocab_size=tokenizer.vocab_size,
             share_prompt=spec.share_prompt,
+            share_prefix=spec.share_prefix,
         )
         greedy = dataclasses.replace(sampling, temperature=0.0, top_k=0, top_p=1.0, n=1)
         # Generation has no backward pass: the samplers' model does not remat.
@@ -238,7 +241,14 @@ class Trainer:
             drift = np.zeros(1)
         adv = parallel.to_host(prep["advantages"])
         rewards = parallel.to_host(prep["token_rewards"]).sum(1)
-        eos = (tb["tokens"] == self.tokenizer.eos_id).any(1)
+        ended = tb["ended"]  # the rows the sampler ended on a stop id
+        if not ended.any():
+            print(
+                cap_line(
+                    f"step {step}: every one of {ended.size} responses",
+                    self.rollout_sampler.sampling,
+                )
+            )
         m: dict[str, float] = {
             "step": float(step),
             "critic/score/mean": float(scores.mean()),
@@ -254,7 +264,7 @@ class Trainer:
             "critic/advantages/min": float(adv[rmask > 0].min()),
             "response_length/mean": float(lengths.mean()),
             "response_length/max": float(lengths.max()),
-            "response_length/clip_ratio": float(np.mean(~eos)),
+            "response_length/clip_ratio": float(np.mean(~ended)),
             "prompt_length/mean": float(batch["prompt_len"].mean()),
             "training/rollout_logprob_diff_mean": float(drift.mean()),
             "training/rollout_logprob_diff_max": float(drift.max()),
@@ -343,7 +353,9 @@ class Trainer:
 
     def _device_rows(self, tb):
         """(the rollout's train rows, its scores) on the mesh, as `prepare` takes them."""
-        dev = parallel.put_batch({k: v for k, v in tb.items() if k != "scores"}, self.mesh)
+        dev = parallel.put_batch(
+            {k: v for k, v in tb.items() if k not in ("scores", "ended")}, self.mesh
+        )
         return dev, parallel.put_batch(tb["scores"], self.mesh)
 
     def _update_rows(self, dev, prep, corr=None) -> dict:
@@ -379,7 +391,8 @@ class Trainer:
         weights = self.generation_weights(policy_weights(static, state))
         sampler.compile(weights, rows, bucket, (key, key), values)
         ids, tokens = np.zeros((rows, bucket), np.int32), np.zeros((rows, static.max_new), np.int32)
-        out = SampleOutput(ids, ids, tokens, tokens.astype(np.float32), tokens + 1, {})
+        ended = np.zeros(rows, bool)
+        out = SampleOutput(ids, ids, tokens, tokens.astype(np.float32), tokens + 1, {}, ended)
         tb = train_batch(out, np.zeros(rows, np.float32))
         dev, scores = self._device_rows(tb)
         train_key = step_key(self.seed, step, "train")
@@ -435,6 +448,7 @@ def train_batch(out, scores) -> dict[str, np.ndarray]:
         "rmask": out.response_mask.astype(np.int32),
         "sampler_logp": out.logprobs.astype(np.float32),
         "scores": scores.astype(np.float32),
+        "ended": np.asarray(out.ended, bool),
     }
 
 

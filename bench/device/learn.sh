@@ -105,7 +105,20 @@ gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1)
 DEVICE="${gpu:-no GPU}; host $(lscpu 2>/dev/null | grep 'Model name' | sed 's/.*: *//' | head -n 1)"
 say "mode: SMOKE=$SMOKE ARMS='$ARMS' VARIANT=$VARIANT DEADLINE_S=$DEADLINE_S MEMFRAC=$MEMFRAC; $(grep -c MISSING "$W/setup/env.txt") packages missing $(grep MISSING "$W/setup/env.txt" | tr '\n' ' ')"
 
-# -- 1. the parts: all there and intact, then the import on the CPU -------------------------------
+# -- 1. the import's own tests under this machine's transformers (its special tokens: issue 69),
+# the parts all there and intact, then the import on the CPU ---------------------------------------
+if [ "$SMOKE" != 1 ]; then
+  t=$(date +%s)
+  JAX_PLATFORMS=cpu $PY -m pytest -q -p no:cacheprovider -m "not slow" tests/test_gguf.py \
+    >"$W/setup/test_gguf.log" 2>&1
+  rc=$?
+  say "tests/test_gguf.py (not slow): rc $rc, $(tail -n 1 "$W/setup/test_gguf.log") ($(($(date +%s) - t)) s)"
+  if [ $rc != 0 ]; then
+    grep -E '^(FAILED|ERROR)' "$W/setup/test_gguf.log" | head -n 5 | while read -r l; do say "  $l"; done
+    pack_setup
+    exit 1
+  fi
+fi
 if ! $PY bench/device/parts.py check --dir="$PARTS" >"$W/setup/parts.log" 2>&1; then
   say "parts: $(tail -n 1 "$W/setup/parts.log")"
   pack_setup
