@@ -25,6 +25,7 @@ per prompt at `config.rollout.temperature` with their mean accuracy (mean@n).
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -40,7 +41,9 @@ from aqn_jax.data.tokenizers import Tokenizer
 from aqn_jax.faults.intercept import FaultPlan, Injection, step_key
 from aqn_jax.faults.sites import LINEAR_KINDS, SiteSelector
 from aqn_jax.faults.transforms import Noise, Quantize, Scale
+from aqn_jax.files import write_json, write_jsonl
 from aqn_jax.forward import token_nll
+from aqn_jax.metrics import SAMPLES_FILE
 from aqn_jax.models.registry import ModelConfig, causal_lm, family_of
 from aqn_jax.rewards import METHODS, score_batch
 from aqn_jax.rl.sampler import Sampler, SamplingParams
@@ -237,6 +240,7 @@ def _condition(
     values = {EVAL_NOISE: np.float32(cond.level)} if cond.kind == "noise" else {}
     texts: list[str] = []
     ended: list[bool] = []
+    records: list[dict[str, Any]] = []
     weights = params
     if cond.weights != "none":  # the same program over the format's weights
         weights = quant_base.fake_quantized(params, cond.weights, family_of(model_cfg).site_of)
@@ -253,6 +257,7 @@ def _condition(
         texts=texts,
         method=spec.reward_method,
         ended=ended,
+        records=records,
     )
     truths = [ex.ground_truth for ex in examples for _ in range(spec.samples)]
     return {
@@ -268,7 +273,22 @@ def _condition(
         "fault": cond.fault,
         "perturbation": cond.kind,
         "level": cond.level,
+        # Per problem (and sample): `write_evaluation` moves these to samples.jsonl.
+        "records": [{"condition": cond.name, **r} for r in records],
     }
+
+
+def write_evaluation(directory: str, result: dict[str, Any], name: str = "evaluation.json") -> str:
+    """`result` (`robustness`'s) as `directory/name`, its per-problem records as
+    `directory/samples.jsonl` (one line a condition's problem and sample, in order), each
+    written whole; the records file first, the JSON last (its presence marks a run
+    evaluated). Returns the JSON's path."""
+    rows = [r for c in result["conditions"].values() for r in c.pop("records", [])]
+    result["samples_file"] = SAMPLES_FILE
+    write_jsonl(os.path.join(directory, SAMPLES_FILE), rows)
+    path = os.path.join(directory, name)
+    write_json(path, result, default=str)
+    return path
 
 
 def greedy_sampling(max_new_tokens: int, tokenizer: Tokenizer) -> SamplingParams:

@@ -32,6 +32,9 @@ from aqn_jax.files import write_atomic
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
 PREVIOUS_DIR = "previous"
+# Per-problem records: every validation's (with its step), and the final evaluation's.
+VALIDATION_SAMPLES = "validation_samples.jsonl"
+SAMPLES_FILE = "samples.jsonl"
 # Everything a run writes per step or at its end (report.py, the train job, compare and evaluate
 # jobs): the outputs that must agree with the checkpoints.
 RUN_OUTPUTS = (
@@ -41,6 +44,8 @@ RUN_OUTPUTS = (
     "report.md",
     "training_curves.png",
     "evaluation.json",
+    VALIDATION_SAMPLES,
+    SAMPLES_FILE,
     "evaluation.md",
     "evaluation.png",
 )

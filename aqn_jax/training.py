@@ -39,9 +39,10 @@ from aqn_jax.diagnosis import srdd
 from aqn_jax.export import EXPORT_DIR, check_target, export_policy, plain_policy
 from aqn_jax.faults.config import with_abft
 from aqn_jax.faults.intercept import FaultPlan
+from aqn_jax.files import put_step_records
 from aqn_jax.forward import trace_manifest
 from aqn_jax.lora import fingerprint as lora_fingerprint
-from aqn_jax.metrics import open_run, progress
+from aqn_jax.metrics import VALIDATION_SAMPLES, open_run, progress
 from aqn_jax.models.registry import causal_lm, family_of
 from aqn_jax.report import print_summary, run_summary, write_run_report
 from aqn_jax.rl import step as rl_step
@@ -96,7 +97,10 @@ class _Run:
         t0 = time.perf_counter()
         params = rl_step.policy_weights(self.static, state)
         val_bs = self.spec.trainer.val_batch_size
-        v = self.loop.eval_accuracy(params, step, self.val_size, val_bs)
+        records: list[dict] = []
+        v = self.loop.eval_accuracy(params, step, self.val_size, val_bs, records=records)
+        if self.primary:  # per problem and device; a resumed run's repeat replaces its lines
+            put_step_records(os.path.join(self.workdir, VALIDATION_SAMPLES), step, records)
         v["timing_s/testing"] = time.perf_counter() - t0
         return v
 

@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from conftest import SHALLOW_FAULT as F
@@ -99,6 +100,17 @@ def test_compare_resumes_and_reports(tmp_path):
             assert set(entry["robustness"]) == {"clean", "fault"}
             assert entry["curve"]["step"] == [0, 1]
             assert entry["telemetry"]["flushed"] > 0
+            # The per-problem records reproduce each condition's accuracy, one line each.
+            run_dir = work / "runs" / arm / f"seed{seed}"
+            ev = json.loads((run_dir / "evaluation.json").read_text())
+            lines = [json.loads(x) for x in (run_dir / "samples.jsonl").read_text().splitlines()]
+            for name, cond in ev["conditions"].items():
+                mine = [x for x in lines if x["condition"] == name]
+                assert len(mine) == cond["n"] == len({x["index"] for x in mine})
+                assert np.mean([x["correct"] for x in mine]) == cond["acc"]
+            val = (run_dir / "validation_samples.jsonl").read_text().splitlines()
+            keys = [(r["step"], r["device"], r["index"]) for r in map(json.loads, val)]
+            assert len(keys) == len(set(keys)) > 0  # the rerun wrote no line twice
     # The targeted runs trained with AQN on the located layer only.
     summary = json.loads((work / "runs" / "targeted" / "seed0" / "summary.json").read_text())
     assert summary["aqn_layers"] == [F]

@@ -100,6 +100,11 @@ def test_matrix_agrees_with_validation_and_noise_zero_is_exact(sft_tiny):
         ref = eval_scores(refs[name], params, examples, tok, 8, BUCKET, fault_key=key, ended=ended)
         assert conds[name]["acc"] == pytest.approx(float(np.mean(ref)), abs=0)
         assert len(ended) == 16 and conds[name]["clipped"] == 1.0 - np.mean(ended)
+        # The per-problem records: one a problem, in order, reproducing the accuracy.
+        recs = conds[name]["records"]
+        assert [r["index"] for r in recs] == [ex.index for ex in examples]
+        assert np.mean([r["correct"] for r in recs]) == conds[name]["acc"]
+        assert [r["ended"] for r in recs] == ended and {r["condition"] for r in recs} == {name}
         # Every reading of the same completions; the config's own (strict) is `acc`, and boxed
         # reads '#### N' as strict does when there is no box (tests/test_rewards.py).
         readings = conds[name]["acc_by_reading"]

@@ -159,6 +159,9 @@ def test_kill_and_resume_equals_uninterrupted(tmp_path, monkeypatch, sft_cache):
 
     run(_config(cache), str(killed))  # restarted: resumes from the latest checkpoint
     assert _rows(killed) == _rows(straight)
+    # Every validation's per-problem records, once each, as the uninterrupted run's.
+    samples = [(d / "validation_samples.jsonl").read_text() for d in (killed, straight)]
+    assert samples[0] == samples[1] and samples[0].count("\n") > 0
     _assert_same(final, _state(killed, STEPS))  # adapters, moments and counters bitwise
     summary = json.loads((killed / "summary.json").read_text())
     assert summary["steps"] == STEPS

@@ -3,7 +3,9 @@ rows up to the restored checkpoint (metrics.jsonl and TensorBoard), none on a fr
 the earlier outputs moved aside, and a refusal when the rows cannot match the checkpoint."""
 
 import json
+import os
 import struct
+from pathlib import Path
 
 import pytest
 
@@ -204,3 +206,40 @@ def test_a_run_writes_tensorboard_events_without_importing_torch(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split()[-2:] == ["False", "True"], out.stdout
     assert _tensorboard_steps(tmp_path) == [0]  # the events were written
+
+
+def test_step_records_are_written_once_per_step(tmp_path):
+    """`put_step_records`: a step's per-problem lines replace that step's and later ones (an
+    interrupted attempt's), so a resumed run's repeat writes no line twice."""
+    from aqn_jax.files import put_step_records
+
+    path = str(tmp_path / "validation_samples.jsonl")
+    put_step_records(path, 0, [{"index": 0}, {"index": 1}])
+    put_step_records(path, 2, [{"index": 0}])
+    put_step_records(path, 4, [{"index": 0}])
+
+    def steps():
+        with open(path) as f:
+            return [(r["step"], r["index"]) for r in map(json.loads, f)]
+
+    assert steps() == [(0, 0), (0, 1), (2, 0), (4, 0)]
+    # Resumed from the step-2 checkpoint after step 4 was validated: step 4 again, once.
+    put_step_records(path, 4, [{"index": 0}, {"index": 1}])
+    assert steps() == [(0, 0), (0, 1), (2, 0), (4, 0), (4, 1)]
+    # Resumed from step 0 (no checkpoint): step 2's repeat drops every later line.
+    put_step_records(path, 2, [{"index": 1}])
+    assert steps() == [(0, 0), (0, 1), (2, 1)]
+
+
+def test_write_evaluation_moves_the_records_to_samples_jsonl(tmp_path):
+    from aqn_jax.evaluation import write_evaluation
+
+    recs = [{"condition": "fault", "index": i, "correct": i % 3 == 0} for i in range(6)]
+    result = {"conditions": {"fault": {"acc": 2 / 6, "n": 6, "records": recs}}, "wall_time_s": 1}
+    path = write_evaluation(str(tmp_path), result)
+    ev = json.loads(Path(path).read_text())
+    assert "records" not in ev["conditions"]["fault"] and ev["samples_file"] == "samples.jsonl"
+    lines = [json.loads(x) for x in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert lines == recs
+    assert sum(x["correct"] for x in lines) / len(lines) == ev["conditions"]["fault"]["acc"]
+    assert sorted(os.listdir(tmp_path)) == ["evaluation.json", "samples.jsonl"]  # no .tmp left

@@ -54,7 +54,7 @@ from aqn_jax.checkpoint import Checkpointer
 from aqn_jax.checks import check_train, warm_start_spec
 from aqn_jax.data.config import load_split
 from aqn_jax.diagnosis import srdd
-from aqn_jax.evaluation import conditions, robustness
+from aqn_jax.evaluation import conditions, robustness, write_evaluation
 from aqn_jax.experiment import ARMS, apply_arm
 from aqn_jax.faults.config import fault_plan
 from aqn_jax.files import write_json
@@ -263,7 +263,7 @@ def train_and_evaluate(rc, run_dir: str, device=None, programs: dict | None = No
         training.run(rc, run_dir)
     result = _evaluate(rc if device is None else device, run_dir, programs, rc)
     result["wall_time_s"] = time.perf_counter() - t0
-    write_json(os.path.join(run_dir, "evaluation.json"), result, default=str)
+    write_evaluation(run_dir, result)  # samples.jsonl, then evaluation.json
     return result["wall_time_s"]
 
 
@@ -470,7 +470,7 @@ def _baseline(config, workdir: str, model_cfg, params) -> dict:
         mesh,
     )
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    write_json(path, result, default=str)
+    write_evaluation(os.path.dirname(path), result)
     print(f"step 0 (the warm start): {path}")
     return {"baseline_s": time.perf_counter() - t0}
 

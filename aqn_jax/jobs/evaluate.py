@@ -30,7 +30,7 @@ from aqn_jax.checks import (
     warm_start_spec,
 )
 from aqn_jax.data.config import check_data, load_split
-from aqn_jax.evaluation import check_evaluate, robustness
+from aqn_jax.evaluation import check_evaluate, robustness, write_evaluation
 from aqn_jax.faults.config import fault_plan
 from aqn_jax.jobs import run_policy
 from aqn_jax.models.factory import logical_axes, model_config
@@ -131,8 +131,7 @@ def run(config, workdir: str) -> None:
         reward_method=config.data.reward_method,
     )
     if jax.process_index() == 0:
-        with open(os.path.join(workdir, "evaluation.json"), "w") as f:
-            json.dump(result, f, indent=2, default=str)
+        write_evaluation(workdir, result)
         path = write_evaluation_report(result, workdir)
         print(f"report: {path}")
 

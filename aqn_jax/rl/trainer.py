@@ -409,13 +409,17 @@ class Trainer:
         self.update.lower(state, upd, train_key, values).compile()
 
     # -- validation ------------------------------------------------------------------------------
-    def eval_accuracy(self, params, step: int, size: int, batch_size: int) -> dict[str, float]:
+    def eval_accuracy(
+        self, params, step: int, size: int, batch_size: int, records: list | None = None
+    ) -> dict[str, float]:
         """Greedy accuracy on the first `size` test examples: on the faulty device (hardware
-        faults, no AQN: `val-core/...`) and on a clean device (`val-clean/...`)."""
+        faults, no AQN: `val-core/...`) and on a clean device (`val-clean/...`). `records`,
+        when given, receives each problem's record (`scoring.record`) under its device."""
         examples = self.test_examples[:size]
         weights = self.generation_weights(params)
         out = {}
         for prefix, sampler in (("val-core", self.val_sampler), ("val-clean", self.clean_sampler)):
+            mine: list = []
             scores = eval_scores(
                 sampler,
                 weights,
@@ -426,7 +430,10 @@ class Trainer:
                 fault_key=step_key(self.seed, step, "eval"),
                 values=telemetry.step_values(self.static.plan, None, step, 0) or None,
                 method=self.spec.reward_method,
+                records=mine,
             )
+            if records is not None:
+                records.extend({"device": prefix, **r} for r in mine)
             by_source: dict[str, list[float]] = {}
             for ex, s in zip(examples, scores, strict=True):
                 by_source.setdefault(ex.data_source, []).append(float(s))
