@@ -48,6 +48,27 @@ def cpu_flags() -> tuple[str, ...] | None:
     return None
 
 
+def machine_class() -> str:
+    """This CPU's class as the study pairs seeds on it: the model name, family and model of
+    /proc/cpuinfo's first processor and `cpu_flags` (XLA:CPU's f32 results differ between
+    classes, so a seed's arms run on one)."""
+    info: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if not line.strip():
+                    break  # the first processor's block
+                info.setdefault(key.strip(), value.strip())
+    except OSError:
+        return "unknown"
+    flags = ",".join(cpu_flags() or ()) or "none of avx2/avx512/amx"
+    return (
+        f"{info.get('model name', 'unknown')}, family {info.get('cpu family', '?')} model"
+        f" {info.get('model', '?')}; flags {flags}"
+    )
+
+
 def _best_times(dtypes, rounds: int = ROUNDS) -> list[float]:
     """The best time of the product in each of `dtypes`, timed in alternating rounds (each round
     times every dtype once, in turn) so that a change of the machine's load during the probe

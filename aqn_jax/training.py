@@ -19,6 +19,7 @@ import threading
 import time
 
 import jax
+import numpy as np
 
 from aqn_jax import parallel, quant_base
 from aqn_jax.checkpoint import (
@@ -414,14 +415,15 @@ class Ahead:
 
     def __init__(self, loop: Trainer, state, batcher, step: int):
         position = batcher.state()
-        prompts = batcher.next_batch()["input_ids"]
+        batch = batcher.next_batch()
+        prompts = {k: np.asarray(batch[k]) for k in ("input_ids", "attention_mask")}
         batcher.load_state(position)
         self._error: BaseException | None = None
         # A daemon, but never left running at an ordinary exit (`close` joins it): a SIGTERM
         # with nothing to save abandons it (`abandon`), and the process then ends by os._exit
         # (launch), never inside the interpreter's teardown.
         self._thread = threading.Thread(
-            target=self._run, args=(loop, state, prompts.shape, step), daemon=True
+            target=self._run, args=(loop, state, prompts, step), daemon=True
         )
         self._abandoned = False
         self._thread.start()
@@ -439,9 +441,9 @@ class Ahead:
         self._abandoned = True
         ABANDONED.set()
 
-    def _run(self, loop, state, shape, step) -> None:
+    def _run(self, loop, state, prompts, step) -> None:
         try:
-            loop.compile_step(state, shape, step)
+            loop.compile_step(state, prompts, step)
         except BaseException as e:  # re-raised by `wait`, in the loop's thread
             self._error = e
 

@@ -88,6 +88,8 @@ def main() -> None:
     flags = [
         "--config=configs/compare.py",
         f"--config.compare.arms={arms!r}",
+        f"--config.compare.reference_arm={arms[0]}",  # comparisons: inside the arms
+        f"--config.compare.comparisons={tuple((a, arms[0]) for a in arms[1:])!r}",
         f"--config.compare.seeds={seeds!r}",
         *args.flags,
     ]

@@ -77,8 +77,7 @@ def child(args) -> None:
         r, state = training._set_up(config, workdir)
     loop, static = r.loop, r.static
     batch = loop.batcher.next_batch()
-    prompts = np.asarray(batch["input_ids"]).shape
-    loop.compile_step(state, prompts, 1)
+    loop.compile_step(state, batch, 1)
     weights = rl_step.policy_weights(static, state)
     t0 = time.perf_counter()
     out = loop.rollout(weights, batch, 1)

@@ -20,8 +20,10 @@ global; report.md with plots and results.json. Results: docs/compare_results.md.
   python -m aqn_jax.launch --config=configs/compare.py:smoke           # 2 arms x 2 seeds, tiny
   python -m aqn_jax.launch --config=configs/compare.py:layer_late,smoke
 
-Re-running the same command reuses finished runs and resumes an interrupted one. Arms or seeds:
---config.compare.arms='("targeted","global_aqn")' --config.compare.seeds='(0,1,2)'.
+Re-running the same command reuses finished runs and resumes an interrupted one. Arms or seeds
+(the comparisons and the reference arm must be among the arms):
+--config.compare.arms='("targeted","global_aqn")' --config.compare.seeds='(0,1,2)'
+--config.compare.comparisons='(("targeted","global_aqn"),)'.
 """
 
 from aqn_jax.experiment import apply_scenario, arm_names, base_config
@@ -183,6 +185,7 @@ def _smoke(config, spec) -> None:
         config.compare.comparisons = (("tis", "uncorrected"),)
     elif spec.get("qerl"):
         config.compare.arms = ("lora", "nvfp4_lora")
+        config.compare.reference_arm = "lora"  # "full" is not among the smoke's arms
         config.compare.comparisons = (("nvfp4_lora", "lora"),)
     elif "study_fault" not in spec:
         config.compare.arms = ("global_aqn", "targeted")

@@ -70,7 +70,7 @@ from aqn_jax.experiment import ARMS, apply_arm, arm_names, base_config
 from aqn_jax.study.config import compare_config, severity_config
 
 FAULT_LAYER = 15  # of 24 (the seed's layer index)
-JOBS = ("severity", "evaluate", "study")
+JOBS = ("severity", "evaluate", "study", "seed_study")
 # The operating-point modifiers after the name; ',smoke' combines with any of them.
 MODIFIERS = ("gpu", "arith", "short")
 # The study's arms (job compare) under their names in docs/qwen05_arith_study.json
@@ -108,6 +108,8 @@ def get_config(arg: str | None = None):
         return _severity(config, smoke)
     if name == "study":
         return _study(config, smoke)
+    if name == "seed_study":
+        return _seed_study(config, smoke)
     if name == "evaluate":
         config.job = "evaluate"
         config.rollout.max_new_tokens = 4 if smoke else (160 if short else 320)  # whole answers
@@ -371,6 +373,13 @@ def _study(config, smoke: bool):
         ("global_aqn", "deadzone"),
         ("targeted", "global_aqn"),
     )
+    config.compare.clean_comparisons = (("deadzone", "clean"),)
+    config.compare.names = {
+        "deadzone": "faulty",
+        "clean": "clean_rl",
+        "targeted": "targeted_aqn",
+        "global_aqn": "global_aqn",
+    }
     config.aqn.form = "norm_weight"
     config.aqn.schedule = "qerl"
     config.aqn.sigma_start = 1e-2
@@ -391,4 +400,88 @@ def _study(config, smoke: bool):
     config.evaluate.noise_levels = (0.0,)
     config.evaluate.mxfp4 = False
     config.evaluate.loss = False
+    return config
+
+
+# The seed study's arms (job compare), in the order a seed runs them, and their names in
+# docs/qwen05_seed_study.json; `clean` (clean_rl) is left out of the budget: add it with
+# --config.compare.arms='("deadzone","targeted","global_aqn","clean")'.
+SEED_STUDY_ARMS = ("deadzone", "targeted", "global_aqn")
+SEED_STUDY_NAMES = {
+    "deadzone": "faulty",
+    "targeted": "targeted_seed",
+    "global_aqn": "global_seed",
+    "clean": "clean_rl",
+}
+
+
+def _seed_study(config, smoke: bool):
+    """The original design's own experiment (job compare; `:seed_study,arith` on the CPU): at
+    the arith operating point (per-token deadzone 0.07 at layer 15, f32 pinned, 4 x 8, LoRA
+    r32, 12 steps), does the seed's AQN targeted at the layer SRDD locates train a better
+    policy on the faulty device than the same AQN on every layer, or no AQN?
+
+    The arms: faulty (deadzone: RL on the faulty device, no AQN), targeted_seed (targeted: the
+    AQN on the output of the layer(s) SRDD locates; SRDD runs once at the study's start, its
+    verdict in srdd/srdd.json is what every targeted run reads), global_seed (global_aqn: the
+    same AQN on every layer's output); clean_rl (clean) when added to the arms.
+
+    The AQN is the seed's (seed 000's config block and seed 002's schedule): relative activation
+    noise y + sigma * eps * |y| (config.aqn.form='activation') on each selected layer's output
+    (sites 'layer': the residual stream after the decoder layer, the deadzone's own site),
+    sigma 0.05 -> 0.0005 with the epoch-aware decay over 2 epochs, stated as the seed states it
+    (epoch 1: 0.05 -> 0.01, epoch 2: 0.01 -> 0.0005: config.aqn.epoch_sigmas), in the seed's
+    order against the deadzone at the shared site (config.aqn.order='between': the deadzone,
+    then the noise, then the deadzone again, its DeadzoneMatMul), in the rollout and in the
+    training pass (config.aqn.phases); validation and evaluation never get noise.
+    Where ours differs from the seed's code:
+    - "epoch" is half of the 12-step run (the schedule's unit), not a pass over the data: the
+      run sees 48 prompts of the train split once. Each epoch has num_stages = 6 intervals of
+      one step each: epoch 1 opens with one sigma-0 warm-up step (QeRL's, which the seed's
+      trainer inherited), then 0.05, 0.0334, 0.0224, 0.0150, 0.01; epoch 2 has no warm-up
+      (config.aqn.warmup='first_epoch': the seed resets sigma at each epoch's start, it does not
+      switch it off), 0.01, 0.0055, 0.0030, 0.0017, 0.0009, 0.0005.
+    - The seed draws the noise inside its patched matmul per call; ours draws per module call
+      too, from the run's key folded with the step (rollout and training draws differ, as the
+      seed's do: its rollout hooks and its training DeadzoneMatMul draw independently).
+    - Noise proportional to |y| adds nothing to a value the deadzone already flushed to 0, and
+      the second deadzone flushes any survivor the noise pushed below the threshold: in this
+      order the noise cannot revive a flushed value (the mechanism is measured in
+      docs/qwen05_seed_study.md).
+
+    Seeds until the answer resolves (config.compare.target_mdd): 6 seeds, then one more seed's
+    arms at a time until the minimum detectable difference of targeted_seed - global_seed and
+    targeted_seed - faulty on the faulty device is at most 0.05, or 12 seeds. Every run is
+    evaluated at its end, greedy, on the first 512 held-out problems on the faulty device and
+    the first 128 on the clean device, with per-problem records (samples.jsonl); step 0 once
+    for the study (baseline/). The outcome: `python -m aqn_jax.study.outcome`.
+    """
+    config = _study(config, smoke)
+    cmp = config.compare
+    cmp.arms = SEED_STUDY_ARMS
+    cmp.names = SEED_STUDY_NAMES
+    cmp.variant = "qwen05_seed_study"
+    cmp.reference_arm = "deadzone"
+    cmp.comparisons = (("targeted", "global_aqn"), ("targeted", "deadzone"))
+    cmp.clean_comparisons = ()
+    cmp.seeds = (0, 1) if smoke else (0, 1, 2, 3, 4, 5)
+    cmp.target_mdd = 0.05
+    cmp.max_seeds = 3 if smoke else 12
+    cmp.target_condition = "fault"
+    aqn = config.aqn
+    aqn.form = "activation"
+    aqn.sites = ("layer",)
+    aqn.sigma_start = 0.05
+    aqn.sigma_end = 0.0005
+    aqn.schedule = "epoch_aware"
+    aqn.num_epochs = 2
+    aqn.epoch_sigmas = (0.05, 0.01, 0.0005)
+    aqn.warmup = "first_epoch"
+    aqn.num_stages = 6  # per epoch: one step each at 12 steps
+    aqn.order = "between"
+    aqn.phases = ("rollout", "train")
+    # 512 held-out problems on the faulty device: the arith test split holds them.
+    config.data.test_size = 8 if smoke else 640
+    config.evaluate.size = 2 if smoke else 512
+    config.evaluate.clean_size = 1 if smoke else 128
     return config

@@ -265,6 +265,7 @@ def test_aqn_form_and_noise_study_variants(tmp_path):
     assert max(abs(x - y) for x, y in zip(sigmas(qerl), sigmas(epoch), strict=True)) > 0.01
     bad = load_config("compare", "noise_study")
     bad.compare.arms = ("deadzone", "targeted")
+    bad.compare.comparisons = (("targeted", "deadzone"),)
     with pytest.raises(ValueError, match="config.study_fault='noise'"):
         check_config(bad, str(tmp_path))
 
@@ -422,3 +423,213 @@ def test_a_new_fault_kind_runs_as_a_study_arm(dimmer, sft_tiny, tmp_path):
         "config.study_fault='smudge'; allowed with arm 'targeted' (AQN placed by the fault's"
         " layers): ('deadzone', 'dimmer')"
     )
+
+
+def _sequential_config(target: float, top: int):
+    import ml_collections
+
+    from aqn_jax.study.config import compare_config
+
+    config = ml_collections.ConfigDict()
+    config.compare = compare_config()
+    config.compare.arms = ("deadzone", "clean")
+    config.compare.reference_arm = "deadzone"
+    config.compare.seeds = (0, 1)
+    config.compare.comparisons = (("deadzone", "clean"),)
+    config.compare.target_mdd, config.compare.max_seeds = target, top
+    return config
+
+
+# deadzone's and clean's accuracy on the faulty device per seed: differences 0.1, 0.3, 0.2, 0.25.
+ACC = {"deadzone": [0.5, 0.6, 0.5, 0.55], "clean": [0.4, 0.3, 0.3, 0.3]}
+
+
+def _fake_runs(monkeypatch, fail_after=None):
+    """compare._run_all replaced by writing each pending run's evaluation.json from ACC (no
+    training); `fail_after`: raise after that many runs (a kill), the rest left undone."""
+    from aqn_jax.jobs import compare
+
+    done = []
+
+    def run_all(config, workdir, todo, diagnosis, timing):
+        for arm, seed, run_dir in todo:
+            if fail_after is not None and len(done) == fail_after:
+                raise KeyboardInterrupt("killed")
+            acc = ACC[arm][seed]
+            with open(os.path.join(run_dir, "evaluation.json"), "w") as f:
+                json.dump({"conditions": {"fault": {"acc": acc, "n": 10}}}, f)
+            done.append((arm, seed))
+        return [1.0] * len(todo)
+
+    monkeypatch.setattr(compare, "_run_all", run_all)
+    return done
+
+
+def test_sequential_compare_stops_at_its_precision(tmp_path, monkeypatch, capsys):
+    from aqn_jax.jobs import compare
+    from aqn_jax.study import stats
+
+    def mdd(d):  # the paired test's MDD, the SD of the differences by hand
+        m = sum(d) / len(d)
+        return stats.paired_mdd((sum((x - m) ** 2 for x in d) / (len(d) - 1)) ** 0.5, len(d))
+
+    def start(work, config):
+        seeds = (0, 1)
+        compare._run_all(
+            config, str(work), compare._pending(str(work), ("deadzone", "clean"), seeds), None, {}
+        )
+        return compare.sequential(config, str(work), ("deadzone", "clean"), seeds, None, {})
+
+    # Loose: two seeds already resolve it; no third seed runs.
+    done = _fake_runs(monkeypatch)
+    seeds, stop, _ = start(tmp_path / "loose", _sequential_config(2.0, 4))
+    assert seeds == (0, 1) and stop["reached"] and len(done) == 4
+    assert stop["rounds"] == [
+        {"seeds": [0, 1], "mdd": {"deadzone-clean": pytest.approx(mdd([0.1, 0.3]))}}
+    ]
+    assert "sequential: stopped: every MDD <= target_mdd=2.0 at 2 seeds" in capsys.readouterr().out
+    # Tight: seeds in rounds, every arm of a seed before the next, up to max_seeds.
+    done = _fake_runs(monkeypatch)
+    seeds, stop, _ = start(tmp_path / "tight", _sequential_config(0.01, 4))
+    assert (
+        seeds == (0, 1, 2, 3) and not stop["reached"] and stop["reason"].startswith("max_seeds=4")
+    )
+    assert [a for a, _ in done[4:]] == ["deadzone", "clean", "deadzone", "clean"]
+    assert [s for _, s in done] == [0, 0, 1, 1, 2, 2, 3, 3]
+    diffs = [0.1, 0.3, 0.2, 0.25]
+    got = [r["mdd"]["deadzone-clean"] for r in stop["rounds"]]
+    assert got == pytest.approx([mdd(diffs[:n]) for n in (2, 3, 4)])
+    assert got[-1] > 0.01  # the target was really not met (the negative control of `reached`)
+    # Killed in the third round after one run; the rerun repeats no finished run and ends as
+    # the uninterrupted study did.
+    work = tmp_path / "killed"
+    _fake_runs(monkeypatch, fail_after=5)
+    with pytest.raises(KeyboardInterrupt):
+        start(work, _sequential_config(0.01, 4))
+    again = _fake_runs(monkeypatch)
+    seeds2, stop2, _ = start(work, _sequential_config(0.01, 4))
+    assert again == [("clean", 2), ("deadzone", 3), ("clean", 3)]
+    assert seeds2 == seeds and stop2 == stop
+
+
+def test_sequential_compare_config_is_checked():
+    from aqn_jax.study.config import check_compare
+
+    for target, top, pairs, message in (
+        (-0.1, 4, (("deadzone", "clean"),), "target_mdd=-0.1; must be >= 0"),
+        (0.05, 1, (("deadzone", "clean"),), r"max_seeds=1; with target_mdd=0.05 it must be >= len"),
+        (0.05, 4, (("deadzone", "targeted"),), r"comparisons has \('deadzone', 'targeted'\)"),
+        (0.05, 4, (), r"comparisons=\(\): with target_mdd=0.05"),
+    ):
+        config = _sequential_config(target, top)
+        config.compare.comparisons = pairs
+        with pytest.raises(ValueError, match=message):
+            check_compare(config.compare)
+    config = _sequential_config(0.05, 4)
+    config.compare.arms = ("deadzone", "clean", "deadzone")
+    with pytest.raises(ValueError, match="an arm is named twice"):
+        check_compare(config.compare)
+    config = _sequential_config(0.05, 4)
+    config.compare.names = {"deadzone": "faulty", "bogus": "x"}
+    with pytest.raises(ValueError, match=r"not arms: \['bogus'\]"):
+        check_compare(config.compare)
+    config.compare.names = {"deadzone": "same", "clean": "same"}
+    with pytest.raises(ValueError, match="distinct display names"):
+        check_compare(config.compare)
+    config = _sequential_config(0.0, 0)  # comparisons and the reference arm: inside the study
+    config.compare.clean_comparisons = (("deadzone", "targeted"),)
+    with pytest.raises(ValueError, match=r"clean_comparisons has \('deadzone', 'targeted'\)"):
+        check_compare(config.compare)
+    config = _sequential_config(0.0, 0)
+    config.compare.reference_arm = "global_aqn"
+    with pytest.raises(ValueError, match="reference_arm='global_aqn'; allowed: one of"):
+        check_compare(config.compare)
+    config = _sequential_config(0.05, 4)  # the positive control; a name for an arm not run
+    config.compare.names = {"deadzone": "faulty", "targeted": "targeted_seed"}
+    check_compare(config.compare)
+
+
+def test_a_seed_runs_on_one_machine_class(tmp_path, monkeypatch, capsys):
+    """A seed whose runs were started on another machine class is deferred, with one line; the
+    seeds started here, or not started, run; record_machine writes the class and lscpu once."""
+    from aqn_jax.jobs import compare
+
+    arms = ("deadzone", "clean")
+    monkeypatch.setattr(compare, "machine_class", lambda: "here")
+    elsewhere = tmp_path / "runs" / "clean" / "seed1"
+    elsewhere.mkdir(parents=True)
+    (elsewhere / compare.MACHINE_FILE).write_text(json.dumps({"machine_class": "there"}))
+    mine = tmp_path / "runs" / "deadzone" / "seed0"
+    mine.mkdir(parents=True)
+    compare.record_machine(str(mine))
+    record = json.loads((mine / compare.MACHINE_FILE).read_text())
+    assert record["machine_class"] == "here" and isinstance(record["lscpu"], str)
+    todo = compare._pending(str(tmp_path), arms, (0, 1, 2))
+    assert [(a, s) for a, s, _ in todo] == [
+        ("deadzone", 0), ("clean", 0), ("deadzone", 2), ("clean", 2)
+    ]  # fmt: skip
+    assert "== seed 1: deferred: its runs were started on 'there', this is 'here'" in (
+        capsys.readouterr().out
+    )
+    monkeypatch.setattr(compare, "machine_class", lambda: "there")  # on that class: it runs
+    assert [(a, s) for a, s, _ in compare._pending(str(tmp_path), arms, (1,))] == [
+        ("deadzone", 1), ("clean", 1)
+    ]  # fmt: skip
+    compare.record_machine(str(mine))  # kept as it is: the run's class is where it started
+    assert json.loads((mine / compare.MACHINE_FILE).read_text()) == record
+
+
+@pytest.mark.slow
+def test_sequential_compare_on_the_tiny_model(tmp_path):
+    """The sequential compare end to end on the tiny model: killed in its second round, the
+    rerun reuses every finished run; its stopping record agrees with its MDDs; the same workdir
+    with a loose target stops after the first two seeds, reusing them."""
+    work = tmp_path / "seq"
+    flags = [
+        *[f for f in FLAGS if "workers" not in f],
+        "--config.compare.workers=1",
+        "--config.compare.arms=('deadzone','clean')",
+        "--config.compare.reference_arm=deadzone",
+        "--config.compare.comparisons=(('deadzone','clean'),)",
+        "--config.compare.seeds=(0,1)",
+        "--config.evaluate.size=16",
+        f"--workdir={work}",
+    ]
+    cmd = [sys.executable, "-m", "aqn_jax.launch", *flags]
+    tight = [*cmd, "--config.compare.target_mdd=1e-9", "--config.compare.max_seeds=3"]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", JAX_PLATFORMS="cpu")
+    evals = lambda: sorted(work.glob("runs/*/seed*/evaluation.json"))  # noqa: E731
+    proc = subprocess.Popen(
+        tight, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+    deadline = time.time() + 600
+    while len(evals()) < 3:  # killed after the first run of the second round, or later
+        assert proc.poll() is None or len(evals()) >= 3, proc.stderr.read().decode()[-3000:]
+        assert time.time() < deadline, "3 runs not evaluated within 600 s"
+        time.sleep(0.1)
+    proc.kill()
+    proc.wait()
+    stamps = {p: p.stat().st_mtime_ns for p in evals()}
+    out = subprocess.run(tight, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert all(p.stat().st_mtime_ns == t for p, t in stamps.items())  # none redone
+    seq = json.loads((work / "sequential.json").read_text())
+    last = seq["rounds"][-1]["mdd"]["deadzone-clean"]
+    if seq["reached"]:  # zero spread at 2 seeds: the MDD is 0 and the target is met there
+        assert last == 0.0 and [r["seeds"] for r in seq["rounds"]] == [[0, 1]]
+    else:
+        assert last > 1e-9 and seq["rounds"][-1]["seeds"] == [0, 1, 2]
+        assert "sequential: stopped: max_seeds=3 reached" in out.stdout
+    results = json.loads((work / "results.json").read_text())
+    assert results["seeds"] == seq["rounds"][-1]["seeds"] and results["stopping"] == seq
+    loose = subprocess.run(
+        [*cmd, "--config.compare.target_mdd=100.0", "--config.compare.max_seeds=3"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert loose.returncode == 0, loose.stderr[-3000:]
+    assert "sequential: stopped: every MDD <= target_mdd=100.0 at 2 seeds" in loose.stdout
+    assert loose.stdout.count("done, reused") == 4 and " -> " not in loose.stdout

@@ -59,6 +59,36 @@ def test_epoch_aware_schedule():
     np.testing.assert_allclose(s[20], 0.05 * 0.1 ** (1 / 3))
 
 
+def test_epoch_aware_schedule_with_the_seeds_boundaries():
+    """The seed's statement (epoch 1: 0.05 -> 0.01, epoch 2: 0.01 -> 0.0005), 12 steps of 2
+    epochs and 6 intervals: one sigma-0 warm-up step, then sigma > 0 at every step."""
+    kw = dict(num_stages=6, num_epochs=2, epoch_sigmas=(0.05, 0.01, 0.0005), warmup="first_epoch")
+    got = [sigma_at("epoch_aware", t, 12, 0.05, 0.0005, **kw) for t in range(12)]
+    first = [0.0] + [0.05 * (0.01 / 0.05) ** (i / 4) for i in range(5)]  # QeRL's K - 2 = 4
+    second = [0.01 * (0.0005 / 0.01) ** (i / 5) for i in range(6)]  # no warm-up: K - 1 = 5
+    np.testing.assert_allclose(got, first + second, rtol=1e-12)
+    assert got[5] == pytest.approx(0.01) and got[6] == pytest.approx(0.01) and min(got[1:]) > 0
+    # Every epoch with its warm-up (the default): the same boundaries, a sigma-0 step at 6.
+    every = [
+        sigma_at("epoch_aware", t, 12, 0.05, 0.0005, 6, 2, epoch_sigmas=(0.05, 0.01, 0.0005))
+        for t in range(12)
+    ]
+    np.testing.assert_allclose(every[:6], first, rtol=1e-12)
+    assert every[6] == 0.0 and every[7] == pytest.approx(0.01)
+    # The geometric boundaries (no epoch_sigmas) differ: epoch 1 ends at 0.005, not 0.01.
+    geo = sigma_at("epoch_aware", 5, 12, 0.05, 0.0005, 6, 2, warmup="first_epoch")
+    assert geo == pytest.approx(0.005)
+    for bad, message in (
+        (dict(kw, warmup="never"), r"config.aqn.warmup='never'; allowed: \('every_epoch'"),
+        (dict(kw, epoch_sigmas=(0.05, 0.01)), r"epoch_sigmas=\(0.05, 0.01\); allowed: \(\)"),
+        (dict(kw, epoch_sigmas=(0.05, 0.0, 1e-3)), "num_epochs \\+ 1 = 3 sigmas > 0"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            sigma_at("epoch_aware", 0, 12, 0.05, 0.0005, **bad)
+    with pytest.raises(ValueError, match="apply to config.aqn.schedule='epoch_aware' only"):
+        sigma_at("qerl", 0, 12, 0.05, 0.0005, 6, 2, epoch_sigmas=(0.05, 0.01, 0.0005))
+
+
 def test_simple_schedules():
     assert sigma_at("constant", 7, 10, 0.02, 0.0) == 0.02
     np.testing.assert_allclose(sigma_at("linear", 5, 10, 0.04, 0.0), 0.02)

@@ -28,7 +28,7 @@ from aqn_jax.faults.sites import SiteSelector, expand_kinds
 from aqn_jax.faults.transforms import Noise, NormWeightNoise, Scale
 from aqn_jax.registry import Registry
 
-from .schedules import SCHEDULES, sigma_at
+from .schedules import SCHEDULES, check_epoch_options, sigma_at
 
 AQN_SIGMA = "aqn_sigma"  # the traced value carrying this step's AQN sigma
 # config.aqn.form: name -> `(aqn, layers, scale) -> (SiteSelector, transform)`, where the noise
@@ -68,6 +68,10 @@ def aqn_config() -> ml_collections.ConfigDict:
     c.num_stages = 10  # schedule intervals (the first is a sigma-0 warm-up)
     c.num_epochs = 2  # epoch_aware only
     c.schedule = "qerl"  # qerl | epoch_aware | constant | linear | cosine
+    # epoch_aware only (aqn/schedules.py): the E + 1 epoch boundaries, () = geometric from
+    # sigma_start to sigma_end; and which epochs open with a sigma-0 interval.
+    c.epoch_sigmas = ()
+    c.warmup = "every_epoch"  # every_epoch | first_epoch
     # Where AQN noise sits relative to a deadzone at the same site: between (deadzone, noise,
     # deadzone again: the original DeadzoneMatMul) | after_fault | before_fault.
     c.order = "between"
@@ -133,6 +137,12 @@ def aqn_injection(aqn, num_layers, fault_layers, srdd_sigmas, srdd_layers) -> In
             f"config.aqn.schedule={aqn.schedule!r} is geometric: sigma_start={aqn.sigma_start} and"
             f" sigma_end={aqn.sigma_end} must be > 0"
         )
+    check_epoch_options(
+        aqn.schedule,
+        int(aqn.num_epochs),
+        getattr(aqn, "epoch_sigmas", ()),
+        getattr(aqn, "warmup", "every_epoch"),
+    )
     phases = check_phases(aqn.phases, "config.aqn.phases")
     layers = parse_layers(
         aqn.layers, "config.aqn.layers", num_layers, ("all", "healthy", "srdd", "located")
@@ -200,6 +210,8 @@ class AqnSpec:
     num_stages: int
     num_epochs: int
     schedule: str  # SCHEDULES
+    epoch_sigmas: tuple[float, ...]
+    warmup: str  # schedules.WARMUPS
     order: str  # aqn.plan.AQN_ORDERS
     phases: tuple[str, ...]
 
@@ -216,6 +228,8 @@ class AqnSpec:
             num_stages=int(aqn.num_stages),
             num_epochs=int(aqn.num_epochs),
             schedule=aqn.schedule,
+            epoch_sigmas=tuple(float(x) for x in aqn.get("epoch_sigmas", ())),
+            warmup=str(aqn.get("warmup", "every_epoch")),
             order=aqn.order,
             phases=_frozen(aqn.phases),
         )
@@ -231,6 +245,8 @@ class AqnSchedule:
     sigma_end: float
     num_stages: int
     num_epochs: int
+    epoch_sigmas: tuple[float, ...] = ()
+    warmup: str = "every_epoch"
 
     @classmethod
     def of(cls, aqn: Any) -> AqnSchedule:
@@ -241,6 +257,8 @@ class AqnSchedule:
             sigma_end=float(aqn.sigma_end),
             num_stages=int(aqn.num_stages),
             num_epochs=int(aqn.num_epochs),
+            epoch_sigmas=tuple(float(x) for x in aqn.get("epoch_sigmas", ())),
+            warmup=str(aqn.get("warmup", "every_epoch")),
         )
 
     def sigma(self, step: int, total_steps: int) -> float:
@@ -255,6 +273,8 @@ class AqnSchedule:
             self.sigma_end,
             num_stages=self.num_stages,
             num_epochs=self.num_epochs,
+            epoch_sigmas=self.epoch_sigmas,
+            warmup=self.warmup,
         )
 
 

@@ -42,6 +42,7 @@ import multiprocessing
 import os
 import queue
 import signal
+import subprocess
 import sys
 import time
 import traceback
@@ -52,17 +53,19 @@ import numpy as np
 from aqn_jax import parallel, training
 from aqn_jax.checkpoint import Checkpointer
 from aqn_jax.checks import check_train, warm_start_spec
+from aqn_jax.compute_dtype import machine_class
 from aqn_jax.data.config import load_split
 from aqn_jax.diagnosis import srdd
 from aqn_jax.evaluation import conditions, robustness, write_evaluation
 from aqn_jax.experiment import ARMS, apply_arm
 from aqn_jax.faults.config import fault_plan
-from aqn_jax.files import write_json
+from aqn_jax.files import write_atomic, write_json
 from aqn_jax.jobs import run_policy
 from aqn_jax.metrics import read_metrics
 from aqn_jax.models.factory import logical_axes, model_config
 from aqn_jax.spec import eval_spec, srdd_spec
 from aqn_jax.study import report as study_report
+from aqn_jax.study import stats
 from aqn_jax.study.config import check_compare
 from aqn_jax.study.report import write_report
 from aqn_jax.warm_start import sft_seed, tokenizer_for, warm_start
@@ -116,6 +119,13 @@ def run_config(config, arm: str, seed: int, workdir: str, diagnosis: dict | None
 def check_config(config, workdir: str) -> None:
     """Every check that needs no compile, for every arm: bad input fails before any training."""
     check_compare(config.compare)
+    names = [c.name for c in conditions(config.evaluate)]
+    target = config.compare.get("target_condition", "fault")
+    if float(config.compare.get("target_mdd", 0.0)) > 0 and target not in names:
+        raise ValueError(
+            f"config.compare.target_condition={target!r}; allowed: the evaluation's"
+            f" conditions {names}"
+        )
     lengths: dict = {}  # every arm reads the same data: tokenized once
     for arm in config.compare.arms:
         rc = run_config(config, arm, int(config.compare.seeds[0]), workdir, None)
@@ -140,21 +150,102 @@ def run(config, workdir: str) -> None:
         diagnosis = _diagnose(base, arms, workdir, model_cfg, params, timing)
     if cmp.get("baseline", False):
         timing.update(_baseline(base, workdir, model_cfg, params))
+    if jax.process_index() == 0:  # what the outcome reads: the arms, names and comparisons
+        write_atomic(os.path.join(workdir, "config.json"), config.to_json_best_effort(indent=2))
     todo = _pending(workdir, arms, seeds)
     walls = _run_all(config, workdir, todo, diagnosis, timing)
+    stopping = None
+    if float(cmp.get("target_mdd", 0.0)) > 0:
+        seeds, stopping, more = sequential(config, workdir, arms, seeds, diagnosis, timing)
+        walls += more
+        if jax.process_index() == 0:
+            write_json(os.path.join(workdir, SEQUENTIAL_FILE), stopping)
     timing["runs_s_this_invocation"] = float(np.sum(walls)) if walls else 0.0
     timing["runs_this_invocation"] = len(walls)
     timing["total_s_this_invocation"] = time.perf_counter() - t_start
-    runs = {}
+    runs, waiting = {}, []
     for arm in arms:
         for seed in seeds:
             run_dir = os.path.join(workdir, "runs", arm, f"seed{seed}")
-            runs.setdefault(arm, {})[str(seed)] = _collect(run_dir)
+            if os.path.isfile(os.path.join(run_dir, "evaluation.json")):
+                runs.setdefault(arm, {})[str(seed)] = _collect(run_dir)
+            else:  # a seed deferred to its machine class (`_pending`)
+                waiting.append(f"{arm}/seed{seed}")
+    if waiting:
+        print(f"results.json: without the unfinished runs {waiting} (rerun on their class)")
     results = _results(config, workdir, diagnosis, runs, timing)
+    results["seeds"], results["stopping"] = list(seeds), stopping
     if jax.process_index() == 0:
         write_json(os.path.join(workdir, "results.json"), results, default=str)
         report = write_report(results, workdir)
         print(f"report: {report}")
+
+
+SEQUENTIAL_FILE = "sequential.json"
+
+
+def sequential(config, workdir: str, arms: tuple, seeds: tuple, diagnosis, timing: dict):
+    """Seeds in rounds until the study reaches its precision: after `seeds` (run before), while
+    some comparison's minimum detectable difference (`comparison_mdds`) is above
+    `config.compare.target_mdd` and fewer than `max_seeds` seeds have run, the next seed's arms
+    run (every arm of a seed before the next seed). Returns (the seeds, the stopping record,
+    the new runs' wall times).
+
+    The rule reads only the spread of each comparison's per-seed paired differences and the
+    number of seeds (the MDD is a function of the two), never the difference itself: whether
+    a study goes on does not depend on which arm is ahead, so stopping does not bias the
+    estimate the way stopping at a significant p would. Resumable: every finished run is
+    reused, so a rerun after a kill recomputes the same rounds from the same runs."""
+    cmp = config.compare
+    target, top = float(cmp.target_mdd), int(cmp.max_seeds)
+    rounds, walls = [], []
+    while True:
+        mdds = comparison_mdds(workdir, cmp.comparisons, seeds, cmp.target_condition)
+        rounds.append({"seeds": list(seeds), "mdd": mdds})
+        shown = ", ".join(f"{k} {_fmt(v)}" for k, v in mdds.items())
+        print(f"sequential: {len(seeds)} seeds: MDD {shown} (target {target})", flush=True)
+        if all(v is not None and v <= target for v in mdds.values()):
+            reason = f"every MDD <= target_mdd={target} at {len(seeds)} seeds"
+            break
+        if len(seeds) >= top:
+            reason = f"max_seeds={top} reached; MDD {shown} (target {target})"
+            break
+        seeds = (*seeds, max(seeds) + 1)
+        walls += _run_all(config, workdir, _pending(workdir, arms, seeds[-1:]), diagnosis, timing)
+    print(f"sequential: stopped: {reason}", flush=True)
+    stopping = {
+        "target_mdd": target,
+        "max_seeds": top,
+        "condition": cmp.target_condition,
+        "reached": reason.startswith("every"),
+        "reason": reason,
+        "rounds": rounds,
+    }
+    return seeds, stopping, walls
+
+
+def _fmt(v) -> str:
+    return "n/a" if v is None else f"{v:.3f}"
+
+
+def comparison_mdds(workdir: str, comparisons, seeds, condition: str) -> dict[str, float | None]:
+    """Per comparison "a-b", the paired test's minimum detectable difference (power 0.8, two-
+    sided 0.05; `stats.paired_mdd`) over the seeds both arms finished, from their
+    `evaluation.json` on `condition`: 0 when every seed's difference is the same, None below
+    two seeds."""
+    out = {}
+    for a, b in comparisons:
+        acc = {}
+        for arm in (a, b):
+            for seed in seeds:
+                path = os.path.join(workdir, "runs", arm, f"seed{seed}", "evaluation.json")
+                if os.path.isfile(path):
+                    with open(path) as f:
+                        acc[arm, seed] = json.load(f)["conditions"][condition]["acc"]
+        d = [acc[a, s] - acc[b, s] for s in seeds if (a, s) in acc and (b, s) in acc]
+        sd = float(np.std(d, ddof=1)) if len(d) >= 2 else None
+        out[f"{a}-{b}"] = None if sd is None else (stats.paired_mdd(sd, len(d)) if sd else 0.0)
+    return out
 
 
 def _diagnose(base, arms, workdir: str, model_cfg, params, timing: dict) -> dict:
@@ -184,20 +275,54 @@ def _diagnose(base, arms, workdir: str, model_cfg, params, timing: dict) -> dict
     return diagnosis
 
 
+MACHINE_FILE = "machine.json"  # per run: the machine class it ran on, and `lscpu`
+
+
+def _run_machine(run_dir: str) -> str | None:
+    """The machine class a run was started on (its machine.json), or None if not started."""
+    path = os.path.join(run_dir, MACHINE_FILE)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return json.load(f)["machine_class"]
+
+
+def record_machine(run_dir: str) -> None:
+    """machine.json of a run started on this machine: its class (`machine_class`) and the
+    whole `lscpu` output; kept as it is when the run resumes (on the same class)."""
+    path = os.path.join(run_dir, MACHINE_FILE)
+    if os.path.isfile(path):
+        return
+    try:
+        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        lscpu = f"lscpu failed: {e}"
+    write_json(path, {"machine_class": machine_class(), "lscpu": lscpu, "started": time.time()})
+
+
 def _pending(workdir: str, arms: tuple, seeds: tuple) -> list[tuple]:
-    """The (arm, seed, run_dir) without an evaluation.json, each arm's first seed before any
-    arm's second: parallel workers then compile different arms at once, and the later seeds
-    find their programs in the compile cache."""
-    todo = []
-    for arm in arms:
-        for seed in seeds:
-            run_dir = os.path.join(workdir, "runs", arm, f"seed{seed}")
+    """The (arm, seed, run_dir) without an evaluation.json, seed by seed (every arm of a seed
+    before the next seed; parallel workers compile different arms at once, and the later seeds
+    find their programs in the compile cache).
+
+    A seed pairs its arms only on one machine class (XLA:CPU's results differ between classes):
+    a seed whose runs were started on another class (their machine.json) is deferred, with one
+    line naming the class, until the job runs on that class again."""
+    here, todo = machine_class(), []
+    for seed in seeds:
+        dirs = {arm: os.path.join(workdir, "runs", arm, f"seed{seed}") for arm in arms}
+        other = sorted({m for d in dirs.values() if (m := _run_machine(d)) not in (None, here)})
+        if other:
+            print(f"== seed {seed}: deferred: its runs were started on {other[0]!r}, this is"
+                  f" {here!r} (a seed's arms pair on one machine class)")  # fmt: skip
+            continue
+        for arm in arms:
+            run_dir = dirs[arm]
             os.makedirs(run_dir, exist_ok=True)
             if os.path.isfile(os.path.join(run_dir, "evaluation.json")):
                 print(f"== {arm} seed {seed}: done, reused ({run_dir})")
             else:
                 todo.append((arm, seed, run_dir))
-    todo.sort(key=lambda r: (seeds.index(r[1]), arms.index(r[0])))
     return todo
 
 
@@ -259,6 +384,8 @@ def train_and_evaluate(rc, run_dir: str, device=None, programs: dict | None = No
     the run finished). `programs`: the evaluation programs compiled by earlier runs of this
     process (`evaluation.program`). Returns the wall time."""
     t0 = time.perf_counter()
+    if jax.process_index() == 0:
+        record_machine(run_dir)
     if not os.path.isfile(os.path.join(run_dir, "summary.json")):  # else trained: stopped later
         training.run(rc, run_dir)
     result = _evaluate(rc if device is None else device, run_dir, programs, rc)

@@ -215,20 +215,12 @@ class Sampler:
                 f"input_ids {input_ids.shape} and attention_mask {attention_mask.shape} must be"
                 " the same [B, L] shape"
             )
-        B, L = input_ids.shape
-        bucket = self.bucket(L)
-        P = 0 if self.prefix_refused else shared_prefix_len(input_ids, attention_mask)
-        pad = bucket - L
-        prefix = None
-        if P:  # [1, P] once; each row's own tokens left-padded in the bucket's other slots
-            prefix, own_ids, own_mask = split_prefix(input_ids, attention_mask, P, bucket)
-            prefix = self._put_replicated(prefix)
-            dev_ids, dev_mask = self._place(own_ids, own_mask, B)
+        B = input_ids.shape[0]
+        bucket, dev_ids, dev_mask, prefix, input_ids, attention_mask = self._inputs(
+            input_ids, attention_mask
+        )
+        if prefix is not None:
             self.prefix_calls += 1
-        input_ids = np.pad(input_ids, ((0, 0), (pad, 0)), constant_values=self.sampling.pad_id)
-        attention_mask = np.pad(attention_mask, ((0, 0), (pad, 0)))
-        if not P:
-            dev_ids, dev_mask = self._place(input_ids, attention_mask, B)
         input_ids = np.repeat(input_ids, self.sampling.n, axis=0)
         attention_mask = np.repeat(attention_mask, self.sampling.n, axis=0)
         rows = B * self.sampling.n
@@ -249,16 +241,46 @@ class Sampler:
             ended=parallel.to_host(ended).astype(bool),
         )
 
-    def compile(self, weights, rows: int, bucket: int, keys, values: dict[str, Any]) -> None:
+    def _inputs(self, input_ids: np.ndarray, attention_mask: np.ndarray):
+        """(bucket, the program's prompt rows and mask on the devices, the shared prefix
+        `[1, P]` or None, the prompts and mask padded to the bucket) of a call with these
+        left-padded `[B, L]` prompts."""
+        B, L = input_ids.shape
+        bucket = self.bucket(L)
+        P = 0 if self.prefix_refused else shared_prefix_len(input_ids, attention_mask)
+        pad = bucket - L
+        prefix = None
+        if P:  # [1, P] once; each row's own tokens left-padded in the bucket's other slots
+            prefix, own_ids, own_mask = split_prefix(input_ids, attention_mask, P, bucket)
+            prefix = self._put_replicated(prefix)
+            dev_ids, dev_mask = self._place(own_ids, own_mask, B)
+        input_ids = np.pad(input_ids, ((0, 0), (pad, 0)), constant_values=self.sampling.pad_id)
+        attention_mask = np.pad(attention_mask, ((0, 0), (pad, 0)))
+        if not P:
+            dev_ids, dev_mask = self._place(input_ids, attention_mask, B)
+        return bucket, dev_ids, dev_mask, prefix, input_ids, attention_mask
+
+    def compile(
+        self, weights, rows: int, bucket: int, keys, values: dict[str, Any], prompts=None
+    ) -> None:
         """Lower and compile the program for `rows` rows of prompts `bucket` wide, as a call
         with them runs it (`keys`: the (sampling, fault) keys; only their types matter), and
-        leave the KV cache it made in the pool for that call."""
-        prompts = rows // self.sampling.n
-        ids = np.zeros((prompts, bucket), np.int32)
+        leave the KV cache it made in the pool for that call. `prompts`: the call's own
+        (input_ids, attention_mask), whose shared prefix's length sets the program's shapes
+        (`shared_prefix_len`); without them, a call that shares no prefix."""
+        if prompts is None:
+            ids = np.zeros((rows // self.sampling.n, bucket), np.int32)
+            prompts = (ids, ids)
+        ids, mask = (np.asarray(x, np.int32) for x in prompts)
+        got, dev_ids, dev_mask, prefix, _, _ = self._inputs(ids, mask)
+        if got != bucket or ids.shape[0] * self.sampling.n != rows:
+            raise ValueError(
+                f"Sampler.compile: prompts {ids.shape} x n={self.sampling.n} fill bucket {got}"
+                f" and {ids.shape[0] * self.sampling.n} rows, not {bucket} and {rows}"
+            )
         cache = self._take_cache(rows, bucket)
         self._caches[(rows, bucket)] = cache
-        placed = self._place(ids, ids, prompts)
-        self._program.lower(weights, *placed, keys, cache, dict(values)).compile()
+        self._program.lower(weights, dev_ids, dev_mask, keys, cache, dict(values), prefix).compile()
 
     def _put_replicated(self, x):
         if self.mesh is None:

@@ -378,18 +378,21 @@ class Trainer:
                     upd[key] = parallel.put_batch(value, self.mesh)
         return upd
 
-    def compile_step(self, state: RLState, prompt_shape: tuple[int, int], step: int) -> None:
-        """Lower and compile generate, prepare and update for a batch of prompts of
-        `prompt_shape` ([prompts, length]) as `step(state, step)` will call them: its inputs
-        built by the step's own builders from zeros of those shapes (the values do not matter,
-        only shapes, dtypes and shardings), so that the step runs compiled (the jits' caches)."""
+    def compile_step(self, state: RLState, batch, step: int) -> None:
+        """Lower and compile generate, prepare and update for the step's batch of prompts
+        (`batch`: its input_ids and attention_mask, [prompts, length]) as `step(state, step)`
+        will call them: generate for the prompts' own layout (their shared prefix's length sets
+        its shapes), prepare and update on inputs built by the step's own builders from zeros of
+        those shapes (the values do not matter, only shapes, dtypes and shardings), so that the
+        step runs compiled (the jits' caches)."""
         static = self.static
-        sampler, rows = self.rollout_sampler, prompt_shape[0] * static.h.n
-        bucket = sampler.bucket(prompt_shape[1])
+        ids, mask = np.asarray(batch["input_ids"]), np.asarray(batch["attention_mask"])
+        sampler, rows = self.rollout_sampler, ids.shape[0] * static.h.n
+        bucket = sampler.bucket(ids.shape[1])
         values = self.step_values(step)
         key = step_key(self.seed, step, "rollout")  # any key: only its type and shape matter
         weights = self.generation_weights(policy_weights(static, state))
-        sampler.compile(weights, rows, bucket, (key, key), values)
+        sampler.compile(weights, rows, bucket, (key, key), values, prompts=(ids, mask))
         ids, tokens = np.zeros((rows, bucket), np.int32), np.zeros((rows, static.max_new), np.int32)
         ended = np.zeros(rows, bool)
         out = SampleOutput(ids, ids, tokens, tokens.astype(np.float32), tokens + 1, {}, ended)

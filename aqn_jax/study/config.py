@@ -24,6 +24,19 @@ def compare_config() -> ml_collections.ConfigDict:
     # The warm start's robustness matrix once (every run's step 0: greedy decoding of one model
     # is deterministic), in baseline/evaluation.json.
     c.baseline = False
+    # A study that stops at a precision (`jobs/compare.py`, `sequential`): with target_mdd > 0
+    # the job adds seeds (every arm of a seed before the next) after `seeds` until every
+    # comparison's minimum detectable difference on `target_condition` is at most target_mdd,
+    # or `max_seeds` seeds have run.
+    c.target_mdd = 0.0  # 0: off (the seeds as listed)
+    c.max_seeds = 0  # with target_mdd: the most seeds (>= len(seeds))
+    c.target_condition = "fault"  # the evaluation condition the MDDs are read on
+    # Display names of the arms in the study's outcome (`aqn_jax/study/outcome.py`), {arm: name};
+    # an arm not named here is shown under its own name.
+    c.names = ml_collections.ConfigDict()
+    # The outcome's comparisons on the clean device (`comparisons` are read on the faulty one):
+    # what adapting to the fault costs elsewhere, e.g. (("deadzone", "clean"),).
+    c.clean_comparisons = ()
     return c
 
 
@@ -46,8 +59,42 @@ def check_compare(cmp) -> None:
     for pair in cmp.comparisons:
         if len(pair) != 2 or any(a not in ARMS for a in pair):
             raise ValueError(f"config.compare.comparisons has {tuple(pair)}; expected arm pairs")
+    for field in ("comparisons", "clean_comparisons"):
+        pairs = [tuple(p) for p in cmp.get(field, ())]
+        outside = [p for p in pairs if not set(p) <= set(arms)]
+        if outside:
+            raise ValueError(
+                f"config.compare.{field} has {outside[0]}; allowed: pairs of"
+                f" config.compare.arms={arms}"
+            )
+    ref = cmp.get("reference_arm", None)
+    if ref is not None and ref not in arms:
+        raise ValueError(f"config.compare.reference_arm={ref!r}; allowed: one of {arms}")
     if int(cmp.workers) < 0:
         raise ValueError(f"config.compare.workers={cmp.workers}; must be >= 0 (0 = one per core)")
+    if len(set(arms)) != len(arms):
+        raise ValueError(f"config.compare.arms={arms}; an arm is named twice")
+    target, top = float(cmp.get("target_mdd", 0.0)), int(cmp.get("max_seeds", 0))
+    if not target >= 0.0:
+        raise ValueError(f"config.compare.target_mdd={target}; must be >= 0 (0 = off)")
+    if target > 0.0:
+        if top < len(seeds):
+            raise ValueError(
+                f"config.compare.max_seeds={top}; with target_mdd={target} it must be >="
+                f" len(config.compare.seeds)={len(seeds)} (the seeds run first)"
+            )
+        if not cmp.comparisons:
+            raise ValueError(
+                f"config.compare.comparisons=(): with target_mdd={target} the stopping rule"
+                " reads the comparisons; allowed: one or more pairs of config.compare.arms"
+            )
+    names = dict(cmp.get("names", {}) or {})
+    stray = sorted(set(names) - set(ARMS.names()))
+    if stray or len(set(names.values())) != len(names):
+        raise ValueError(
+            f"config.compare.names={names}; allowed: distinct display names of arms of"
+            f" {ARMS.names()} (not arms: {stray})"
+        )
 
 
 def severity_config() -> ml_collections.ConfigDict:

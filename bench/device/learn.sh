@@ -172,8 +172,10 @@ for arm in $ARMS; do
   fi
   if [ "$MODE" = study ]; then  # the arm's compare job: its seeds, step 0 by the first arm
     first=False; [ "$i" = 0 ] && first=True
+    # One arm per job: no comparison inside it (the outcome pairs the jobs' runs).
     args=(--config="$CFG:$variant" "--config.compare.arms=('$arm',)" "--config.compare.seeds=$SEEDS"
-      --config.compare.baseline=$first)
+      "--config.compare.comparisons=()" "--config.compare.clean_comparisons=()"
+      "--config.compare.reference_arm=$arm" --config.compare.baseline=$first)
   else
     args=(--config="$CFG:$arm,$variant" --config.data.train_path="$DATA/train.jsonl"
       --config.data.test_path="$DATA/test.jsonl")
