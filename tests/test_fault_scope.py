@@ -25,7 +25,7 @@ from aqn_jax.rl import sampler as sampler_lib
 from aqn_jax.rl.sampler import Sampler, SamplingParams
 
 from conftest import load_config, random_params
-from tolerance import bound, forward_path
+from tolerance import bound, forward_path, logit_bound
 
 THRESHOLD = 0.3  # of amax: flushes a good part of layer 0's output of this random model
 CONFIG = Qwen2Config.tiny(num_hidden_layers=2)
@@ -286,12 +286,23 @@ def test_sampler_trainer_drift_is_near_zero_for_causal_and_positive_for_call(sco
     run(config, str(tmp_path))
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     (row,) = [r for r in rows if "training/rollout_logprob_diff_mean" in r]  # the RL step
-    mean, worst = (
-        row["training/rollout_logprob_diff_mean"],
-        row["training/rollout_logprob_diff_max"],
-    )
     assert row["faults/train/deadzone.flushed"] > 0.05  # the fault is on in the update
+    # Both programs compute the same function when the scope is causal: a token's log-prob
+    # differs by the rounding of two fusions (tolerance.py's bound over the forward's reductions,
+    # the attended keys at most the longest prompt bucket plus the response). A value that
+    # lies within that rounding of the threshold can still be flushed by one program and not the
+    # other (measured on Intel AMX: one of ~200 tokens moved by 0.045), so the typical token, the
+    # median, carries the claim; under the call scope the threshold itself differs.
+    from aqn_jax.models.factory import load_model
+
+    cfg, params = load_model(config.model, config.seed)
+    keys = max(config.rollout.prompt_buckets) + config.rollout.max_new_tokens
+    tol = bound(forward_path(cfg, keys, log_softmax=True), logit_bound(cfg, params))
+    median, mean = (
+        row["training/rollout_logprob_diff_median"],
+        row["training/rollout_logprob_diff_mean"],
+    )
     if scope == "causal":
-        assert mean < 1e-5 and worst < 1e-4
+        assert median <= tol, (median, tol)
     else:
-        assert mean > 1e-3 and worst > 1e-2
+        assert median > 10 * tol and mean > 1e-3, (median, mean, tol)
