@@ -521,7 +521,11 @@ def test_study_dry_run_brings_back_the_outcome_and_resumes(study_dry_run):
     (merged / "srdd").symlink_to(extracted / "targeted" / "srdd")
     for arm in ("deadzone", "targeted"):
         (merged / "runs" / arm).symlink_to(extracted / arm / "runs" / arm)
-    got = outcome.collect(str(merged))
+    # The merged workdir has no config.json: the arms and comparisons of the call's config.
+    arms = outcome.study_config(
+        str(merged), f"{ROOT}/configs/qwen2p5_coder_0p5b_gsm8k.py:study,arith,smoke"
+    )
+    got = outcome.collect(str(merged), arms)
     assert got["runs"] == study["runs"] and got["srdd_layers"] == study["srdd_layers"]
     # The second call: every run done, reused; the same outcome.
     again = study_dry_run["again"]

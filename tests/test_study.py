@@ -412,7 +412,38 @@ def test_paired_t_hand_computed():
     assert S.paired([0.5, None, 0.7], [0.4, 0.3, 0.6])["n_dropped"] == 1
 
 
-def test_study_outcome_recomputes_from_the_run_directories(tmp_path):
+# The legacy study's arms, names and comparisons (docs/qwen05_study has no config.json): the
+# `:study` preset, loaded as `--config=configs/qwen2p5_coder_0p5b_gsm8k.py:study` loads it.
+LEGACY_CONFIG = "configs/qwen2p5_coder_0p5b_gsm8k.py:study"
+LEGACY_COMPARISONS = (
+    ("faulty", "clean_rl", "faulty"),  # the seed's hypothesis: RL on the device it serves
+    ("targeted_aqn", "faulty", "faulty"),
+    ("global_aqn", "faulty", "faulty"),
+    ("targeted_aqn", "global_aqn", "faulty"),
+    ("faulty", "clean_rl", "clean"),  # what adapting to the fault costs elsewhere
+)
+
+
+@pytest.fixture(scope="module")
+def legacy_study():
+    from aqn_jax.study import outcome as O
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cmp = O.load_config_arg(os.path.join(repo, LEGACY_CONFIG))
+    study = O.study_from(cmp, LEGACY_CONFIG)
+    # The preset gives the legacy table's arms and order.
+    assert study.arms == ("deadzone", "clean", "targeted", "global_aqn")
+    assert [study.name(a) for a in study.arms] == [
+        "faulty",
+        "clean_rl",
+        "targeted_aqn",
+        "global_aqn",
+    ]
+    assert study.comparisons == LEGACY_COMPARISONS
+    return study
+
+
+def test_study_outcome_recomputes_from_the_run_directories(tmp_path, legacy_study):
     from aqn_jax.study import outcome as O
 
     def write(path, obj):
@@ -446,7 +477,7 @@ def test_study_outcome_recomputes_from_the_run_directories(tmp_path):
             ]
             (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
     (tmp_path / "runs" / "targeted" / "seed0").mkdir(parents=True)  # unfinished: not counted
-    got = O.collect(str(tmp_path))
+    got = O.collect(str(tmp_path), legacy_study)
     assert got["srdd_layers"] == [15] and len(got["runs"]) == 6
     run = next(r for r in got["runs"] if r["arm"] == "faulty" and r["seed"] == 1)
     assert run == {
@@ -463,7 +494,7 @@ def test_study_outcome_recomputes_from_the_run_directories(tmp_path):
         "aqn_sigma": [0.0, 0.0],
         "mismatch": [0.0, 0.0],
     }
-    res = O.outcome(got["runs"])
+    res = O.outcome(got["runs"], legacy_study.comparisons)
     assert res["arms"]["faulty"]["faulty_final"]["mean"] == pytest.approx(0.6)
     assert res["arms"]["faulty"]["signal_per_step"] == [0.25, 0.5]
     assert (res["arms"]["faulty"]["aqn_sigma_max"], res["arms"]["faulty"]["mismatch_mean"]) == (
@@ -505,27 +536,38 @@ def test_study_outcome_recomputes_from_the_run_directories(tmp_path):
     for r in swapped:
         if r["arm"] == "clean_rl" and r["seed"] in (0, 2):
             r["seed"] = 2 if r["seed"] == 0 else 0
-    moved = O.outcome(swapped)["comparisons"][0]
+    moved = O.outcome(swapped, legacy_study.comparisons)["comparisons"][0]
     assert moved["mean_diff"] == pytest.approx(0.1) and abs(moved["p"] - main["p"]) > 0.01
 
 
-def test_committed_study_agrees_with_its_run_directories():
+def test_committed_study_agrees_with_its_run_directories(legacy_study):
     """docs/qwen05_arith_study.{json,md} (issue 59) are what `study.outcome` computes from the
     run directories committed beside them (docs/qwen05_study: each run's evaluation.json and
-    metrics.jsonl, the step-0 evaluation, SRDD's verdict): the per-seed numbers, the means and
-    intervals, and the paired tests with their Holm p-values."""
+    metrics.jsonl, the step-0 evaluation, SRDD's verdict), its arms and comparisons from the
+    `:study` preset: the per-seed numbers, the means and intervals, and the paired tests with
+    their Holm p-values."""
     from aqn_jax.study import outcome as O
 
     docs = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs")
     with open(os.path.join(docs, "qwen05_arith_study.json")) as f:
         committed = json.load(f)
-    got = O.collect(os.path.join(docs, "qwen05_study"))
+    got = O.collect(os.path.join(docs, "qwen05_study"), legacy_study)
+    # No per-problem records: nothing new (no two-level statistics, no stopping record).
+    assert O.twolevel_outcome(legacy_study, got["_detail"]) is None
+    assert got["_detail"]["sequential"] is None and list(committed) == [
+        "runs",
+        "srdd_layers",
+        "arms",
+        "comparisons",
+        "commit",
+        "cpu",
+    ]
     assert sorted((r["arm"], r["seed"]) for r in got["runs"]) == [  # the whole study: 4 x 3
         (a, s) for a in ("clean_rl", "faulty", "global_aqn", "targeted_aqn") for s in (0, 1, 2)
     ]
     assert got["srdd_layers"] == committed["srdd_layers"] == [15]
     assert got["runs"] == committed["runs"]
-    res = json.loads(json.dumps(O.outcome(got["runs"])))  # the JSON's round trip (tuples, keys)
+    res = json.loads(json.dumps(O.outcome(got["runs"], legacy_study.comparisons)))  # round trip
     assert res["arms"] == committed["arms"]
     assert res["comparisons"] == committed["comparisons"]
     with open(os.path.join(docs, "qwen05_arith_study.md")) as f:
@@ -533,4 +575,5 @@ def test_committed_study_agrees_with_its_run_directories():
     # Negative control: one run's final accuracy changed, and its comparison's p moves.
     moved = [dict(r) for r in got["runs"]]
     next(r for r in moved if r["arm"] == "faulty" and r["seed"] == 0)["faulty_final"] -= 0.1
-    assert O.outcome(moved)["comparisons"][0]["p"] != committed["comparisons"][0]["p"]
+    moved_p = O.outcome(moved, legacy_study.comparisons)["comparisons"][0]["p"]
+    assert moved_p != committed["comparisons"][0]["p"]

@@ -29,7 +29,8 @@
 #   sha256 is the parts'); the first arm evaluates step 0, the targeted arm runs SRDD. $OUT:
 #   summary.txt, setup.tgz, runs.tgz (every arm's workdir without checkpoints and caches, and
 #   logs/<arm>.log: the launch output of every call) and
-#   study.json, study.png, study.md (python -m aqn_jax.study.outcome over the arms merged).
+#   study.json, study.png, study.md (python -m aqn_jax.study.outcome over the arms merged, its
+#   arms and comparisons from --config="$CFG:$VARIANT").
 set -u
 T0=$(date +%s)
 MODE=${1:?usage: learn.sh take K | learn.sh run | learn.sh study}
@@ -201,7 +202,10 @@ pack_study() {  # every arm's workdir (no checkpoints, caches) and the outcome s
   tar czf "$W/runs.tgz" -C "$WORK" --exclude=checkpoints --exclude=xla_cache --exclude=cache \
     --exclude='*.lock' $(cd "$WORK" && ls -d logs $ARMS 2>/dev/null) && mv "$W/runs.tgz" "$OUT/runs.tgz"
   if [ -f "$m/baseline/evaluation.json" ]; then
+    # The merged workdir has no config.json (each arm's job wrote its own): the study's
+    # arms, names and comparisons come from the config the arms were launched with.
     $PY -m aqn_jax.study.outcome --workdir="$m" --out="$W/study" --cpu="$DEVICE" \
+      --config="$CFG:$variant" \
       >"$W/outcome.log" 2>&1 && mv "$W"/study.{json,png,md} "$OUT/"
   fi
 }
