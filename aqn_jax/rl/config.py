@@ -11,7 +11,7 @@ import ml_collections
 
 from . import advantages as adv_lib
 from . import losses
-from .rollout_correction import RolloutCorrection, correction_from
+from .rollout_correction import RolloutCorrection, correction_config, correction_from
 
 OLD_LOGP_PASS = ("auto", "always")  # config.actor.old_logp_pass
 
@@ -33,18 +33,6 @@ def algo_config() -> ml_collections.ConfigDict:
     # Rollout correction (aqn_jax/rl/rollout_correction.py): sampler vs trainer log-probs.
     correction_config(algo)
     return algo
-
-
-def correction_config(algo) -> None:
-    """The rollout-correction fields of `config.algo` (off: verl's defaults)."""
-    algo.rollout_is = "none"  # none | token | sequence: truncated IS weights on the PG loss
-    algo.rollout_is_threshold = 2.0  # C of min(w, C) (verl, tunix: 2.0)
-    algo.rollout_is_batch_normalize = False  # weights / their batch mean (verl)
-    algo.rollout_rs = "none"  # none | token | sequence | geometric: reject ratios outside bounds
-    algo.rollout_rs_threshold = 2.0  # upper bound of the kept ratio
-    # lower bound of the kept ratio; None = 1 / rollout_rs_threshold
-    algo.rollout_rs_threshold_lower = ml_collections.config_dict.placeholder(float)
-    algo.bypass_mode = False  # PPO's old policy = the rollout's log-probs (verl bypass)
 
 
 def data_batch_config() -> ml_collections.ConfigDict:

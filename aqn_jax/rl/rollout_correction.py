@@ -48,6 +48,7 @@ import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+import ml_collections
 import numpy as np
 
 from aqn_jax.registry import Registry
@@ -108,16 +109,33 @@ class RolloutCorrection:
         return bool(self.active) or self.bypass_mode
 
 
+DEFAULTS = RolloutCorrection()  # the section's defaults, read by correction_config and the parser
+
+
+def correction_config(algo) -> None:
+    """The rollout-correction fields of `config.algo` (off: verl's defaults), their values
+    `RolloutCorrection`'s defaults."""
+    algo.rollout_is = DEFAULTS.rollout_is  # none | token | sequence: truncated IS weights on PG
+    algo.rollout_is_threshold = DEFAULTS.rollout_is_threshold  # C of min(w, C) (verl, tunix: 2)
+    algo.rollout_is_batch_normalize = DEFAULTS.rollout_is_batch_normalize  # w / batch mean
+    # none | token | sequence | geometric: reject ratios outside [lower, threshold]
+    algo.rollout_rs = DEFAULTS.rollout_rs
+    algo.rollout_rs_threshold = DEFAULTS.rollout_rs_threshold  # upper bound of the kept ratio
+    # lower bound of the kept ratio; None = 1 / rollout_rs_threshold
+    algo.rollout_rs_threshold_lower = ml_collections.config_dict.placeholder(float)
+    algo.bypass_mode = DEFAULTS.bypass_mode  # PPO's old policy = the rollout's log-probs (verl)
+
+
 def correction_from(algo, rollout) -> RolloutCorrection:
     """`config.algo`'s correction fields, checked (one line naming the field) against
     `config.rollout`: a correction needs the sampling log-probs of the tokens it corrects."""
     rollout_is, rollout_rs = (
-        CORRECTIONS[field].levels.check(algo.get(field, "none"))
+        CORRECTIONS[field].levels.check(algo.get(field, getattr(DEFAULTS, field)))
         for field in ("rollout_is", "rollout_rs")
     )
     thresholds = {}
-    for field, default in (("rollout_is_threshold", 2.0), ("rollout_rs_threshold", 2.0)):
-        value = algo.get(field, default)
+    for field in ("rollout_is_threshold", "rollout_rs_threshold"):
+        value = algo.get(field, getattr(DEFAULTS, field))
         if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
             raise ValueError(f"config.algo.{field}={value!r}; must be a finite number > 0")
         thresholds[field] = float(value)
@@ -145,11 +163,13 @@ def correction_from(algo, rollout) -> RolloutCorrection:
     rc = RolloutCorrection(
         rollout_is=rollout_is,
         rollout_is_threshold=thresholds["rollout_is_threshold"],
-        rollout_is_batch_normalize=bool(algo.get("rollout_is_batch_normalize", False)),
+        rollout_is_batch_normalize=bool(
+            algo.get("rollout_is_batch_normalize", DEFAULTS.rollout_is_batch_normalize)
+        ),
         rollout_rs=rollout_rs,
         rollout_rs_threshold=upper,
         rollout_rs_threshold_lower=float(lower),
-        bypass_mode=bool(algo.get("bypass_mode", False)),
+        bypass_mode=bool(algo.get("bypass_mode", DEFAULTS.bypass_mode)),
     )
     if rc.rollout_is_batch_normalize and rollout_is == "none":
         raise ValueError(
