@@ -507,3 +507,22 @@ def test_command_line_refusal_has_no_traceback(tmp_path):
     assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
     assert "deadzone/seed2/samples.jsonl: line" in proc.stderr
     assert tree_state(tmp_path) == before
+
+
+def test_a_step_without_an_update_is_not_a_zero_mismatch(tmp_path, capsys):
+    """A step whose update ran no pass logs its rollout-correction metrics as 0; the per-step
+    mismatch is the mean over the runs that measured it (targeted: 0.01 k + 0.001 s at step k,
+    seed s), and "n/a" where none did."""
+    work = make_study(tmp_path / "S")
+    path = work / "runs" / "targeted" / "seed1" / "metrics.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    rows[2].update({"actor/update_skipped": 1.0, "rollout_corr/log_ppl_abs_diff": 0.0})  # step 2
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    code, err = run_main(capsys, f"--workdir={work}", f"--out={tmp_path / 'o'}")
+    assert code == 0, err
+    got = json.loads((tmp_path / "o.json").read_text())["twolevel"]["arms"]["targeted_seed"]
+    mis = got["mismatch_per_step"]
+    assert mis["step"] == [1, 2] and mis["runs"] == [3, 2]
+    assert mis["mean"] == pytest.approx([0.011, (0.020 + 0.022) / 2], rel=1e-12)
+    # Negative control: counted as measured, the zero would pull step 2's mean to 0.014.
+    assert abs(mis["mean"][1] - (0.020 + 0.0 + 0.022) / 3) > 0.005

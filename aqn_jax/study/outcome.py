@@ -266,6 +266,12 @@ def _metrics(run_dir: str) -> list[dict]:
     return rows
 
 
+def _skipped(row: Mapping[str, Any]) -> bool:
+    """A step whose update ran no pass (no group had a signal): its rollout-correction metrics
+    are logged as 0, not measured, so the per-step mismatch leaves it out."""
+    return bool(row.get("actor/update_skipped"))
+
+
 def _per_step(rows: Sequence[Mapping[str, Any]]) -> dict[str, list[float]]:
     """`PER_STEP`'s series of one run, each over the RL steps that logged it."""
     return {name: [r[key] for r in rows if key in r] for name, key in PER_STEP.items()}
@@ -480,7 +486,11 @@ def collect(workdir: str, study: Study) -> dict[str, Any]:
                 "train_s": float(sum(r.get(k) or 0.0 for r in rows for k in TRAIN_TIMING)),
                 "wall_s": ev.get("wall_time_s"),
                 "per_step": {
-                    name: [(r.get("step"), r[key]) for r in rows if r.get(key) is not None]
+                    name: [
+                        (r.get("step"), r[key])
+                        for r in rows
+                        if r.get(key) is not None and not (name == "mismatch" and _skipped(r))
+                    ]
                     for name, key in PER_STEP.items()
                 },
             }
@@ -634,12 +644,24 @@ def timing(detail: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _per_step_mean(series: Sequence[Sequence[tuple[Any, float]]]) -> dict[str, list]:
-    """The mean over runs at each step every run logged: {"step": [...], "mean": [...]}."""
+    """At each step some run logged, the mean over the runs that logged it and their number:
+    {"step": [...], "mean": [...], "runs": [...]} (a step without an update is not measured)."""
     series = [dict(s) for s in series if s]
     if not series:
-        return {"step": [], "mean": []}
-    steps = sorted(set.intersection(*(set(s) for s in series)), key=lambda x: (x is None, x))
-    return {"step": steps, "mean": [float(np.mean([s[k] for s in series])) for k in steps]}
+        return {"step": [], "mean": [], "runs": []}
+    steps = sorted(set().union(*(set(s) for s in series)), key=lambda x: (x is None, x))
+    have = [[s[k] for s in series if k in s] for k in steps]
+    return {
+        "step": steps,
+        "mean": [float(np.mean(v)) for v in have],
+        "runs": [len(v) for v in have],
+    }
+
+
+def _aligned(per_step: Mapping[str, list], steps: Sequence[Any]) -> str:
+    """The means at `steps`, "n/a" where no run measured one."""
+    at = dict(zip(per_step["step"], per_step["mean"], strict=True))
+    return " ".join(_sci(at.get(k)) for k in steps)
 
 
 def twolevel_outcome(
@@ -945,8 +967,9 @@ def _twolevel_table(two: Mapping[str, Any]) -> list[str]:
     ]
     lines += ["|---|---|---|---|"]
     for name, arm in two["arms"].items():
+        steps = arm["aqn_sigma_per_step"]["step"]
         sig = " ".join(_sci(v) for v in arm["aqn_sigma_per_step"]["mean"]) or "n/a"
-        mis = " ".join(_sci(v) for v in arm["mismatch_per_step"]["mean"]) or "n/a"
+        mis = _aligned(arm["mismatch_per_step"], steps) or "n/a"
         lines.append(f"| {name} | {len(arm['seeds'])} | {sig} | {mis} |")
     if two["unfinished"]:
         lines += ["", f"Unfinished runs (left out): {', '.join(two['unfinished'])}."]
