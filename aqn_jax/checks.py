@@ -21,8 +21,9 @@ from aqn_jax.config import frozen
 from aqn_jax.data.config import DataSpec, load_split
 from aqn_jax.data.gsm8k import tokenize_prompts
 from aqn_jax.diagnosis.srdd import check_config as check_diagnosis
+from aqn_jax.experiment import ARMS
 from aqn_jax.faults import formats
-from aqn_jax.faults.config import check_bit_dtypes, fault_plan
+from aqn_jax.faults.config import FAULT_KINDS, check_bit_dtypes, fault_plan
 from aqn_jax.faults.intercept import FaultPlan
 from aqn_jax.faults.sites import expand_kinds
 from aqn_jax.lora import LoraSpec, check_ranks
@@ -30,7 +31,7 @@ from aqn_jax.models.factory import model_config
 from aqn_jax.models.hf import abstract_params
 from aqn_jax.models.registry import family_of
 from aqn_jax.rl.advantages import ESTIMATORS
-from aqn_jax.rl.optim import check_optimizer
+from aqn_jax.rl.optim import LR_SCHEDULES, check_optimizer
 from aqn_jax.rl.sampler import check_rollout
 from aqn_jax.rl.step import StepSpec
 from aqn_jax.spec import (
@@ -349,9 +350,26 @@ def check_train(config, workdir: str | None = None, cache: dict | None = None) -
     )
 
 
+def check_names(config) -> None:
+    """The names a run records or reads whatever its sections' switches: config.arm (the study
+    arm, `experiment.ARMS`) and config.study_fault (a `config.faults` kind) where the config has
+    them, and the learning-rate schedules of the SFT and the critic (read only with the SFT on
+    and estimator 'gae'). A bad name is refused even where nothing reads it now (a section
+    switched off): it would be silently ignored."""
+    if "arm" in config:
+        ARMS.check(config.arm, "config.arm")
+    if "study_fault" in config:
+        FAULT_KINDS.check(config.study_fault, "config.study_fault")
+    for section in ("sft", "critic"):
+        if section in config:
+            LR_SCHEDULES.check(config[section].schedule, f"config.{section}.schedule")
+
+
 def _check_values(config) -> StepSpec:
-    """The sections checked on their own values: rollout, the step's (algo, actor, critic, sdc,
-    lora), trainer, checkpoint and the model's dtypes. Returns the step programs' spec."""
+    """The sections checked on their own values: the names (`check_names`), rollout, the
+    step's (algo, actor, critic, sdc, lora), trainer, checkpoint and the model's dtypes.
+    Returns the step programs' spec."""
+    check_names(config)
     check_rollout(config.rollout)
     step = step_spec(config)  # data_batch / rollout.n / actor batch sizes, algo, sdc, lora
     check_optimizer(config.actor, "warmup_steps", "config.actor")

@@ -71,9 +71,12 @@ def base_config(arg: str | None = None) -> ml_collections.ConfigDict:
     this experiment sets (a tiny model learns one-digit arithmetic on a faulty device)."""
     config = ml_collections.ConfigDict()
     config.job = "train"  # the job to run (aqn_jax/jobs/<job>.py): train | compare | evaluate | ...
-    config.arm = "clean"  # the study arm (apply_arm); informational in the run's outputs
+    # The study arm (apply_arm): it records the arm in the run's outputs; the command line may
+    # not change it (`after_overrides`: another arm is another config).
+    config.arm = "clean"
     # The fault every arm but clean runs on: deadzone (config.faults.deadzone) | noise
-    # (config.faults.noise: the original design notes' hardware error model).
+    # (config.faults.noise: the original design notes' hardware error model). Given on the
+    # command line, it moves an arm config's fault to that kind (`after_overrides`).
     config.study_fault = "deadzone"  # deadzone | noise
     config.seed = 0  # RL seed: data order, sampling, fault noise (int; the study uses 0-4)
     # Resuming a workdir whose checkpoints were made under another config is refused, naming
@@ -276,8 +279,9 @@ def _both_causal(config: ml_collections.ConfigDict) -> None:
     dz.threshold = CAUSAL_THRESHOLD
 
 
-def apply_arm(config: ml_collections.ConfigDict, arm: str) -> ml_collections.ConfigDict:
-    """Set what arm `arm` (ARMS) sets on `config`, on the fault `config.study_fault`."""
+def _arm_fault(config: ml_collections.ConfigDict, arm: str) -> tuple[Arm, str]:
+    """Arm `arm`'s entry and the study fault it runs on (`config.study_fault`), checked: a kind
+    of config.faults, one AQN can target where the arm places AQN by the fault's layers."""
     entry = ARMS.get(arm)
     fault = FAULT_KINDS.check(config.get("study_fault", "deadzone"), "config.study_fault")
     if entry.targets_fault and not FAULT_KINDS.get(fault).aqn_target:
@@ -286,6 +290,12 @@ def apply_arm(config: ml_collections.ConfigDict, arm: str) -> ml_collections.Con
             f"config.study_fault={fault!r}; allowed with arm {arm!r} (AQN placed by the fault's"
             f" layers): {allowed}"
         )
+    return entry, fault
+
+
+def apply_arm(config: ml_collections.ConfigDict, arm: str) -> ml_collections.ConfigDict:
+    """Set what arm `arm` (ARMS) sets on `config`, on the fault `config.study_fault`."""
+    entry, fault = _arm_fault(config, arm)
     config.arm = arm
     config.faults[fault].enabled = entry.fault
     if entry.lora is not None:
@@ -309,3 +319,45 @@ def apply_arm(config: ml_collections.ConfigDict, arm: str) -> ml_collections.Con
 
 def arm_config(arm: str, arg: str | None = None) -> ml_collections.ConfigDict:
     return apply_arm(base_config(arg), arm)
+
+
+def after_overrides(config, built, overrides) -> None:
+    """The command line's overrides of the two fields get_config derives others from, applied
+    after the flags (`launch.main`), in place. `built`: the config as its file's get_config
+    returned it; `overrides`: the `--config.<field>` values given, flat ({'study_fault':
+    'noise', 'faults.noise.enabled': True}).
+
+    config.study_fault is honoured: on a config whose arm get_config applied (configs/<arm>.py,
+    the GSM8K config's arms; any job but compare, which applies its arms after the flags), the
+    arm's fault switch moves from the kind get_config saw to the kind named, as `apply_arm`
+    sets and checks it (a kind AQN can target with arms targeted / healthy / srdd_guided): the
+    old kind's section off, the new one on where the arm runs the fault. A section whose
+    `enabled` the command line sets too keeps the value given. Refused in one line where
+    get_config's config does not have its arm's switch (its faults were set otherwise).
+
+    config.arm only records the arm get_config applied (the arm's fields are set by then): a
+    different value would relabel the run and change nothing, so it is refused naming the
+    arm's own config."""
+    arm, was = config.get("arm"), built.get("arm")
+    if "arm" in overrides and arm != was:
+        raise ValueError(
+            f"config.arm={arm!r}: it records the arm this config was built as and sets nothing;"
+            f" allowed: {was!r} (another arm is another config: configs/<arm>.py, the config"
+            " file's arm argument where it takes one, or config.compare.arms in job compare)"
+        )
+    before, after = built.get("study_fault"), config.get("study_fault")
+    if "study_fault" not in overrides or before == after or config.get("job") == "compare":
+        return
+    if arm not in ARMS:  # no arm: nothing was derived from it (checks.check_names names it)
+        return
+    entry, fault = _arm_fault(config, arm)
+    if bool(built.faults[before].enabled) != entry.fault:
+        raise ValueError(
+            f"config.study_fault={after!r}: this config's faults were not set by its arm {arm!r}"
+            f" (config.faults.{before}.enabled={built.faults[before].enabled}), so nothing"
+            f" moves with it; allowed: {before!r}, or set config.faults.<kind>.enabled directly"
+        )
+    if f"faults.{before}.enabled" not in overrides:
+        config.faults[before].enabled = False
+    if f"faults.{fault}.enabled" not in overrides:
+        config.faults[fault].enabled = entry.fault

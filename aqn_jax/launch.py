@@ -202,6 +202,20 @@ def _unknown_field(argv) -> str | None:
     return None
 
 
+def _after_overrides(config) -> None:
+    """`experiment.after_overrides` of the command line's `--config.<field>` values: a
+    config.study_fault given moves the arm's fault (apply_arm's switch) to the kind it names; a
+    config.arm given that differs from the config's is refused. Before anything is written."""
+    flag = flags.FLAGS["config"]
+    overrides = config_flags.get_override_values(flag)
+    if not {"arm", "study_fault"} & set(overrides):
+        return
+    from aqn_jax.experiment import after_overrides
+
+    built = flag.parser.parse(config_flags.get_config_filename(flag))  # without the overrides
+    after_overrides(config, built, overrides)
+
+
 def _verbose(argv) -> bool:
     """--verbose on the command line (the flag itself is not parsed when parsing fails)."""
     return any(re.fullmatch(r"--?verbose(=(1|t|true|True))?", a) for a in argv)
@@ -242,6 +256,12 @@ def main(argv=None) -> None:
             cause = str(e.__cause__ or e).strip().splitlines()[-1].strip()
             name = config_flags.get_config_filename(flags.FLAGS["config"])
             _user_error(f"--config={name}: cannot load it: {cause}")
+        try:  # the fields get_config derived others from, as the command line set them
+            _after_overrides(_CONFIG.value)
+        except ValueError as e:
+            if _VERBOSE.value:
+                raise
+            _user_error(str(e))
         workdir = _WORKDIR.value
         if not workdir:
             stem = os.path.splitext(

@@ -34,8 +34,13 @@ severity at layers 5/10/15/20: 0.001/0.01/0.1 of the max on the first 8 test pro
 and flushed fraction per point; `--config.faults.deadzone.granularity=token|block` for the
 per-token and per-32-block tables) or `evaluate` (job evaluate: the robustness matrix on the
 test split; `--config.evaluate.run=<a train workdir>` for a trained policy) or `study` (job
-compare: the paired study, `_study` below); `,smoke` shrinks any of them to seconds of work per
-stage. Results: docs/qwen05_gsm8k_results.md.
+compare: the paired study, `_study` below) or `seed_study` (job compare, `_seed_study`); `,smoke`
+shrinks any of them to seconds of work per stage. At most one modifier follows the name:
+`,arith` (below; any name), `,short` (GSM8K asked for short answers; any name) or `,gpu` (the
+lent GPU's run of a train arm, bf16; refused with the jobs, whose own shapes, and the studies'
+float32, would replace its settings); any other combination is refused in one line. `:evaluate`
+decodes up to 320 new tokens whatever the task (160 with `,short`).
+Results: docs/qwen05_gsm8k_results.md.
 
 Settings and why:
 - GSM8K lengths: with Qwen's default system prompt the chat prompts are 56-256 tokens (train;
@@ -71,7 +76,12 @@ from aqn_jax.study.config import compare_config, severity_config
 
 FAULT_LAYER = 15  # of 24 (the seed's layer index)
 JOBS = ("severity", "evaluate", "study", "seed_study")
-# The operating-point modifiers after the name; ',smoke' combines with any of them.
+# The operating-point modifiers after the name, at most one of them; ',smoke' combines with any
+# name and modifier. What each combines with (`_check_modifiers`):
+#   arith  any name: the embedded arithmetic task (the CPU learning track)
+#   short  any name: GSM8K asked for short answers; not with arith (two tasks' prompts)
+#   gpu    a train arm only: the lent GPU's learning run (its shape and bf16); the jobs set
+#          their own shapes and the studies pin f32 (`_study`), so gpu's would be replaced
 MODIFIERS = ("gpu", "arith", "short")
 # The study's arms (job compare) under their names in docs/qwen05_arith_study.json
 # (aqn_jax/study/outcome.py): faulty, clean_rl, targeted_aqn, global_aqn.
@@ -90,6 +100,7 @@ def get_config(arg: str | None = None):
             f" optionally followed by one of {tuple(',' + m for m in MODIFIERS)}, and/or ',smoke'"
         )
     name = names[0]
+    _check_modifiers(arg, name, parts)
     config = base_config("smoke" if smoke else None)
     config.required = ("model.hf_path", "data.train_path", "data.test_path")
 
@@ -121,6 +132,30 @@ def get_config(arg: str | None = None):
         config.lora.rank, config.lora.alpha = (32, 32.0) if lora_on else (0, 16.0)
         config.actor.lr = 2e-5 if lora_on else 1e-6  # full fine-tuning: 1e-6
     return config
+
+
+def _check_modifiers(arg, name: str, parts) -> None:
+    """At most one modifier, once (MODIFIERS: what each combines with), and ',gpu' after a
+    train arm only: one line naming the argument and what is allowed."""
+    given = [p for p in parts if p in (*MODIFIERS, "smoke")]
+    twice = sorted({p for p in given if given.count(p) > 1})
+    mods = [p for p in given if p in MODIFIERS]
+    where = f"--config=configs/qwen2p5_coder_0p5b_gsm8k.py:{arg}"
+    if twice:
+        raise ValueError(f"{where}; ',{twice[0]}' given twice; allowed: each once")
+    if len(set(mods)) > 1:
+        raise ValueError(
+            f"{where}; {' with '.join(repr(',' + m) for m in mods)}: the modifiers do not"
+            " combine (',arith' and ',short' each set a task's prompts and lengths, ',gpu' the"
+            f" GPU run's shape); allowed: one of {tuple(',' + m for m in MODIFIERS)}, and/or"
+            " ',smoke'"
+        )
+    if "gpu" in mods and name in JOBS:
+        raise ValueError(
+            f"{where}; ',gpu' is the lent GPU's learning run of a train arm (job train); job"
+            f" {name!r} sets its own shapes (the studies pin float32); allowed with ',gpu': an"
+            f" arm of {ARMS.names()}"
+        )
 
 
 def _gsm8k(config) -> None:

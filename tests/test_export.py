@@ -160,3 +160,30 @@ def test_reexport_replaces_an_earlier_export_atomically(tmp_path):
     assert stat.S_IMODE(out.stat().st_mode) == 0o750
     for name in os.listdir(out):
         assert stat.S_IMODE((out / name).stat().st_mode) == 0o640, name
+
+
+def test_export_step_is_a_step_the_run_has_or_minus_one(train_run, tmp_path):
+    """config.export.step: a step with a checkpoint, or -1 (the latest); any other value (-5 took
+    the latest) is one line naming the steps there, with nothing written."""
+    from aqn_jax.checkpoint import Checkpointer
+    from aqn_jax.jobs.export import check_config
+
+    ckpt = Checkpointer(str(train_run), 0, 2)
+    ckpt.save(3, {"params": {"w": np.ones(2, np.float32)}}, {"step": 3})
+    ckpt.close()
+    before = tree_state(train_run)
+    for step in (-5, -2, 2, 4):
+        config = _export_config(train_run, tmp_path / "out")
+        config.export.step = step
+        _refused(
+            config,
+            tmp_path / "work",
+            rf"^config.export.step={step}; allowed: a step {train_run} has a checkpoint of"
+            r" \(1, 3\), or -1 \(the latest\)$",
+        )
+    assert tree_state(train_run) == before and not (tmp_path / "out").exists()
+    # Negative controls: -1 is the latest, a step there is itself.
+    for step, want in ((-1, 3), (1, 1), (3, 3)):
+        config = _export_config(train_run, tmp_path / "out")
+        config.export.step = step
+        assert check_config(config)[2] == want

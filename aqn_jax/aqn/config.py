@@ -121,32 +121,46 @@ def parse_layer_sigmas(value: Any, num_layers: int) -> dict[int, float] | None:
     return out
 
 
-def aqn_injection(aqn, num_layers, fault_layers, srdd_sigmas, srdd_layers) -> Injection:
-    """The AQN injection of `config.aqn` (enabled) for a model of `num_layers` layers.
+LAYER_NAMES = ("all", "healthy", "srdd", "located")  # config.aqn.layers' named selections
 
-    fault_layers: the study fault's layers (what layers='healthy' leaves out); srdd_sigmas and
-    srdd_layers: the SRDD diagnosis's sigma map and located layers, as in `build_plan`.
-    """
-    form = AQN_FORMS.get(aqn.form)
+
+def check_aqn(aqn: Any) -> None:
+    """`config.aqn`'s names and the values its schedule reads, whether AQN is on or off (a bad
+    name in a section that is off would be silently ignored until someone turns it on): form,
+    schedule, sites, phases, the layers' form (`aqn_injection` checks them against the model
+    and the diagnosis when AQN is on), sigmas >= 0, and epoch_aware's epoch_sigmas and warmup
+    (refused where the schedule would ignore them)."""
+    AQN_FORMS.check(aqn.form)
     SCHEDULES.check(aqn.schedule)
+    expand_kinds(aqn.sites, "config.aqn.sites")
+    check_phases(aqn.phases, "config.aqn.phases")
+    parse_layers(aqn.layers, "config.aqn.layers", None, LAYER_NAMES)
     for name in ("sigma_start", "sigma_end"):
-        if getattr(aqn, name) < 0:
+        if not getattr(aqn, name) >= 0:
             raise ValueError(f"config.aqn.{name}={getattr(aqn, name)}; must be >= 0")
-    if aqn.schedule in ("qerl", "epoch_aware") and (aqn.sigma_start <= 0 or aqn.sigma_end <= 0):
-        raise ValueError(
-            f"config.aqn.schedule={aqn.schedule!r} is geometric: sigma_start={aqn.sigma_start} and"
-            f" sigma_end={aqn.sigma_end} must be > 0"
-        )
     check_epoch_options(
         aqn.schedule,
         int(aqn.num_epochs),
         getattr(aqn, "epoch_sigmas", ()),
         getattr(aqn, "warmup", "every_epoch"),
     )
+
+
+def aqn_injection(aqn, num_layers, fault_layers, srdd_sigmas, srdd_layers) -> Injection:
+    """The AQN injection of `config.aqn` (enabled) for a model of `num_layers` layers.
+
+    fault_layers: the study fault's layers (what layers='healthy' leaves out); srdd_sigmas and
+    srdd_layers: the SRDD diagnosis's sigma map and located layers, as in `build_plan`.
+    """
+    check_aqn(aqn)
+    form = AQN_FORMS.get(aqn.form)
+    if aqn.schedule in ("qerl", "epoch_aware") and (aqn.sigma_start <= 0 or aqn.sigma_end <= 0):
+        raise ValueError(
+            f"config.aqn.schedule={aqn.schedule!r} is geometric: sigma_start={aqn.sigma_start} and"
+            f" sigma_end={aqn.sigma_end} must be > 0"
+        )
     phases = check_phases(aqn.phases, "config.aqn.phases")
-    layers = parse_layers(
-        aqn.layers, "config.aqn.layers", num_layers, ("all", "healthy", "srdd", "located")
-    )
+    layers = parse_layers(aqn.layers, "config.aqn.layers", num_layers, LAYER_NAMES)
     given = parse_layer_sigmas(aqn.layer_sigmas, num_layers)
     if given is not None and layers != "srdd":
         raise ValueError(

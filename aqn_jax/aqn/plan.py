@@ -19,7 +19,7 @@ from aqn_jax.faults.config import fault_injections, kind_of
 from aqn_jax.faults.fields import check_choice
 from aqn_jax.faults.intercept import FaultPlan, Injection
 
-from .config import aqn_injection
+from .config import aqn_injection, check_aqn
 
 AQN_ORDERS = ("between", "after_fault", "before_fault")
 
@@ -67,6 +67,7 @@ def place_aqn(
     others = [i for i in device if not _targetable(i)]
     fault_layers = targets[0].sites.layers if targets else ()
     fault_layers = () if fault_layers == "all" else fault_layers
+    check_aqn(aqn)  # its names, on or off
     aqn_noise: Injection | None = None
     if aqn.enabled:
         aqn_noise = aqn_injection(aqn, num_layers, fault_layers, srdd_sigmas, srdd_layers)

@@ -23,7 +23,7 @@ import ml_collections
 
 from aqn_jax.registry import Registry
 
-from . import bits, ops
+from . import bits, formats, ops
 from .bitfaults import (
     BACKWARD_POINTS,
     TARGETS,
@@ -92,6 +92,18 @@ def kind_of(injection: Injection) -> FaultKind | None:
     """The entry of the fault kind that built `injection` (the injection carrying the kind's
     name), or None (AQN, ABFT, a kind's second injection)."""
     return FAULT_KINDS.get(injection.name) if injection.name in FAULT_KINDS else None
+
+
+def check_placement(sec: Any, f: str, sites: str = "sites", points=POINTS) -> None:
+    """A fault section's sites, layers (their form: the model is checked when the section is
+    on), point (one of `points`; None: not read) and phases, whether the section is on or off:
+    a bad name in a section that is off is a mistake too, silently ignored until someone turns
+    it on. `f`: 'config.faults.<kind>'."""
+    expand_kinds(sec[sites], f"{f}.{sites}")
+    parse_layers(sec.layers, f"{f}.layers", None)
+    if points is not None:
+        check_choice(sec.point, f"{f}.point", points)
+    check_phases(sec.phases, f"{f}.phases")
 
 
 def faults_config() -> ml_collections.ConfigDict:
@@ -188,6 +200,12 @@ def _deadzone(dz: Any, num_layers: int) -> list[Injection]:
                 f"config.faults.deadzone.{field}={dz[field]}; must be in (0, 1) ({what}; checked"
                 f" with severity={dz.get('severity', 'amax')!r} too)"
             )
+    f = "config.faults.deadzone"
+    check_placement(dz, f, sites="site")  # its names, on or off
+    check_choice(dz.get("severity", "amax"), f"{f}.severity", ops.DEADZONE_SEVERITIES)
+    check_choice(dz.granularity, f"{f}.granularity", ops.GRANULARITIES)
+    check_choice(dz.grad, f"{f}.grad", ops.DEADZONE_GRADS)
+    check_choice(dz.get("scope", "call"), f"{f}.scope", ops.SCOPES)
     if not dz.enabled:
         return []
     layers = parse_layers(dz.layers, "config.faults.deadzone.layers", num_layers)
@@ -219,9 +237,10 @@ def _noise(nz: Any, num_layers: int) -> list[Injection]:
     on dX and dW of linears (`backward`, plus the forward part), or [] when off."""
     if nz.scale < 0:  # whether the fault is on or not
         raise ValueError(f"config.faults.noise.scale={nz.scale}; must be >= 0")
+    ops.NOISE_KINDS.check(nz.kind)  # its names, on or off
+    check_placement(nz, "config.faults.noise")
     if not nz.enabled:
         return []
-    ops.NOISE_KINDS.check(nz.kind)
     if not (nz.forward or nz.backward):
         raise ValueError("config.faults.noise: forward=False and backward=False inject nothing")
     layers = parse_layers(nz.layers, "config.faults.noise.layers", num_layers)
@@ -264,6 +283,9 @@ def _noise(nz: Any, num_layers: int) -> list[Injection]:
 @fault_kind("quant", _quant_section, title="fake quantisation (MX / NVFP4)")
 def _quant(qt: Any, num_layers: int) -> list[Injection]:
     """`config.faults.quant` -> [the fake-quantisation injection], or [] when off."""
+    check_placement(qt, "config.faults.quant")  # its names, on or off
+    check_formats(qt, "config.faults.quant")
+    check_choice(qt.get("scope", "call"), "config.faults.quant.scope", ops.SCOPES)
     if not qt.enabled:
         return []
     try:
@@ -284,6 +306,15 @@ def _quant(qt: Any, num_layers: int) -> list[Injection]:
     return [
         Injection("quant", sites, transform, check_phases(qt.phases, "config.faults.quant.phases"))
     ]
+
+
+def check_formats(sec: Any, f: str) -> None:
+    """A quantising section's format, scale rule and rounding (config.faults.quant,
+    mx_scale_flip) by name, on or off (`Quantize` checks them again, with the block size and
+    scope, when the section is on)."""
+    check_choice(sec.format, f"{f}.format", (*formats.MX_FORMATS, "nvfp4"))
+    check_choice(sec.scale_rule, f"{f}.scale_rule", ("floor", "ceil"))
+    check_choice(sec.rounding, f"{f}.rounding", ("even", "away"))
 
 
 def bit_section(**extra) -> ml_collections.ConfigDict:
@@ -353,16 +384,19 @@ def bit_injection(
     [its injection], or [] when off. Activations get `make(fault)` (default `cls(fault,
     kind=kind)`), a linear's backward products dX / dW `BitsLinear` (where `cls.value_bits`:
     the flipped bits are the value's), weights, gradients and moments `TreeBits`."""
-    if not sec.enabled:
-        return []
     f = f"config.faults.{kind}"
     cls = FAULT_KINDS.get(kind).bits
     value_bits = cls.value_bits
-    target = check_choice(sec.target, f"{f}.target", TARGETS)
+    target = check_choice(sec.target, f"{f}.target", TARGETS)  # its names, on or off
+    points = (*POINTS, *BACKWARD_POINTS) if value_bits else POINTS
+    check_placement(sec, f, points=points if target == "activation" else None)
+    bits.parse_bits(sec.bits, f"{f}.bits")
+    parse_steps(sec.steps, f"{f}.steps")
+    if not sec.enabled:
+        return []
     kinds = expand_kinds(sec.sites, f"{f}.sites")
     layers = parse_layers(sec.layers, f"{f}.layers", num_layers)
     phases = check_phases(sec.phases, f"{f}.phases")
-    points = (*POINTS, *BACKWARD_POINTS) if value_bits else POINTS
     point = check_choice(sec.point, f"{f}.point", points) if target == "activation" else None
     steps = parse_steps(sec.steps, f"{f}.steps")  # its message names the field already
     try:
@@ -409,7 +443,7 @@ def _bitflip(sec: Any, num_layers: int) -> list[Injection]:
 @fault_kind("stuck_at", _stuck_at_section, bits=Bits)
 def _stuck_at(sec: Any, num_layers: int) -> list[Injection]:
     """`config.faults.stuck_at` -> [its injection], or [] when off."""
-    if sec.enabled and sec.value not in (0, 1):
+    if sec.value not in (0, 1):  # on or off
         raise ValueError(f"config.faults.stuck_at.value={sec.value!r}; allowed: 0, 1")
     if sec.enabled and not sec.permanent:
         raise ValueError(
@@ -422,6 +456,7 @@ def _stuck_at(sec: Any, num_layers: int) -> list[Injection]:
 @fault_kind("mx_scale_flip", _mx_scale_flip_section, bits=ScaleFlip)
 def _mx_scale_flip(sec: Any, num_layers: int) -> list[Injection]:
     """`config.faults.mx_scale_flip` -> [its injection], or [] when off."""
+    check_formats(sec, "config.faults.mx_scale_flip")  # its names, on or off
     if sec.enabled and sec.target != "activation":
         raise ValueError(
             f"config.faults.mx_scale_flip.target={sec.target!r}; allowed: 'activation' (block"

@@ -10,8 +10,11 @@ from typing import Any
 from .intercept import PHASES
 
 
-def parse_layers(value: Any, field: str, num_layers: int, named=("all",)) -> Any:
-    """'all' / a named selection, or a sorted tuple of layer ids within the model."""
+def parse_layers(value: Any, field: str, num_layers: int | None, named=("all",)) -> Any:
+    """'all' / a named selection, or a sorted tuple of layer ids within the model.
+    `num_layers` None: the form alone (ids >= 0), for a section that is off (its layers are
+    checked against the model when it is on: a default such as '15' stays valid for a smaller
+    model while its section is off)."""
     given = value
     if isinstance(value, str):
         text = value.strip()
@@ -34,11 +37,16 @@ def parse_layers(value: Any, field: str, num_layers: int, named=("all",)) -> Any
         layers = tuple(sorted({int(i) for i in value}))
     except (TypeError, ValueError) as e:
         raise ValueError(f"{field}={value!r}; expected layer ids") from e
+    within = "" if num_layers is None else f" within 0..{num_layers - 1}"
     if not layers:
         raise ValueError(
             f"{field}={given!r} selects no layer; expected {' | '.join(map(repr, named))}, an"
-            f" int, a tuple of ints or 'lo:hi' within 0..{num_layers - 1}"
+            f" int, a tuple of ints or 'lo:hi'{within}"
         )
+    if num_layers is None:
+        if min(layers) < 0:
+            raise ValueError(f"{field}={given!r}; expected layer ids >= 0")
+        return layers
     bad = [i for i in layers if not 0 <= i < num_layers]
     if bad:
         raise ValueError(

@@ -52,7 +52,7 @@ import numpy as np
 
 from aqn_jax import parallel, training
 from aqn_jax.checkpoint import Checkpointer
-from aqn_jax.checks import check_train, warm_start_spec
+from aqn_jax.checks import check_names, check_train, warm_start_spec
 from aqn_jax.compute_dtype import machine_class
 from aqn_jax.data.config import load_split
 from aqn_jax.diagnosis import srdd
@@ -118,6 +118,7 @@ def run_config(config, arm: str, seed: int, workdir: str, diagnosis: dict | None
 
 def check_config(config, workdir: str) -> None:
     """Every check that needs no compile, for every arm: bad input fails before any training."""
+    check_names(config)  # config.arm / study_fault by name: each run sets its own arm
     check_compare(config.compare)
     names = [c.name for c in conditions(config.evaluate)]
     target = config.compare.get("target_condition", "fault")

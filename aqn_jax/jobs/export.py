@@ -65,9 +65,12 @@ def check_config(
             f"config.export.run={ex.run!r} has no checkpoint (it ended with"
             " checkpoint.final='none', or never reached one); nothing to export"
         )
-    step = steps[-1] if int(ex.step) < 0 else int(ex.step)
+    step = steps[-1] if int(ex.step) == -1 else int(ex.step)
     if step not in steps:
-        raise ValueError(f"config.export.step={ex.step}: {ex.run} has checkpoints {steps}")
+        raise ValueError(
+            f"config.export.step={ex.step}; allowed: a step {ex.run} has a checkpoint of"
+            f" ({', '.join(map(str, steps))}), or -1 (the latest)"
+        )
     out = str(ex.out or os.path.join(run, EXPORT_DIR))
     out = check_target(out, "config.export.out", run, workdir)
     return run, run_config, step, out

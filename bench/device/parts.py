@@ -14,7 +14,8 @@ pinned size and sha256 the whole must have) into parts of at most N MiB, one fol
 DIR/manifest.json: each part's path, size and sha256, and the whole file's. `check` exits 0
 when every part (or part K) is there with its size and sha256, else 1 with one line naming the
 part: missing, truncated (or too long), or another part's bytes (swapped). `take` is a part
-call on the device: part K checked, then moved to DEST/00K/ with the manifest copied beside it;
+call on the device: part K checked, then moved to DEST/00K/ with the manifest copied beside it
+(a DEST holding another file's parts, or another split's of the same file, is refused);
 after the last part call `check --dir=DEST` holds for the whole set. The importer joins the
 parts and checks the whole file's sha256 (`python -m aqn_jax.models.gguf --gguf=$(parts.py
 paths --dir=DEST) --sha256=$(parts.py sha256 --dir=DEST)`). Standard library only, plus
@@ -217,21 +218,52 @@ def check(d: str, part: int | None = None) -> dict:
     return manifest
 
 
+def _place(manifest: dict, k: int) -> tuple[int, int, str] | None:
+    """Part k (1-based) of `manifest`'s split: (offset in the whole file, bytes, sha256), or
+    None where the split has fewer parts."""
+    parts = manifest["parts"]
+    if k > len(parts):
+        return None
+    offset = sum(p["bytes"] for p in parts[: k - 1])
+    return offset, parts[k - 1]["bytes"], parts[k - 1]["sha256"]
+
+
+def _describe(place: tuple[int, int, str] | None) -> str:
+    if place is None:
+        return "not in it"
+    offset, size, sha = place
+    return f"{size:,} bytes at offset {offset:,} (sha256 {sha[:12]}…)"
+
+
+def _layout(manifest: dict) -> str:
+    n = len(manifest["parts"])
+    most = manifest.get("max_bytes", max(p["bytes"] for p in manifest["parts"]))
+    return f"{n} parts of at most {most:,} bytes"
+
+
 def take(d: str, part: int, to: str) -> list[int]:
     """Part `part` of the set in `d` checked, then moved to `to` (same layout, the manifest
-    copied beside it; a different set's manifest there is refused). Returns the parts `to`
-    still lacks."""
+    copied beside it; a different set's manifest there is refused: another file's, or another
+    split of the same file, whose part `part` has another offset, size or sha256). Returns the
+    parts `to` still lacks."""
     manifest = load_manifest(d)
     _check_one(d, manifest, part)
     if os.path.exists(to) and not os.path.isdir(to):
         raise PartError(f"--to={to!r} is a file; allowed: a directory (made if absent)")
     there = os.path.join(to, MANIFEST)
     if os.path.lexists(there):
-        held = load_manifest(to, "--to")["sha256"]
-        if held != manifest["sha256"]:
+        held = load_manifest(to, "--to")
+        if held["sha256"] != manifest["sha256"]:
             raise PartError(
-                f"--to={to!r} holds the parts of another file (sha256 {held[:12]}…, this set"
-                f" {manifest['sha256'][:12]}…): empty it first"
+                f"--to={to!r} holds the parts of another file (sha256 {held['sha256'][:12]}…,"
+                f" this set {manifest['sha256'][:12]}…): empty it first"
+            )
+        mine, theirs = _place(manifest, part), _place(held, part)
+        if mine != theirs:
+            raise PartError(
+                f"--to={to!r} holds another split of the same file: its part {part} is"
+                f" {_describe(theirs)} ({_layout(held)}), this set's {_describe(mine)}"
+                f" ({_layout(manifest)}); take every part from one split, or empty it first"
             )
     rel = manifest["parts"][part - 1]["path"]
     dest = os.path.join(to, rel)
