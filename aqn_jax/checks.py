@@ -246,15 +246,18 @@ def _lanes(model_cfg, kinds, point: str) -> dict[str, set[int]]:
 
 
 def check_block_widths(faults, model_cfg) -> None:
-    """A block format's blocks (config.faults.quant, mx_scale_flip) divide the last axis of
-    every tensor it quantises, from the model's widths (nothing traced); one line naming the
-    field, the width and the block sizes allowed."""
-    for name in ("quant", "mx_scale_flip"):
+    """A block format's blocks (each fault kind with `block_format`: config.faults.quant,
+    mx_scale_flip) divide the last axis of every tensor it quantises, from the model's widths
+    (nothing traced); one line naming the field, the width and the block sizes allowed."""
+    for name, kind in FAULT_KINDS.items():
         sec = faults.get(name)
-        if sec is None or not sec.enabled or sec.get("target", "activation") != "activation":
+        if not kind.block_format or sec is None or not sec.enabled:
+            continue
+        if sec.get("target", "activation") != "activation":
             continue
         block = formats.check_block_size(sec.format, int(sec.block_size))
-        field = "format" if sec.format == "nvfp4" else "block_size"
+        fixed = formats.FORMATS.get(sec.format, f"config.faults.{name}.format").block_size
+        field = "block_size" if fixed is None else "format"
         lanes = _lanes(model_cfg, expand_kinds(sec.sites), sec.point)
         widths = sorted({w for ws in lanes.values() for w in ws})
         bad = next(((k, w) for k, ws in lanes.items() for w in sorted(ws) if w % block), None)

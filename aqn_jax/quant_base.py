@@ -100,7 +100,7 @@ def _pack(kernel_IO: jax.Array, fmt: str):
         q, negative, s_block, s_global, k, poisoned = formats.nvfp4_encode(blocks)
         scales = lax.bitcast_convert_type(s_block[..., 0].astype(jnp.float8_e4m3fn), jnp.uint8)
     else:
-        spec = formats.FORMAT_SPECS["mxfp4"]
+        spec = formats.FORMATS["mxfp4"].spec
         q, negative, e, poisoned = formats.mx_encode(blocks, spec, "floor", "away")
         scales, s_global, k = e[..., 0].astype(jnp.int8), jnp.float32(1.0), jnp.int32(0)
     codes = _e2m1_code(q, negative).reshape(O, I // 2, 2)

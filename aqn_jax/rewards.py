@@ -66,23 +66,37 @@ from aqn_jax.registry import Registry
 SOLUTION_CLIP_CHARS = 300
 
 
+def _hash_answer(ground_truth: str) -> str:
+    return f"#### {ground_truth}"
+
+
 @dataclasses.dataclass(frozen=True)
 class Method:
     """A reading of a response (config.data.reward_method): the answer it extracts (None: no
-    answer) and when that answer equals the ground truth."""
+    answer), when that answer equals the ground truth, how reports name the reading (`title`)
+    and the answer line a few-shot example shows for a ground truth (`shot`: the form the
+    reading reads)."""
 
     extract: Callable[[str], str | None]
     equal: Callable[[str, str], bool]
+    title: str
+    shot: Callable[[str], str] = _hash_answer
 
 
 METHODS: Registry[Method] = Registry("config.data.reward_method")
 
 
-def register_method(name: str, equal: Callable[[str, str], bool]):
-    """`@register_method(name, equal)` on the method's `extract`."""
+def register_method(
+    name: str,
+    equal: Callable[[str, str], bool],
+    title: str,
+    shot: Callable[[str], str] = _hash_answer,
+):
+    """`@register_method(name, equal, title, shot)` on the method's `extract`: a new reading is
+    this one decorator (the data checks, few-shot prompts and the evaluate report read it)."""
 
     def wrap(fn):
-        METHODS.register(name, Method(fn, equal))
+        METHODS.register(name, Method(fn, equal, title, shot))
         return fn
 
     return wrap
@@ -144,7 +158,7 @@ def answers_equal(a: str, b: str) -> bool:
     return a == b
 
 
-@register_method("strict", _same_string)
+@register_method("strict", _same_string, "strict `####`")
 def _extract_strict(solution_str: str) -> str | None:
     """verl's strict branch: the last `#### N` match in the window, "," and "$" removed."""
     # verl: `if len(s) > 300: s = s[-300:]`, which is the same as an unconditional s[-300:].
@@ -155,7 +169,7 @@ def _extract_strict(solution_str: str) -> str | None:
     return solutions[-1].replace(",", "").replace("$", "")
 
 
-@register_method("flexible", _same_string)
+@register_method("flexible", _same_string, "flexible: the last number")
 def _extract_flexible(solution_str: str) -> str | None:
     """verl's flexible branch: the last number-like match in the window that is not "" or ".".
 
@@ -174,7 +188,12 @@ def _extract_flexible(solution_str: str) -> str | None:
     return answer[0]  # the all-invalid quirk described above
 
 
-@register_method("boxed", answers_equal)
+@register_method(
+    "boxed",
+    answers_equal,
+    "boxed: the last `\\boxed{}`, else `####`",
+    shot=lambda ground_truth: f"\\boxed{{{ground_truth}}}",
+)
 def _extract_boxed(solution_str: str) -> str | None:
     """The normalised content of the last closed `\\boxed{…}` in the whole text, else the
     normalised strict answer (module docstring)."""

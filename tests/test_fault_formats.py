@@ -216,7 +216,7 @@ def test_mx_matches_microxcaling_reference(fmt):
             heavy = slice(0, N_HEAVY_ROWS)
             amax = np.max(np.abs(x[heavy]), axis=1).astype(np.float64)
             top = np.max(np.abs(np.asarray(actual)[heavy]), axis=1)
-            spec = formats.FORMAT_SPECS[fmt]
+            spec = formats.FORMATS[fmt].spec
             # fp: half a step of the top binade; int8: half of 1/64 at an element >= 127/128.
             rel_half_step = 2.0 ** -(spec.mbits + 1) if spec.ebits else 2.0**-7 / (127 / 128)
             assert np.all(np.abs(top - amax) <= rel_half_step * amax), (fmt, rounding)
@@ -236,7 +236,7 @@ ELEMENT_GRIDS = {
 def test_element_grids(fmt):
     """A fine sweep of one binade-aligned block hits exactly the format's grid, in both the
     reference and the implementation (guards against a mistake shared by the two)."""
-    top = 2.0 ** (formats.FORMAT_SPECS[fmt].emax + 1)
+    top = 2.0 ** (formats.FORMATS[fmt].spec.emax + 1)
     x = np.linspace(-top, top, 32 * 512, endpoint=False, dtype=np.float32).reshape(-1, 32)
     x[:, 0] = top * 0.99  # floor(log2 amax) = emax: scale 2**0 in every block
     expected = np.union1d(ELEMENT_GRIDS[fmt], -ELEMENT_GRIDS[fmt])
@@ -363,16 +363,16 @@ def test_mx_argument_errors():
 def test_format_specs():
     for fmt in formats.MX_FORMATS:
         ebits, mbits, emax, max_norm = MICROXCALING_PARAMS[fmt]
-        spec = formats.FORMAT_SPECS[fmt]
+        spec = formats.FORMATS[fmt].spec
         assert (spec.ebits, spec.mbits + 2, spec.emax, spec.max_normal) == (
             ebits,
             mbits,
             emax,
             max_norm,
         )
-    assert formats.FORMAT_SPECS["mxfp4"].min_subnormal == 0.5
-    assert formats.FORMAT_SPECS["mxint8"].min_subnormal == 1 / 64
-    assert formats.FORMAT_SPECS["mxfp8_e4m3"].min_subnormal == 2.0**-9
+    assert formats.FORMATS["mxfp4"].spec.min_subnormal == 0.5
+    assert formats.FORMATS["mxint8"].spec.min_subnormal == 1 / 64
+    assert formats.FORMATS["mxfp8_e4m3"].spec.min_subnormal == 2.0**-9
 
 
 # --------------------------------------------------------------------------------------------

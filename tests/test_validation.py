@@ -112,7 +112,7 @@ CASES = [
     (
         "reward_method",
         ("--config.data.reward_method=lenient",),
-        "config.data.reward_method='lenient'; allowed: ['strict', 'flexible', 'boxed']",
+        "config.data.reward_method='lenient'; allowed: ('strict', 'flexible', 'boxed')",
     ),
     (
         "mini_batch",

@@ -65,10 +65,7 @@ def check_data(data: Any) -> None:
                 f"config.data.{field}={path!r}: {what}; expected a file (verl .parquet or GSM8K"
                 " .jsonl)"
             )
-    if data.get("reward_method", "strict") not in METHODS:
-        raise ValueError(
-            f"config.data.reward_method={data.reward_method!r}; allowed: {list(METHODS)}"
-        )
+    METHODS.check(data.get("reward_method", "strict"))
     if bool(data.train_path) != bool(data.test_path):
         raise ValueError(
             f"config.data.train_path={data.train_path!r}, test_path={data.test_path!r}: give both"
@@ -204,9 +201,7 @@ def shot_answer(ex: Example, reward_method: str) -> str:
     """A shown problem's reply: its worked solution's lines without GSM8K's calculator
     annotations (<<12*3=36>>), then its answer in the form the reward reads."""
     lines = re.sub(r"<<[^>]*>>", "", ex.answer or "").split("####")[0].strip()
-    final = (
-        f"\\boxed{{{ex.ground_truth}}}" if reward_method == "boxed" else f"#### {ex.ground_truth}"
-    )
+    final = METHODS.get(reward_method).shot(ex.ground_truth)
     return f"{lines}\n{final}" if lines else final
 
 

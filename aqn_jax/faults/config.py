@@ -60,6 +60,9 @@ class FaultKind:
     # order acts as 'after_fault').
     again: Callable[[Any], Any] | None = None
     title: str = ""  # how the study report names it ('' = the kind's name)
+    # It quantises to a block format (its section's format, block_size, sites and point): the
+    # model's widths are checked against its blocks (`checks.check_block_widths`).
+    block_format: bool = False
     # The study report's design note for the AQN settings {form, order, ...} of its AQN arms
     # (activation form), or None.
     aqn_note: Callable[[Mapping[str, Any]], str | None] | None = None
@@ -79,7 +82,7 @@ def fault_kind(
     `name`, whose `config.faults.<name>` defaults (everything off) are `section()`; `bits`: a
     bit-level kind's transform at module calls (built by `bit_injection` as `bits(fault,
     kind=name)` unless the builder passes its own `make`); `study`: the other `FaultKind`
-    fields (layered, aqn_target, again, title, aqn_note)."""
+    fields (layered, aqn_target, again, title, block_format, aqn_note)."""
 
     def register(build):
         FAULT_KINDS.register(name, FaultKind(build, section, bits, **study))
@@ -280,7 +283,7 @@ def _noise(nz: Any, num_layers: int) -> list[Injection]:
     return out
 
 
-@fault_kind("quant", _quant_section, title="fake quantisation (MX / NVFP4)")
+@fault_kind("quant", _quant_section, title="fake quantisation (MX / NVFP4)", block_format=True)
 def _quant(qt: Any, num_layers: int) -> list[Injection]:
     """`config.faults.quant` -> [the fake-quantisation injection], or [] when off."""
     check_placement(qt, "config.faults.quant")  # its names, on or off
@@ -312,9 +315,9 @@ def check_formats(sec: Any, f: str) -> None:
     """A quantising section's format, scale rule and rounding (config.faults.quant,
     mx_scale_flip) by name, on or off (`Quantize` checks them again, with the block size and
     scope, when the section is on)."""
-    check_choice(sec.format, f"{f}.format", (*formats.MX_FORMATS, "nvfp4"))
-    check_choice(sec.scale_rule, f"{f}.scale_rule", ("floor", "ceil"))
-    check_choice(sec.rounding, f"{f}.rounding", ("even", "away"))
+    formats.FORMATS.check(sec.format, f"{f}.format")
+    formats.SCALE_RULES.check(sec.scale_rule, f"{f}.scale_rule")
+    formats.ROUNDINGS.check(sec.rounding, f"{f}.rounding")
 
 
 def bit_section(**extra) -> ml_collections.ConfigDict:
@@ -453,7 +456,7 @@ def _stuck_at(sec: Any, num_layers: int) -> list[Injection]:
     return bit_injection("stuck_at", sec, num_layers, f"stuck{int(sec.value)}")
 
 
-@fault_kind("mx_scale_flip", _mx_scale_flip_section, bits=ScaleFlip)
+@fault_kind("mx_scale_flip", _mx_scale_flip_section, bits=ScaleFlip, block_format=True)
 def _mx_scale_flip(sec: Any, num_layers: int) -> list[Injection]:
     """`config.faults.mx_scale_flip` -> [its injection], or [] when off."""
     check_formats(sec, "config.faults.mx_scale_flip")  # its names, on or off

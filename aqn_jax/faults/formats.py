@@ -52,6 +52,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from aqn_jax.registry import Registry
+
 
 class FormatSpec(NamedTuple):
     """An element format, in OCP MX terms.
@@ -81,42 +83,62 @@ def _fp_spec(ebits: int, mbits: int, emax: int, max_normal: float) -> FormatSpec
     return FormatSpec(ebits, mbits, emax, max_normal, emin=2 - 2 ** (ebits - 1))
 
 
-FORMAT_SPECS: dict[str, FormatSpec] = {
-    "mxfp4": _fp_spec(2, 1, 2, 6.0),
-    "mxfp6_e2m3": _fp_spec(2, 3, 2, 7.5),
-    "mxfp6_e3m2": _fp_spec(3, 2, 4, 28.0),
-    "mxfp8_e4m3": _fp_spec(4, 3, 8, 448.0),
-    "mxfp8_e5m2": _fp_spec(5, 2, 15, 57344.0),
-    # Elements k / 64 with k in [-127, 127]: fixed point 1.6, no exponent.
-    "mxint8": FormatSpec(ebits=0, mbits=6, emax=0, max_normal=127.0 / 64.0, emin=0),
-    # NVFP4's elements are e2m1, like MXFP4's; its block scales are E4M3_SPEC.
-    "nvfp4": _fp_spec(2, 1, 2, 6.0),
-}
-E4M3_SPEC = FORMAT_SPECS["mxfp8_e4m3"]
+@dataclasses.dataclass(frozen=True)
+class Format:
+    """A block format (config.faults.quant.format, mx_scale_flip.format): its element format,
+    the kernel that quantises it ('mx': one power-of-two scale per block; 'nvfp4': a float32
+    tensor scale times an E4M3 block scale) and its block length (None: the config's
+    block_size, an MX format's; an int: fixed by the format, the config's block_size unread)."""
 
-MX_FORMATS = ("mxfp4", "mxfp6_e2m3", "mxfp6_e3m2", "mxfp8_e4m3", "mxfp8_e5m2", "mxint8")
-MX_BLOCK_SIZE = 32
+    spec: FormatSpec
+    kernel: str = "mx"
+    block_size: int | None = None
+
+
+# The block formats. A new one is one `FORMATS.register` (a new kernel also a `_KERNELS` entry).
+FORMATS: Registry[Format] = Registry("format")
+FORMATS.register("mxfp4", Format(_fp_spec(2, 1, 2, 6.0)))
+FORMATS.register("mxfp6_e2m3", Format(_fp_spec(2, 3, 2, 7.5)))
+FORMATS.register("mxfp6_e3m2", Format(_fp_spec(3, 2, 4, 28.0)))
+FORMATS.register("mxfp8_e4m3", Format(_fp_spec(4, 3, 8, 448.0)))
+FORMATS.register("mxfp8_e5m2", Format(_fp_spec(5, 2, 15, 57344.0)))
+# Elements k / 64 with k in [-127, 127]: fixed point 1.6, no exponent.
+FORMATS.register("mxint8", Format(FormatSpec(0, 6, 0, max_normal=127.0 / 64.0, emin=0)))
 NVFP4_BLOCK_SIZE = 16
-SCALE_RULES = ("floor", "ceil")
-ROUNDINGS = ("away", "even")
-GRADS = ("ste", "mask")
+# NVFP4's elements are e2m1, like MXFP4's; its block scales are E4M3_SPEC.
+FORMATS.register("nvfp4", Format(_fp_spec(2, 1, 2, 6.0), "nvfp4", NVFP4_BLOCK_SIZE))
+E4M3_SPEC = FORMATS["mxfp8_e4m3"].spec
+
+# The shipped MX formats' names, read once (the live table is FORMATS, `mx_format`).
+MX_FORMATS = tuple(name for name, f in FORMATS.items() if f.kernel == "mx")
+
+
+def mx_format(fmt: str, field: str = "fmt") -> Format:
+    """The entry of MX format `fmt` (kernel 'mx'); else one line naming `field`, the value and
+    the MX formats registered."""
+    if fmt not in FORMATS or FORMATS[fmt].kernel != "mx":
+        allowed = tuple(name for name, f in FORMATS.items() if f.kernel == "mx")
+        raise ValueError(f"{field}={fmt!r}; allowed: {allowed}")
+    return FORMATS[fmt]
+
+
+MX_BLOCK_SIZE = 32
+SCALE_RULES = Registry("scale_rule")  # MX's shared-scale rules (`_mx_shared_exponent`)
+SCALE_RULES.register("floor", None)
+SCALE_RULES.register("ceil", None)
+# Element rounding: the name -> lax's rounding method.
+ROUNDINGS: Registry[lax.RoundingMethod] = Registry("rounding")
+ROUNDINGS.register("away", lax.RoundingMethod.AWAY_FROM_ZERO)
+ROUNDINGS.register("even", lax.RoundingMethod.TO_NEAREST_EVEN)
+GRADS = Registry("grad")  # the gradients of a fake quantisation (module docstring)
+GRADS.register("ste", None)
+GRADS.register("mask", None)
 
 # MX's shared scale is an E8M0 number: exponents -127..127 (255 encodes NaN).
 _SCALE_EMIN, _SCALE_EMAX = -127, 127
 _F32_MIN_NORMAL = 2.0**-126
 # NVFP4's per-tensor scale maps the tensor amax to (largest e4m3) * (largest e2m1).
 _NVFP4_GLOBAL_RANGE = 448.0 * 6.0
-
-_ROUNDING_METHODS = {
-    "away": lax.RoundingMethod.AWAY_FROM_ZERO,
-    "even": lax.RoundingMethod.TO_NEAREST_EVEN,
-}
-
-
-def _check_choice(name: str, value, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise ValueError(f"{name}={value!r} is not supported; allowed values: {allowed}")
-
 
 # --------------------------------------------------------------------------------------------
 # Exact float32 bit-level helpers
@@ -259,7 +281,7 @@ def _round_to_element(a: jax.Array, spec: FormatSpec, rounding: str) -> jax.Arra
     # reach here, so both powers of two are normal and each product is one exact multiply
     # by an elementwise factor (no broadcast that XLA could reassociate).
     p = jnp.clip(_floor_log2(a), spec.emin, spec.emax + 1)
-    steps = lax.round(a * _pow2(spec.mbits - p), _ROUNDING_METHODS[rounding])
+    steps = lax.round(a * _pow2(spec.mbits - p), ROUNDINGS[rounding])
     return jnp.minimum(steps * _pow2(p - spec.mbits), jnp.float32(spec.max_normal))
 
 
@@ -340,9 +362,9 @@ def quantize_mx(
     An element flushes to zero when it rounds below half the element format's smallest
     subnormal relative to its block's scale; `mx_flush_threshold` gives that bound.
     """
-    _check_choice("fmt", fmt, MX_FORMATS)
-    _check_choice("scale_rule", scale_rule, SCALE_RULES)
-    _check_choice("rounding", rounding, ROUNDINGS)
+    mx_format(fmt)
+    SCALE_RULES.check(scale_rule)
+    ROUNDINGS.check(rounding)
     return _apply(
         _Quantizer("mx", fmt, axis, block_size, scale_rule, rounding, grad), jnp.asarray(x)
     )
@@ -356,14 +378,14 @@ def mx_flush_threshold(amax, fmt: str = "mxfp4", *, scale_rule: str = "floor") -
     MXFP4 with the floor rule the threshold is 2**(floor(log2 amax) - 4), between amax/32
     and amax/16. Why: deadzone fault models and diagnostics need the real format's bound.
     """
-    _check_choice("fmt", fmt, MX_FORMATS)
-    _check_choice("scale_rule", scale_rule, SCALE_RULES)
+    mx_format(fmt)
+    SCALE_RULES.check(scale_rule)
     return _mx_flush_threshold(jnp.asarray(amax, jnp.float32), fmt, scale_rule)
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2))
 def _mx_flush_threshold(amax: jax.Array, fmt: str, scale_rule: str) -> jax.Array:
-    spec = FORMAT_SPECS[fmt]
+    spec = FORMATS[fmt].spec
     finite = jnp.isfinite(amax)
     amax = jnp.where(finite, _flush_subnormals(jnp.abs(amax)), 0.0)
     e = _mx_shared_exponent(amax, spec, scale_rule)
@@ -389,7 +411,7 @@ def nvfp4_encode(x):
     thing, since both roundings are symmetric. A block whose s_block rounds to 0 (block amax
     <= global amax * 2**-10 / 448, roughly: NVFP4's second deadzone) flushes entirely.
     """
-    elem = FORMAT_SPECS["nvfp4"]
+    elem = FORMATS["nvfp4"].spec
     finite = jnp.isfinite(x)
     x = _flush_subnormals(x)
     mag = jnp.where(finite, jnp.abs(x), 0.0)
@@ -461,7 +483,7 @@ class _Quantizer:
     grad: str
 
     def __post_init__(self):
-        _check_choice("grad", self.grad, GRADS)
+        GRADS.check(self.grad)
         if (
             not isinstance(self.block_size, int)
             or isinstance(self.block_size, bool)
@@ -483,7 +505,7 @@ class _Quantizer:
             )
         moved = jnp.moveaxis(x.astype(jnp.float32), self.axis, -1)
         blocks = moved.reshape(*moved.shape[:-1], n // self.block_size, self.block_size)
-        spec = FORMAT_SPECS[self.fmt]
+        spec = FORMATS[self.fmt].spec
         out, keep = _KERNELS[self.kind](blocks, spec, self.scale_rule, self.rounding)
         out = jnp.moveaxis(out.reshape(moved.shape), -1, self.axis).astype(x.dtype)
         keep = jnp.moveaxis(keep.reshape(moved.shape), -1, self.axis)
@@ -519,10 +541,11 @@ _apply = jax.jit(_fake_quantize, static_argnums=0)
 
 
 def check_block_size(fmt: str, block_size) -> int:
-    """The block length of `fmt` (NVFP4's is fixed); an MX format's `block_size` must be a
-    positive int (raises `block_size=...`, for the caller to prefix with its section)."""
-    if fmt == "nvfp4":
-        return NVFP4_BLOCK_SIZE
+    """The block length of `fmt` (a format's fixed one, NVFP4's; else `block_size`, which must
+    be a positive int: raises `block_size=...`, for the caller to prefix with its section)."""
+    fixed = FORMATS.get(fmt).block_size
+    if fixed is not None:
+        return fixed
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
         raise ValueError(
             f"block_size={block_size!r}; allowed: a positive int dividing the last axis of the"
@@ -533,7 +556,7 @@ def check_block_size(fmt: str, block_size) -> int:
 
 def scale_blocks(x_shape, fmt: str, block_size: int = MX_BLOCK_SIZE) -> tuple[int, ...]:
     """The shape of the block scales of a tensor of `x_shape` quantised along its last axis."""
-    bs = NVFP4_BLOCK_SIZE if fmt == "nvfp4" else block_size
+    bs = FORMATS.get(fmt, "fmt").block_size or block_size
     if x_shape[-1] % bs:
         raise ValueError(
             f"the last axis of x (shape {tuple(x_shape)}) is not a multiple of the {fmt} block"
@@ -557,10 +580,9 @@ def quantize_scale_fault(
     scale bit rescales a whole block by a power of two (MX's E8M0; code 255 is NaN) or to
     another E4M3 value (NVFP4; its sign bit flips the block's signs, 0x7F/0xFF are NaN). A zero
     mask gives the plain fake quantisation bit for bit. The gradient is straight-through."""
-    if fmt != "nvfp4":
-        _check_choice("fmt", fmt, MX_FORMATS)
-    kind, bs = ("nvfp4", NVFP4_BLOCK_SIZE) if fmt == "nvfp4" else ("mx", block_size)
-    quantizer = _Quantizer(kind, fmt, -1, bs, scale_rule, rounding, "ste")
+    entry = FORMATS.get(fmt, "fmt")
+    bs = entry.block_size or block_size
+    quantizer = _Quantizer(entry.kernel, fmt, -1, bs, scale_rule, rounding, "ste")
     xor = jnp.asarray(scale_xor, jnp.int32)
     if tuple(xor.shape) != scale_blocks(x.shape, fmt, bs):
         raise ValueError(
@@ -573,7 +595,7 @@ def quantize_scale_fault(
 def _scale_fault_kernel(quantizer: _Quantizer, blocks: jax.Array, xor: jax.Array) -> jax.Array:
     """The encoder's output decoded with corrupted scales (`xor`: [..., n_blocks, 1])."""
     if quantizer.kind == "mx":
-        spec = FORMAT_SPECS[quantizer.fmt]
+        spec = FORMATS[quantizer.fmt].spec
         q, negative, e, poisoned = mx_encode(blocks, spec, quantizer.scale_rule, quantizer.rounding)
         code = (e + 127) ^ xor  # the stored E8M0 code (exponent biased by 127)
         return jnp.where(poisoned | (code == 255), jnp.nan, mx_decode(q, negative, code - 127))

@@ -35,6 +35,7 @@ from aqn_jax.faults.config import fault_plan
 from aqn_jax.jobs import run_policy
 from aqn_jax.models.factory import logical_axes, model_config
 from aqn_jax.models.hf import abstract_params
+from aqn_jax.rewards import METHODS
 from aqn_jax.spec import eval_spec
 from aqn_jax.warm_start import tokenizer_for, warm_start
 
@@ -136,14 +137,6 @@ def run(config, workdir: str) -> None:
         print(f"report: {path}")
 
 
-# How the reward read the answers (config.data.reward_method), for the report's header.
-_READING = {
-    "strict": "strict `####`",
-    "flexible": "flexible: the last number",
-    "boxed": "boxed: the last `\\boxed{}`, else `####`",
-}
-
-
 def write_evaluation_report(result: dict, workdir: str) -> str:
     """`evaluation.md` (the matrix as a table) and `evaluation.png` (grouped bars)."""
     import matplotlib
@@ -167,7 +160,7 @@ def write_evaluation_report(result: dict, workdir: str) -> str:
         f"# Robustness evaluation: {result['policy']}",
         "",
         f"{result['test_size']} test examples; accuracy"
-        f" ({_READING[result.get('reward_method', 'strict')]}), mean@"
+        f" ({METHODS.get(result.get('reward_method', 'strict')).title}), mean@"
         f"{next(iter(conds.values()))['samples']}; {result['wall_time_s']:.0f}s.",
         "",
         "| device | " + " | ".join(cols) + " |",

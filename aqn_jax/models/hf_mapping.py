@@ -9,8 +9,11 @@ index. `transpose` is True for linear weights, which HF stores as `[out, in]` (t
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
+
+from aqn_jax.registry import Registry
 
 from .precision import DTYPES as _DTYPES
 from .qwen2 import Qwen2Config
@@ -129,39 +132,76 @@ _CHECKED_FIELDS: dict[str, tuple[Any, str]] = {
         "{'rope_type': 'default', 'rope_theta': ...} (only the default RoPE is ported)",
     ),
 }
-# model_type -> (the HF architecture, whether q/k/v carry a bias).
-FAMILIES = {
-    "qwen2": ("Qwen2ForCausalLM", True),
-    "llama": ("LlamaForCausalLM", False),
-    "mistral": ("MistralForCausalLM", False),
-}
 
 
-def _family_checks(model_type: str) -> dict[str, tuple[Any, str]]:
-    """_CHECKED_FIELDS plus the fields whose allowed state depends on the family."""
-    checks = dict(_CHECKED_FIELDS)
-    if model_type == "qwen2":
-        checks["attention_bias"] = (bool, "true (Qwen2 q/k/v projections carry a bias)")
-    else:
-        checks["attention_bias"] = (
-            lambda v: not v,
-            f"false (a {model_type} decoder is ported as Qwen2's without q/k/v biases; an"
-            " o_proj bias is not ported)",
-        )
-    if model_type == "mistral":
-        checks["sliding_window"] = (lambda v: False, "null (sliding-window attention)")
-    return checks
+@dataclasses.dataclass(frozen=True)
+class HfFamily:
+    """A `model_type` this adapter ports as Qwen2's decoder: its HF architecture, whether its
+    q/k/v projections carry a bias, the config.json fields whose allowed state is the family's
+    (`checks`: field -> (predicate, what is allowed), on top of _CHECKED_FIELDS) and the ones
+    `config_to_hf` writes for it (`writes`, in order)."""
+
+    architecture: str
+    attention_bias: bool
+    checks: Mapping[str, tuple[Any, str]]
+    writes: Mapping[str, Any]
+
+
+# A new model_type is one `HF_FAMILIES.register` here (and the model's MODEL_TYPES).
+HF_FAMILIES: Registry[HfFamily] = Registry("model_type")
+
+
+def _no_qkv_bias(model_type: str) -> tuple[Any, str]:
+    return (
+        lambda v: not v,
+        f"false (a {model_type} decoder is ported as Qwen2's without q/k/v biases; an o_proj"
+        " bias is not ported)",
+    )
+
+
+HF_FAMILIES.register(
+    "qwen2",
+    HfFamily(
+        "Qwen2ForCausalLM",
+        True,
+        {"attention_bias": (bool, "true (Qwen2 q/k/v projections carry a bias)")},
+        {"use_sliding_window": False},
+    ),
+)
+# Llama and Mistral: Qwen2's decoder without q/k/v biases.
+HF_FAMILIES.register(
+    "llama",
+    HfFamily(
+        "LlamaForCausalLM",
+        False,
+        {"attention_bias": _no_qkv_bias("llama")},
+        {"attention_bias": False, "mlp_bias": False, "pretraining_tp": 1},
+    ),
+)
+HF_FAMILIES.register(
+    "mistral",
+    HfFamily(
+        "MistralForCausalLM",
+        False,
+        {
+            "attention_bias": _no_qkv_bias("mistral"),
+            "sliding_window": (lambda v: False, "null (sliding-window attention)"),
+        },
+        {"attention_bias": False, "mlp_bias": False, "sliding_window": None},
+    ),
+)
 
 
 def config_from_hf(hf: Mapping[str, Any], source: str = "config.json") -> tuple[Qwen2Config, list]:
     """Qwen2Config from an HF config dict of model_type qwen2, llama or mistral; returns
     (config, names of ignored fields)."""
     model_type = hf.get("model_type")
-    arch, bias = FAMILIES[model_type]
+    family = HF_FAMILIES.get(model_type, f"{source}: model_type")
+    arch = family.architecture
     archs = hf.get("architectures") or [arch]
     if arch not in archs:
         raise ValueError(f"{source}: architectures={archs}; expected {arch!r} for {model_type}")
-    checks = _family_checks(model_type)
+    checks = {**_CHECKED_FIELDS, **family.checks}
     ignored = []
     for name, value in hf.items():
         if name in checks:
@@ -203,7 +243,7 @@ def config_from_hf(hf: Mapping[str, Any], source: str = "config.json") -> tuple[
         param_dtype=storage,
         dtype=storage,
         model_type=model_type,
-        attention_bias=bias,
+        attention_bias=family.attention_bias,
     )
     return config, ignored
 
@@ -217,8 +257,9 @@ def _first(token_id):
 
 def config_to_hf(config: Qwen2Config) -> dict[str, Any]:
     """config.json content that transformers 4.4x and 5.x both load as this architecture."""
+    family = HF_FAMILIES.get(config.model_type)
     hf = {
-        "architectures": [FAMILIES[config.model_type][0]],
+        "architectures": [family.architecture],
         "model_type": config.model_type,
         "hidden_act": "silu",
         "attention_dropout": 0.0,
@@ -227,14 +268,7 @@ def config_to_hf(config: Qwen2Config) -> dict[str, Any]:
         "torch_dtype": config.param_dtype,
         "use_cache": True,
     }
-    if config.model_type == "qwen2":
-        hf["use_sliding_window"] = False
-    else:
-        hf.update(attention_bias=False, mlp_bias=False)
-    if config.model_type == "llama":
-        hf["pretraining_tp"] = 1
-    if config.model_type == "mistral":
-        hf["sliding_window"] = None
+    hf.update(family.writes)
     hf.update({f: getattr(config, f) for f in _USED_FIELDS if f != "head_dim"})
     if config.head_dim is not None:
         hf["head_dim"] = config.head_dim

@@ -9,11 +9,17 @@ from typing import Any
 
 import ml_collections
 
+from aqn_jax.registry import Registry
+
 from . import advantages as adv_lib
 from . import losses
 from .rollout_correction import RolloutCorrection, correction_config, correction_from
 
-OLD_LOGP_PASS = ("auto", "always")  # config.actor.old_logp_pass
+# config.actor.old_logp_pass: 'auto' (an on-policy update reuses its own log-probs, no
+# separate pass), 'always' (a separate pass before the update); see `actor_config`.
+OLD_LOGP_PASS = Registry("config.actor.old_logp_pass")
+OLD_LOGP_PASS.register("auto", None)
+OLD_LOGP_PASS.register("always", None)
 
 
 def algo_config() -> ml_collections.ConfigDict:
@@ -226,10 +232,7 @@ def _check_positive(rollout: Any, actor: Any, prompts: int) -> None:
 
 def _check_estimator(algo: Any, rollout: Any) -> None:
     """config.algo.estimator: registered, and given a group of samples when it compares them."""
-    if algo.estimator not in adv_lib.ESTIMATORS:
-        raise ValueError(
-            f"config.algo.estimator={algo.estimator!r}; allowed: {tuple(adv_lib.ESTIMATORS)}"
-        )
+    adv_lib.ESTIMATORS.check(algo.estimator)
     if adv_lib.ESTIMATORS[algo.estimator].grouped and int(rollout.n) < 2:
         raise ValueError(
             f"config.rollout.n={rollout.n}; must be >= 2 with"
@@ -256,16 +259,9 @@ def _check_division(rollout: Any, actor: Any, prompts: int) -> None:
 
 def _check_choices(algo: Any, actor: Any) -> str:
     """config.algo.loss_agg_mode and kl_type, and config.actor.old_logp_pass (returned)."""
-    if algo.loss_agg_mode not in losses.AGG_MODES:
-        raise ValueError(
-            f"config.algo.loss_agg_mode={algo.loss_agg_mode!r}; allowed: {losses.AGG_MODES}"
-        )
-    if algo.kl_type not in losses.KL_TYPES:
-        raise ValueError(f"config.algo.kl_type={algo.kl_type!r}; allowed: {losses.KL_TYPES}")
-    old_pass = actor.get("old_logp_pass", "auto")
-    if old_pass not in OLD_LOGP_PASS:
-        raise ValueError(f"config.actor.old_logp_pass={old_pass!r}; allowed: {OLD_LOGP_PASS}")
-    return old_pass
+    losses.AGG.check(algo.loss_agg_mode)
+    losses.KL_ESTIMATORS.check(algo.kl_type)
+    return OLD_LOGP_PASS.check(actor.get("old_logp_pass", "auto"))
 
 
 def _check_temperature(algo: Any, rollout: Any) -> None:

@@ -111,6 +111,10 @@ def write_report(workdir: str, result: Mapping[str, Any]) -> str:
             counts = "/".join(str(c[o]) for o in OUTCOMES)
             row.append(f"{c['bad_share']:.2f} [{c['ci'][0]:.2f}, {c['ci'][1]:.2f}] ({counts})")
         lines.append(f"| {b} | " + " | ".join(row) + " |")
+    descriptions = result.get("site_descriptions") or {}
+    if descriptions:  # the sites' legend (jobs/vulnerability.py's SITES)
+        lines += ["", "Sites:", ""]
+        lines += [f"- {s}: {descriptions[s]}" for s in sites if s in descriptions]
     guard = result.get("guard")
     if guard:
         lines += [
