@@ -1,8 +1,9 @@
 """One way to map a config field's names to what they select: `Registry`.
 
 Every name-to-entry table of the library is one `Registry` (policy losses, KL estimators,
-advantage estimators, rollout corrections, noise kinds, fault kinds, AQN forms and schedules,
-model families, study arms). Each knows the config field that names it, so an unknown name is
+advantage estimators, rollout corrections, reward methods, noise kinds, fault kinds, block
+formats, AQN forms and schedules, model families and their HF config mappings, study arms,
+vulnerability sites). Each knows the config field that names it, so an unknown name is
 refused in one line naming the field, the value and the allowed names; tests and docs read the
 allowed names from it (`names()`), never a restated tuple.
 
