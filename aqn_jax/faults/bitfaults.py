@@ -34,14 +34,13 @@ import zlib
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from aqn_jax.models import registry
 
-from . import bits, formats, ops
+from . import bits, formats
 from .sites import LINEAR_KINDS, Site, SiteSelector
 from .transforms import Ctx, TransformBase, traced_value
 
@@ -208,20 +207,21 @@ class ScaleFlip(TransformBase):
         return f"mx_scale_flip[{self.format}]({self.fault.describe().split('(', 1)[1]}"
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _sdc_linear(which, mode, cell, x, w, b, lora, mask, probe):
-    """`ops.linear` whose backward product `which` (dx | dw | None) gets `mask`'s bits, and,
-    with a `probe` (backward ABFT), whose backward products are then checked: the rows flagged
-    in dX and dW are added at `probe[cell]` of the probe's cotangent."""
-    return ops.linear(x, w, b, lora)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _sdc_linear(which, mode, cell, product, x, w, b, lora, mask, probe):
+    """The linear `product` (its family's, `registry.linear_of`) whose backward product `which`
+    (dx | dw | None) gets `mask`'s bits, and, with a `probe` (backward ABFT), whose backward
+    products are then checked: the rows flagged in dX and dW are added at `probe[cell]` of the
+    probe's cotangent."""
+    return product(x, w, b, lora)
 
 
-def _sdc_linear_fwd(which, mode, cell, x, w, b, lora, mask, probe):
-    y, vjp = jax.vjp(ops.linear, x, w, b, lora)
+def _sdc_linear_fwd(which, mode, cell, product, x, w, b, lora, mask, probe):
+    y, vjp = jax.vjp(product, x, w, b, lora)
     return y, (vjp, mask, None if probe is None else (x, w, probe))
 
 
-def _sdc_linear_bwd(which, mode, cell, res, g):
+def _sdc_linear_bwd(which, mode, cell, product, res, g):
     vjp, mask, check = res
     dx, dw, db, dlora = vjp(g)  # the products autodiff forms, in x's and w's dtypes
     # The product as the unit writes it back, then corrupted.
@@ -242,20 +242,18 @@ _sdc_linear.defvjp(_sdc_linear_fwd, _sdc_linear_bwd)
 
 
 def _module_linear(module, args):
-    """(x, kernel, bias, lora) of a Linear call in its compute dtype (`NoisyLinear`'s read)."""
-    params = nn.unbox(module.variables["params"])
-    dtype, bias = module.dtype, params.get("bias")
-    lora = module.variables.get("lora")
-    lora = None if lora is None else tuple(nn.unbox(lora[n]) for n in ("a", "b", "scale"))
-    b = None if bias is None else bias.astype(dtype)
-    return args[0].astype(dtype), params["kernel"].astype(dtype), b, lora
+    """(product, (x, kernel, bias, lora)) of a linear call: its family's linear contract
+    (`registry.linear_of`), the operands read from the module as the unit reads them."""
+    operands, product = registry.linear_of(module)
+    return product, operands(module, args[0])
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class BitsLinear(TransformBase):
     """A linear whose backward product `which` (dx: g Wᵀ (plus the adapter's term), dw: xᵀ g)
-    has bits flipped or stuck; its forward is the module's own expression (`ops.linear`,
-    with the LoRA adapter when the module has one: under LoRA the base's dW is unused)."""
+    has bits flipped or stuck; its forward is the module's own computation (its family's
+    linear contract, with the LoRA adapter when the module has one: under LoRA the base's dW
+    is unused)."""
 
     fault: BitFault
     which: str = "dx"
@@ -270,7 +268,7 @@ class BitsLinear(TransformBase):
             raise ValueError(f"which={self.which!r}; allowed: {BACKWARD_POINTS}")
 
     def __call__(self, module, args, ctx: Ctx):
-        x, w, b, lora = _module_linear(module, args)
+        product, (x, w, b, lora) = _module_linear(module, args)
         shape = x.shape if self.which == "dx" else w.shape
         tag = f"{ctx.site}:{ctx.name}"
         mask = self.fault.mask(lambda: ctx.key, tag, shape, x.dtype, ctx.values, ctx.site)
@@ -279,7 +277,7 @@ class BitsLinear(TransformBase):
         ctx.sow("bwd_flips", bits.popcount(mask).astype(jnp.float32))
         probe = _PROBE.get() if self.abft else None
         cell = _probe_cell(ctx.site)
-        return _sdc_linear(self.which, self.fault.mode, cell, x, w, b, lora, mask, probe)
+        return _sdc_linear(self.which, self.fault.mode, cell, product, x, w, b, lora, mask, probe)
 
     def value_names(self) -> frozenset[str]:
         return self.fault.value_names()
@@ -414,11 +412,9 @@ class Abft(TransformBase):
     counts_detections = True
 
     def __call__(self, module, args, out, ctx: Ctx) -> None:
-        params = nn.unbox(module.variables["params"])
-        dtype, bias = module.dtype, params.get("bias")
-        x = args[0].astype(dtype)
-        w = params["kernel"].astype(dtype)
-        flagged, _, _ = abft_check(x, w, None if bias is None else bias.astype(dtype), out)
+        # The operands of the family's contract: the checksum is of the matrix multiplied.
+        _, (x, w, b, _) = _module_linear(module, args)
+        flagged, _, _ = abft_check(x, w, b, out)
         ctx.sow("detected", jnp.sum(flagged, dtype=jnp.float32))
         ctx.sow("rows", jnp.float32(flagged.shape[0]))
 
@@ -480,11 +476,12 @@ class AbftBackward(TransformBase):
     fallback: ClassVar[bool] = True
 
     def __call__(self, module, args, ctx: Ctx):
-        x, w, b, lora = _module_linear(module, args)
+        product, (x, w, b, lora) = _module_linear(module, args)
         probe = _PROBE.get()
         if probe is None:
-            return ops.linear(x, w, b, lora)
-        return _sdc_linear(None, "flip", _probe_cell(ctx.site), x, w, b, lora, None, probe)
+            return product(x, w, b, lora)
+        cell = _probe_cell(ctx.site)
+        return _sdc_linear(None, "flip", cell, product, x, w, b, lora, None, probe)
 
     def describe(self) -> str:
         return "abft_backward(dX and dW row checksums, derived tolerance)"

@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from aqn_jax.models import registry
 from aqn_jax.models.precision import dot_precision
 from aqn_jax.registry import Registry
 
@@ -418,55 +419,32 @@ def add_noise(kind: str, x: jax.Array, scale, key: jax.Array | None) -> jax.Arra
 # --------------------------------------------------------------------------------------------
 
 
-def _linear(x: jax.Array, w: jax.Array, b: jax.Array | None, lora=None) -> jax.Array:
-    # The model's Linear module computes exactly this, so scale 0 is bit-identical to it.
-    prec = dot_precision(x.dtype)
-    y = jnp.einsum("...i,io->...o", x, w, preferred_element_type=jnp.float32, precision=prec)
-    y = y.astype(x.dtype)
-    if b is not None:
-        y = y + b.astype(x.dtype)
-    if lora is not None:  # the adapter, factored, after the bias (qwen2.lora_delta's order)
-        a, bl, s = lora
-        h = jnp.einsum(
-            "...i,ir->...r",
-            x,
-            a.astype(x.dtype),
-            preferred_element_type=jnp.float32,
-            precision=prec,
-        ).astype(x.dtype)
-        d = jnp.einsum(
-            "...r,ro->...o",
-            h,
-            bl.astype(x.dtype),
-            preferred_element_type=jnp.float32,
-            precision=prec,
-        )
-        y = y + (s * d).astype(x.dtype)
-    return y
-
-
-# The model's Linear expression, for the op-level faults elsewhere (bitfaults.py).
-linear = _linear
+def linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None, lora=None) -> jax.Array:
+    """The linear product on bare arrays: the first registered family's `linear_product`
+    (`registry.linear_product()`, Qwen2's), not a copy of it. A fault at a module calls the
+    module's own family's (`registry.linear_of`)."""
+    return registry.linear_product()(x, w, b, lora)
 
 
 def _relative_error_f32(v: jax.Array, scale: jax.Array, key: jax.Array) -> jax.Array:
     return jax.random.normal(key, v.shape, jnp.float32) * jnp.abs(v) * scale
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _noisy_linear(forward: bool, backward: bool, x, w, b, key, scale, lora=None):
-    y = _linear(x, w, b, lora)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _noisy_linear(forward: bool, backward: bool, product, x, w, b, key, scale, lora=None):
+    y = product(x, w, b, lora)
     if forward:
         y = y + noise_error("relative_gaussian", y, scale, jax.random.fold_in(key, 0))
     return y
 
 
-def _noisy_linear_fwd(forward, backward, x, w, b, key, scale, lora=None):
-    out = _noisy_linear(forward, backward, x, w, b, key, scale, lora)
+def _noisy_linear_fwd(forward, backward, product, x, w, b, key, scale, lora=None):
+    out = _noisy_linear(forward, backward, product, x, w, b, key, scale, lora)
     return out, (x, w, b, key, scale, lora)
 
 
-def _noisy_linear_bwd(forward, backward, res, g):
+def _noisy_linear_bwd(forward, backward, product, res, g):
+    # The gradients of the contract's form, x w + b + s (x A) B (`registry.Family`).
     x, w, b, key, scale, lora = res
     # Flatten the leading axes so dW and db sum over all of them (B and T for [B, T, D]).
     x_ND = x.reshape(-1, x.shape[-1])
@@ -508,6 +486,7 @@ def noisy_linear(
     forward: bool = True,
     backward: bool = True,
     lora=None,
+    product: Callable | None = None,
 ) -> jax.Array:
     """`y = x W (+ b)` on a faulty matmul unit: relative error on y, dX and dW.
 
@@ -515,9 +494,11 @@ def noisy_linear(
     (after the bias, as the model's Linear), dX its term, and dA, dB get their own relative
     error (folds 3 and 4).
 
-    The product is `einsum("...i,io->...o", x, w, preferred_element_type=float32)` cast to
-    x's dtype, plus `b` cast to x's dtype: the Linear module's expression, so with scale 0 this
-    is bit-identical to it (pass x and w already cast to the module's compute dtype).
+    product: the linear's computation `(x, w, b, lora) -> y`, its family's `linear_product`
+    (`registry.linear_of(module)`; the operands from its `linear_operands`), so with scale 0
+    this is bit-identical to the module; None: the first registered family's (Qwen2's:
+    `einsum("...i,io->...o", x, w, preferred_element_type=float32)` cast to x's dtype, plus
+    `b` cast to x's dtype, then the adapter).
 
     forward: y gets `randn * |y| * scale` (key folded with 0).
     backward: dX = g Wᵀ gets `randn * |dX| * scale` (fold 1) and dW = xᵀ g, summed over all
@@ -543,4 +524,5 @@ def noisy_linear(
         raise ValueError("key=None: noisy_linear draws its errors from key; pass a PRNG key")
     _check_concrete_nonnegative("scale", scale)
     scale = jnp.asarray(scale, jnp.float32)
-    return _noisy_linear(bool(forward), bool(backward), x, w, b, key, scale, lora)
+    product = registry.linear_product() if product is None else product
+    return _noisy_linear(bool(forward), bool(backward), product, x, w, b, key, scale, lora)

@@ -449,7 +449,8 @@ class _Kinds:
 @dataclasses.dataclass(frozen=True, eq=False)
 class NoisyLinear(_Scaled):
     """Operator-level error in a linear: relative error on y (forward) and on dX, dW
-    (backward), recomputed from the module's own kernel (see `ops.noisy_linear`)."""
+    (backward), recomputed by the module's family's linear contract (`registry.linear_of`:
+    its operands, the LoRA adapter among them, and its product; see `ops.noisy_linear`)."""
 
     scale: Scale
     forward: bool = True
@@ -460,20 +461,19 @@ class NoisyLinear(_Scaled):
     draws = True
 
     def __call__(self, module, args, ctx: Ctx):
-        params = nn.unbox(module.variables["params"])
-        dtype, bias = module.dtype, params.get("bias")
+        operands, product = registry.linear_of(module)
         # The device computes the LoRA adapter too (`forward.py`'s `lora` collection).
-        lora = module.variables.get("lora")
-        lora = None if lora is None else tuple(nn.unbox(lora[n]) for n in ("a", "b", "scale"))
+        x, w, b, lora = operands(module, args[0])
         return ops.noisy_linear(
-            args[0].astype(dtype),
-            params["kernel"].astype(dtype),
-            None if bias is None else bias.astype(dtype),
+            x,
+            w,
+            b,
             ctx.key,
             self.scale.at(ctx.site, ctx.values),
             forward=self.forward,
             backward=self.backward,
             lora=lora,
+            product=product,
         )
 
     def describe(self) -> str:

@@ -252,10 +252,12 @@ def _param(module: nn.Module, name: str, init, shape: tuple[int, ...], dtype) ->
 
     When the param exists, Flax validates its shape with `jax.eval_shape` of the initializer
     (a traced threefry draw) on every access, on every apply: host time spent for nothing. The
-    same check is done here on the array's own shape, with Flax's error. At init (the params
-    collection mutable) it is `module.param` itself, so initial values are unchanged.
+    same check is done here on the array's own shape, with Flax's error. Where the param does
+    not exist yet (init) it is `module.param` itself, so initial values are unchanged. A second
+    read in the same call (a check-level fault redoing `linear_operands` after the module's own
+    call) is a read too, where `module.param` would refuse the name as in use.
     """
-    if module.is_mutable_collection("params") or not module.has_variable("params", name):
+    if not module.has_variable("params", name):
         return module.param(name, init, shape, dtype)
     value = nn.meta.unbox(module.get_variable("params", name))
     if tuple(value.shape) != tuple(shape):
@@ -266,10 +268,12 @@ def _param(module: nn.Module, name: str, init, shape: tuple[int, ...], dtype) ->
 
 
 class Linear(nn.Module):
-    """`y = x @ kernel (+ bias)`, kernel `[in, out]` (HF stores `weight` as `[out, in]`).
+    """`y = x @ kernel (+ bias) (+ LoRA)`, kernel `[in, out]` (HF's `weight` is `[out, in]`).
 
     A module of its own (not `nn.Dense`) so that fault interceptors can select linears by exact
-    type and read `kernel`/`bias` to redo the product with operator-level error. Products
+    type. Its computation is the family's linear contract (`registry.Family`): `__call__` is
+    `linear_product(*linear_operands(self, x))`, and the faults that redo or probe a linear
+    call the same two functions (through `registry.linear_of`), never its variables. Products
     accumulate in float32 (as GPU/TPU matmul units do) and are returned in `dtype`.
     """
 
@@ -281,23 +285,7 @@ class Linear(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        kernel = _param(
-            self,
-            "kernel",
-            _partitioned(nn.initializers.normal(stddev=0.02), self.kernel_axes),
-            (x.shape[-1], self.features),
-            self.param_dtype,
-        )
-        bias = None
-        if self.use_bias:
-            bias = _param(
-                self,
-                "bias",
-                _partitioned(nn.initializers.zeros_init(), self.kernel_axes[1:]),
-                (self.features,),
-                self.param_dtype,
-            )
-        return linear(x, kernel, bias, self.dtype, adapter(self))
+        return linear_product(*linear_operands(self, x))
 
 
 def adapter(module: nn.Module) -> tuple[jax.Array, jax.Array, jax.Array] | None:
@@ -309,16 +297,42 @@ def adapter(module: nn.Module) -> tuple[jax.Array, jax.Array, jax.Array] | None:
     return tuple(nn.unbox(module.get_variable("lora", n)) for n in ("a", "b", "scale"))
 
 
-def linear(
-    x: jax.Array, kernel: jax.Array, bias: jax.Array | None, dtype: Any, lora=None
+def linear_operands(module: Linear, x: jax.Array):
+    """(x, kernel `[in, out]`, bias | None, LoRA (A, B, scale) | None) of a `Linear` call, x,
+    kernel and bias in the module's compute dtype: the operands `linear_product` multiplies.
+    Creates the params at init (called from `Linear.__call__`); reads them at apply."""
+    dtype = module.dtype
+    kernel = _param(
+        module,
+        "kernel",
+        _partitioned(nn.initializers.normal(stddev=0.02), module.kernel_axes),
+        (x.shape[-1], module.features),
+        module.param_dtype,
+    )
+    bias = None
+    if module.use_bias:
+        bias = _param(
+            module,
+            "bias",
+            _partitioned(nn.initializers.zeros_init(), module.kernel_axes[1:]),
+            (module.features,),
+            module.param_dtype,
+        ).astype(dtype)
+    return x.astype(dtype), kernel.astype(dtype), bias, adapter(module)
+
+
+def linear_product(
+    x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, lora=None
 ) -> jax.Array:
-    """The computation of `Linear`, shared with fault transforms that redo it.
+    """`Linear`'s computation in x's dtype (`linear_operands` cast x, kernel and bias to it):
+    `x kernel` accumulated in float32, then the bias, then the adapter.
 
     lora: (A, B, scale) adds `scale * (x A) B` in the factored form (PEFT's order: after the
     bias), so training never forms W + A B and autodiff gives dA and dB, not a full dW."""
+    dtype = x.dtype
     y = jnp.einsum(
         "...i,io->...o",
-        x.astype(dtype),
+        x,
         kernel.astype(dtype),
         preferred_element_type=jnp.float32,
         precision=dot_precision(dtype),

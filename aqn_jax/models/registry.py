@@ -69,6 +69,23 @@ class Family:
     presets: preset name -> `(**fields) -> config`, the random-init architectures.
     norm_with_weight: `(norm module, x, weight) -> y`, the norm's computation with another
       weight (AQN's weight noise).
+    linear_operands / linear_product: the linear contract, the one statement of what a linear
+      (a module of `linear_kinds`) computes, shared by the model and every fault that redoes or
+      probes a linear (`faults/ops.noisy_linear`, `faults/bitfaults`: `BitsLinear`, `Abft`,
+      `AbftBackward`); found for a module by `linear_of`. The family's Linear `__call__(x)` is
+      exactly `linear_product(*linear_operands(module, x))`.
+      `linear_operands(module, x) -> (x, kernel, bias | None, lora | None)`: the operands as
+      the matmul unit reads them, from the module's own variables, x, kernel and bias in the
+      compute dtype; kernel `[in, out]` is the matrix multiplied, so anything the family does
+      to its stored weight (a scale, a transpose, a dequantisation) happens here,
+      differentiably: gradients reach the params by autodiff through it; lora is the adapter
+      (A `[in, r]`, B `[r, out]`, scale) of the `lora` collection or None.
+      `linear_product(x, kernel, bias, lora) -> y` in x's dtype, pure and jit-friendly: it must
+      be `x kernel (+ bias) (+ scale (x A) B)` up to its rounding (the dtypes, the accumulation
+      and the order are the family's), since the faults' own backward products (noisy dX, dW,
+      dA, dB; bit faults on dX, dW) and ABFT's checksums take that form. The faults call it
+      with other operands (a corrupted kernel, a probed input) or inside a custom VJP.
+      None (both): the family's linears take no op-level fault (`linear_of` refuses them).
     saved_layer_bytes / forward_layer_bytes: the activation model of one decoder layer per
       token, read by the memory planner.
     checkpoint_keys: `config -> {hf key: (flax path, transpose)}`, the HF key table.
@@ -94,6 +111,8 @@ class Family:
     model_kinds: tuple[str, ...]
     explicit_only: tuple[str, ...]
     presets: Mapping[str, Callable[..., Any]]
+    linear_operands: Callable[[nn.Module, Any], tuple] | None = None
+    linear_product: Callable[..., Any] | None = None
 
     @property
     def kinds(self) -> tuple[str, ...]:
@@ -128,6 +147,8 @@ FAMILIES.register(
         model_kinds=qwen2.MODEL_KINDS,
         explicit_only=qwen2.EXPLICIT_ONLY,
         presets={p: functools.partial(qwen2.Qwen2Config.preset, p) for p in qwen2.PRESETS},
+        linear_operands=qwen2.linear_operands,
+        linear_product=qwen2.linear_product,
     ),
 )
 
@@ -253,3 +274,32 @@ def norm_with_weight(module: nn.Module, x: Any, weight: Any) -> Any:
         if isinstance(module, tuple(family.site_types[k] for k in family.norm_kinds)):
             return family.norm_with_weight(module, x, weight)
     raise TypeError(f"{type(module).__name__} is no registered family's norm module")
+
+
+def linear_of(module: nn.Module) -> tuple[Callable, Callable]:
+    """(linear_operands, linear_product) of the family whose linear type `module` is (by exact
+    type first, then by isinstance): the computation a fault redoing or probing this linear
+    calls, `product(*operands(module, x))` being the module's own output."""
+    families = _families()
+    for exact in (True, False):
+        for family in families:
+            types = tuple(family.site_types[k] for k in family.linear_kinds)
+            if (type(module) in types) if exact else isinstance(module, types):
+                if family.linear_operands is None or family.linear_product is None:
+                    continue
+                return family.linear_operands, family.linear_product
+    raise TypeError(
+        f"{type(module).__name__} is no registered family's linear with a linear contract"
+        " (`Family.linear_operands` / `linear_product`): op-level linear faults cannot redo it"
+    )
+
+
+def linear_product(module: nn.Module | None = None) -> Callable:
+    """The linear product of `module`'s family (`linear_of`); None: the first registered
+    family's (Qwen2's), the product `ops.noisy_linear` computes on bare arrays."""
+    if module is not None:
+        return linear_of(module)[1]
+    for family in _families():
+        if family.linear_product is not None:
+            return family.linear_product
+    raise TypeError("no registered family gives a linear_product")
