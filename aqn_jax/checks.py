@@ -9,6 +9,7 @@ import hashlib
 import json
 import math
 import os
+from collections.abc import Sequence
 
 import jax
 import numpy as np
@@ -19,7 +20,7 @@ from aqn_jax.aqn.plan import place_aqn
 from aqn_jax.checkpoint import check_final
 from aqn_jax.config import frozen
 from aqn_jax.data.config import DataSpec, load_split
-from aqn_jax.data.gsm8k import tokenize_prompts
+from aqn_jax.data.gsm8k import Example, tokenize_prompts
 from aqn_jax.diagnosis.srdd import check_config as check_diagnosis
 from aqn_jax.experiment import ARMS
 from aqn_jax.faults import formats
@@ -72,24 +73,45 @@ def _check_val_lengths(rollout, val_size: int, lengths, test_size: int) -> None:
         )
 
 
-def prompt_lengths(
-    data: DataSpec, tokenizer, tokenizer_path: str, split: str, cache: dict | None = None
-) -> np.ndarray:
-    """The token count of every prompt of `split` ('train' | 'test') of `data` as the batcher
-    counts it (chat template, generation prompt). `cache`, when given, keeps them per data
-    section, file and `tokenizer_path` (where `tokenizer` was loaded from; the compare job
-    checks one config per arm on the same data)."""
-    path = os.path.expanduser(data.path(split)) if data.path(split) else ""
-    stamp = (os.stat(path).st_mtime_ns, os.path.getsize(path)) if path else None
-    section = json.dumps(dataclasses.asdict(data), sort_keys=True, default=str)
-    key = (split, section, stamp, tokenizer_path)
+def split_examples(data: DataSpec, split: str, cache: dict | None = None) -> list[Example]:
+    """The examples of `split` ('train' | 'test') of `data`, loaded once per data section and
+    file in `cache` when given (the compare job checks one config per arm on the same data)."""
+    key = ("examples", *_split_key(data, split))
     if cache is not None and key in cache:
         return cache[key]
-    ids = tokenize_prompts(load_split(data, split), tokenizer)
+    examples = load_split(data, split)
+    if cache is not None:
+        cache[key] = examples
+    return examples
+
+
+def prompt_lengths(
+    data: DataSpec,
+    examples: Sequence[Example],
+    tokenizer,
+    tokenizer_path: str,
+    split: str,
+    cache: dict | None = None,
+) -> np.ndarray:
+    """The token count of every prompt of `examples` (`split` of `data`: 'train' | 'test') as
+    the batcher counts it (chat template, generation prompt). `cache`, when given, keeps them
+    per data section, file and `tokenizer_path` (where `tokenizer` was loaded from)."""
+    key = ("lengths", *_split_key(data, split), tokenizer_path)
+    if cache is not None and key in cache:
+        return cache[key]
+    ids = tokenize_prompts(examples, tokenizer)
     lengths = np.array([len(t) for t in ids], np.int64)
     if cache is not None:
         cache[key] = lengths
     return lengths
+
+
+def _split_key(data: DataSpec, split: str) -> tuple:
+    """What a split's examples depend on: the data section and its file's stamp."""
+    path = os.path.expanduser(data.path(split)) if data.path(split) else ""
+    stamp = (os.stat(path).st_mtime_ns, os.path.getsize(path)) if path else None
+    section = json.dumps(dataclasses.asdict(data), sort_keys=True, default=str)
+    return (split, section, stamp)
 
 
 def check_instruction(data, tokenizer) -> None:
@@ -325,7 +347,7 @@ def check_train(config, workdir: str | None = None, cache: dict | None = None) -
     check_instruction(warm.data, tokenizer)
     device, aqn = _check_device(config, model_cfg)
     mesh, memory = _check_memory(config, model_cfg, step, device)
-    train_prompts, dropped = _check_prompts(config, warm.data, tokenizer, cache)
+    (train, test), dropped = _check_prompts(config, warm.data, tokenizer, cache)
     check_sft_cache(warm, workdir)  # last: the SFT would train, then fail to be cached
     return RunSpec(
         model=model_cfg,
@@ -348,7 +370,8 @@ def check_train(config, workdir: str | None = None, cache: dict | None = None) -
         diagnose=run_diagnosis(config),
         summary=summary_spec(config, device, model_cfg.num_hidden_layers),
         memory=memory,
-        train_prompts=train_prompts,
+        train_examples=tuple(train),
+        test_examples=tuple(test),
         train_prompts_dropped=dropped,
     )
 
@@ -421,18 +444,23 @@ def _check_memory(config, model_cfg, step: StepSpec, device: FaultPlan):
     return job.mesh, planner.check(job, jax.device_count())
 
 
-def _check_prompts(config, data: DataSpec, tokenizer, cache: dict | None) -> tuple[int, int]:
-    """The data as the run will batch it: every train prompt tokenized (those too long dropped
-    or refused), the validation prompts within the buckets. Returns (train prompts, dropped)."""
+def _check_prompts(
+    config, data: DataSpec, tokenizer, cache: dict | None
+) -> tuple[tuple[list[Example], list[Example]], int]:
+    """The data as the run will batch it: both splits loaded (once: the run takes them from
+    here), every train prompt tokenized (those too long dropped or refused), the validation
+    prompts within the buckets. Returns ((train, test examples), train prompts dropped)."""
     tok_path = config.tokenizer_path or config.model.hf_path
-    train = prompt_lengths(data, tokenizer, tok_path, "train", cache)
-    dropped = check_train_prompts(train, config.rollout, data, config.data_batch.prompts)
-    test = prompt_lengths(data, tokenizer, tok_path, "test", cache)
+    train = split_examples(data, "train", cache)
+    lengths = prompt_lengths(data, train, tokenizer, tok_path, "train", cache)
+    dropped = check_train_prompts(lengths, config.rollout, data, config.data_batch.prompts)
+    test = split_examples(data, "test", cache)
+    test_lengths = prompt_lengths(data, test, tokenizer, tok_path, "test", cache)
     val_size = config.trainer.val_size
     if val_size > len(test):
         raise ValueError(
             f"config.trainer.val_size={val_size}; must be <= the {len(test)} problems of the test"
             " split (config.data.test_path, or config.data.test_size for the embedded task)"
         )
-    _check_val_lengths(config.rollout, val_size, test[: int(val_size)], len(test))
-    return len(train), dropped
+    _check_val_lengths(config.rollout, val_size, test_lengths[: int(val_size)], len(test))
+    return (train, test), dropped

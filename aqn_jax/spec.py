@@ -26,6 +26,7 @@ from aqn_jax.aqn.config import AqnSchedule, AqnSpec
 from aqn_jax.aqn.plan import needs_srdd, place_aqn
 from aqn_jax.config import planner_config
 from aqn_jax.data.config import DataSpec
+from aqn_jax.data.gsm8k import Example
 from aqn_jax.data.tokenizers import Tokenizer
 from aqn_jax.diagnosis.srdd import SrddSpec
 from aqn_jax.evaluation import DecodeSpec, EvalSpec, check_evaluate, conditions
@@ -125,8 +126,15 @@ class RunSpec:
     diagnose: bool  # SRDD runs first: the AQN arm needs it, or config.diagnosis.always
     summary: SummarySpec  # what summary.json says of the config
     memory: MemoryPlan  # the planner's per-device plan (`planner.check`)
-    train_prompts: int  # the train split's prompts
-    train_prompts_dropped: int  # of them, longer than config.rollout.max_prompt_len
+    # The splits of `data`, loaded once (`checks.check_train` tokenized them): the run's.
+    train_examples: tuple[Example, ...] = dataclasses.field(repr=False)
+    test_examples: tuple[Example, ...] = dataclasses.field(repr=False)
+    train_prompts_dropped: int  # of the train split's, longer than config.rollout.max_prompt_len
+
+    @property
+    def train_prompts(self) -> int:
+        """The train split's prompts."""
+        return len(self.train_examples)
 
     @property
     def algo(self) -> Hyper:

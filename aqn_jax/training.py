@@ -35,7 +35,6 @@ from aqn_jax.checkpoint import (
     record_override,
 )
 from aqn_jax.checks import check_train
-from aqn_jax.data.config import load_split
 from aqn_jax.diagnosis import srdd
 from aqn_jax.export import EXPORT_DIR, check_target, export_policy, plain_policy
 from aqn_jax.faults.config import with_abft
@@ -127,15 +126,14 @@ def _set_up(config, workdir: str) -> tuple[_Run, rl_step.RLState]:
     if spec.checkpoint.export == "hf":  # an existing one must be an export
         check_target(os.path.join(workdir, EXPORT_DIR), EXPORT_FIELD, workdir)
     print(spec.memory.table())
-    train_examples = load_split(spec.data, "train")
-    test_examples = load_split(spec.data, "test")
+    train_examples, test_examples = spec.train_examples, spec.test_examples
     # A layout change named, even overridden.
     override = bool(config.get("resume_override", False))
     changes = check_resume_config(config.to_json_best_effort(), override, workdir)
     check_resumable(workdir)  # a finished params-only run: refused before anything is written
     ws = spec.warm_start
     check_resume_warm_start(workdir, ws.key, ws.sft is None or cached_sft(ws, workdir) is not None)
-    model_cfg, params, sft_info = warm_start(ws, workdir)
+    model_cfg, params, sft_info = warm_start(ws, workdir, train=train_examples)
     float_params, weight_format = params, spec.weight_format
     base_print = None
     if spec.lora.enabled:

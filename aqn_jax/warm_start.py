@@ -18,12 +18,14 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import jax
 import numpy as np
 
 from aqn_jax.data.config import load_split
+from aqn_jax.data.gsm8k import Example
 from aqn_jax.data.tokenizers import Tokenizer, load_tokenizer
 from aqn_jax.metrics import progress
 from aqn_jax.models.factory import load_model, model_config
@@ -170,10 +172,15 @@ def _set_aside_damaged(where: str, found: str, error: Exception) -> None:
 
 
 def warm_start(
-    spec: WarmStartSpec, workdir: str, verbose: bool = True
+    spec: WarmStartSpec,
+    workdir: str,
+    verbose: bool = True,
+    train: Sequence[Example] | None = None,
 ) -> tuple[ModelConfig, Any, dict]:
     """(model config, params, info): the SFT'd policy (from the cache when present), or the
-    configured model itself when config.sft.enabled is False (`spec.sft` None)."""
+    configured model itself when config.sft.enabled is False (`spec.sft` None). `train`: the
+    train split of `spec.data` where the caller loaded it already (the SFT trains on it; else
+    it is loaded when the SFT trains)."""
     if spec.sft is None:
         model_cfg, params = load_model(spec.model, spec.seed)
         return model_cfg, params, {"sft": "off"}
@@ -184,7 +191,7 @@ def warm_start(
         if loaded is not None:
             return loaded
     check_sft_cache(spec, workdir)  # before training: a cache that cannot be written
-    model_cfg, params, info = _train_sft(spec, verbose)
+    model_cfg, params, info = _train_sft(spec, verbose, train)
     saved = jax.process_index() != 0 or _save(path, model_cfg, params, info)
     if verbose:
         print(
@@ -212,11 +219,15 @@ def _load_cached(spec: WarmStartSpec, where: str, found: str, verbose: bool):
     return model_cfg, params, info
 
 
-def _train_sft(spec: WarmStartSpec, verbose: bool) -> tuple[ModelConfig, Any, dict]:
-    """The SFT from the configured model's init; (model config, params, info)."""
+def _train_sft(
+    spec: WarmStartSpec, verbose: bool, train: Sequence[Example] | None
+) -> tuple[ModelConfig, Any, dict]:
+    """The SFT from the configured model's init, on `train` (the train split; loaded when
+    None); (model config, params, info)."""
     sft = spec.sft
     tokenizer = tokenizer_for(spec.tokenizer_path, spec.model)
-    examples = load_split(spec.data, "train")[: sft.examples]
+    train = load_split(spec.data, "train") if train is None else train
+    examples = list(train[: sft.examples])
     data = sft_sequences(examples, tokenizer)
     model_cfg, params = load_model(spec.model, spec.seed)
     model = causal_lm(model_cfg)

@@ -184,12 +184,23 @@ def test_ppo_with_critic_runs(sft_cache, tmp_path, monkeypatch):
 def test_gspo_trains(sft_cache, tmp_path, monkeypatch):
     """config.algo.policy_loss='gspo' end to end (the smoke: 2 mini-batches, so the second one's
     sequence ratios move off 1): the step programs compile ahead as PPO's do, and the policy
-    learns from the loss (a gradient, a second mini-batch that sees a changed policy)."""
+    learns from the loss (a gradient, a second mini-batch that sees a changed policy). The run
+    reads each split once (`check_train` loads them; the run takes them from its spec)."""
+    from aqn_jax.data import config as data_config
     from aqn_jax.launch import run
 
     made = lowered_during_step_1(monkeypatch)
+    reads, raw_split = [], data_config._raw_split
+
+    def counted(data, split):
+        reads.append(split)
+        return raw_split(data, split)
+
+    monkeypatch.setattr(data_config, "_raw_split", counted)
     run(smoke("clean", sft_cache, **{"algo.policy_loss": "gspo"}), str(tmp_path))
     assert made == []
+    # Before: each split read again by the run, and the train split once more by the SFT.
+    assert reads == ["train", "test"]
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["algo"]["policy_loss"] == "gspo"
     assert config["algo"]["gspo"] == {"clip_ratio_low": 3e-4, "clip_ratio_high": 4e-4}
