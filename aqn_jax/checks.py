@@ -5,7 +5,6 @@ before anything is trained or written (`check_train`), and the prompt-length che
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import math
 import os
@@ -18,7 +17,6 @@ from aqn_jax import parallel, planner, quant_base
 from aqn_jax.aqn.config import AqnSpec
 from aqn_jax.aqn.plan import place_aqn
 from aqn_jax.checkpoint import check_final
-from aqn_jax.config import frozen
 from aqn_jax.data.config import DataSpec, load_split
 from aqn_jax.data.gsm8k import Example, tokenize_prompts
 from aqn_jax.diagnosis.srdd import check_config as check_diagnosis
@@ -45,8 +43,9 @@ from aqn_jax.spec import (
     step_spec,
     summary_spec,
     trainer_spec,
+    warm_start_spec,
 )
-from aqn_jax.warm_start import SftSpec, WarmStartSpec, check_sft_cache, sft_seed, tokenizer_for
+from aqn_jax.warm_start import check_sft_cache, tokenizer_for
 
 
 def check_prompt_lengths(rollout, val_size: int, tokenizer, test_examples) -> None:
@@ -292,58 +291,17 @@ def check_block_widths(faults, model_cfg) -> None:
             )
 
 
-def warm_start_spec(config) -> WarmStartSpec:
-    """The warm start's spec: config.model, tokenizer_path, data and sft, frozen and typed
-    (config.data and config.sft checked, the latter when enabled), and the cache key computed
-    from them (the raw sections' `to_dict`: the job boundary keeps it)."""
-    d = config.data
-    seed = sft_seed(config.sft, config.seed)
-    # num_layers at its default (0, the preset's depth) is left out: the keys of warm starts
-    # made before the field existed, the shipped one included, stay what they were. The base's
-    # weight_format is applied to the warm start after it is made (QeRL mode): not part of it;
-    # logprob_chunk only regroups the log-probs' sums: not part of it either.
-    model = {
-        k: v
-        for k, v in config.model.to_dict().items()
-        if (k != "num_layers" or v) and k not in ("weight_format", "logprob_chunk")
-    }
-    parts = {
-        "model": model,
-        "tokenizer": config.tokenizer_path,
-        "data": {
-            "train_path": d.train_path,
-            "task": d.task.to_dict(),
-            "train_size": d.train_size,
-            # The prompt's form (data.config.with_prompt_format) when it is not verl's: keys
-            # made before these fields existed stay what they were.
-            **{k: d.get(k) for k in ("shots", "instruction") if d.get(k)},
-        },
-        "sft": {k: v for k, v in config.sft.to_dict().items() if k not in ("cache_dir", "seed")},
-        "seed": seed,
-    }
-    blob = json.dumps(parts, sort_keys=True, default=str)
-    return WarmStartSpec(
-        model=frozen(config.model),
-        tokenizer_path=str(config.tokenizer_path or ""),
-        data=DataSpec.of(d),
-        sft=SftSpec.of(config.sft) if config.sft.enabled else None,
-        seed=seed,
-        cache_dir=str(config.sft.cache_dir or ""),
-        key=hashlib.sha256(blob.encode()).hexdigest()[:16],
-    )
-
-
 def check_train(config, workdir: str | None = None, cache: dict | None = None) -> RunSpec:
     """Every check that needs no compile; raises ValueError naming the field. Nothing is
     written. The config parsed once: the run's `RunSpec`. `workdir` locates the default SFT
     cache (<workdir>/../cache) for its check; `cache` keeps the prompt lengths between calls
     (`prompt_lengths`)."""
     step = _check_values(config)  # the config's own values (no file read): a typo fails fast
-    model_cfg = model_config(config.model)
+    model_cfg = model_config(config.model)  # config.model parsed: once in a run
     export = config.get("checkpoint", {}).get("export", "none")
     check_qerl(step.lora, step.weight_format, export, model_cfg, training=True)
-    tokenizer = tokenizer_for(config.tokenizer_path, config.model)
-    warm = warm_start_spec(config)  # config.data, and config.sft when enabled
+    tokenizer = tokenizer_for(config.tokenizer_path, config.model.hf_path, model_cfg.vocab_size)
+    warm = warm_start_spec(config, model_cfg)  # config.data, and config.sft when enabled
     check_instruction(warm.data, tokenizer)
     device, aqn = _check_device(config, model_cfg)
     mesh, memory = _check_memory(config, model_cfg, step, device)

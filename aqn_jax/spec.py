@@ -6,17 +6,21 @@ The builders of the parts live here, each reading the config sections its part n
 taking the parts it builds on: `step_spec` (the step programs' `StepSpec`, with config.algo's
 `Hyper`), `loop_spec` (the RL loop's `LoopSpec`), `job_spec` (the planner's `JobSpec`, from the
 `StepSpec` and the device's `FaultPlan`), `srdd_spec` (the diagnosis's `SrddSpec`),
-`summary_spec` (what summary.json says of the config), `trainer_spec` / `checkpoint_spec`, and
-the evaluation's `eval_spec` / `decode_spec`. A section's own parser stays beside its defaults
+`summary_spec` (what summary.json says of the config), `trainer_spec` / `checkpoint_spec`,
+`warm_start_spec` (the warm start's `WarmStartSpec`, over the parsed model) and the
+evaluation's `eval_spec` / `decode_spec`. A section's own parser stays beside its defaults
 (`rl.config.Hyper.of`, `lora.lora_spec`, `faults.config.fault_plan`, `sdc.guard.guard_spec`,
-`rl.optim.OptimizerSpec.of`, `data.config.DataSpec.of`, `aqn.config.AqnSpec.of`). What needs
-the raw ConfigDict stays in the job layer: config.json and the resume comparison
-(`training.run`) and the warm start's cache key (`checks.warm_start_spec`).
+`rl.optim.OptimizerSpec.of`, `data.config.DataSpec.of`, `aqn.config.AqnSpec.of`,
+`models.factory.model_config`). What needs the raw ConfigDict stays at the boundary:
+config.json and the resume comparison (`training.run`) and the warm start's cache key
+(`warm_start_spec`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 from typing import Any
 
 import jax
@@ -33,6 +37,7 @@ from aqn_jax.evaluation import DecodeSpec, EvalSpec, check_evaluate, conditions
 from aqn_jax.faults.config import kind_of
 from aqn_jax.faults.intercept import FaultPlan
 from aqn_jax.lora import LoraSpec, lora_spec
+from aqn_jax.models.factory import model_config
 from aqn_jax.models.registry import ModelConfig
 from aqn_jax.planner import JobSpec, MemoryPlan, check_planner, reachable_buckets
 from aqn_jax.report import SummarySpec
@@ -42,7 +47,7 @@ from aqn_jax.rl.optim import OptimizerSpec
 from aqn_jax.rl.step import StepSpec, share_refusals
 from aqn_jax.rl.trainer import LoopSpec
 from aqn_jax.sdc.guard import GuardSpec, guard_spec
-from aqn_jax.warm_start import WarmStartSpec
+from aqn_jax.warm_start import SftSpec, WarmStartSpec, sft_seed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -279,6 +284,49 @@ def run_diagnosis(config: Any) -> bool:
     """SRDD runs before the fault plan: the AQN arm needs it (aqn.layers 'located' / 'srdd'),
     or config.diagnosis.always."""
     return bool(needs_srdd(config.aqn) or config.diagnosis.always)
+
+
+def warm_start_spec(config: Any, model_cfg: ModelConfig | None = None) -> WarmStartSpec:
+    """The warm start's spec: config.model (`model_cfg`: parsed already, the run's; else parsed
+    here), tokenizer_path, data and sft, typed (config.data and config.sft checked, the latter
+    when enabled), and the cache key computed from them (the raw sections' `to_dict`: the job
+    boundary keeps it)."""
+    d = config.data
+    seed = sft_seed(config.sft, config.seed)
+    # num_layers at its default (0, the preset's depth) is left out: the keys of warm starts
+    # made before the field existed, the shipped one included, stay what they were. The base's
+    # weight_format is applied to the warm start after it is made (QeRL mode): not part of it;
+    # logprob_chunk only regroups the log-probs' sums: not part of it either.
+    model = {
+        k: v
+        for k, v in config.model.to_dict().items()
+        if (k != "num_layers" or v) and k not in ("weight_format", "logprob_chunk")
+    }
+    parts = {
+        "model": model,
+        "tokenizer": config.tokenizer_path,
+        "data": {
+            "train_path": d.train_path,
+            "task": d.task.to_dict(),
+            "train_size": d.train_size,
+            # The prompt's form (data.config.with_prompt_format) when it is not verl's: keys
+            # made before these fields existed stay what they were.
+            **{k: d.get(k) for k in ("shots", "instruction") if d.get(k)},
+        },
+        "sft": {k: v for k, v in config.sft.to_dict().items() if k not in ("cache_dir", "seed")},
+        "seed": seed,
+    }
+    blob = json.dumps(parts, sort_keys=True, default=str)
+    return WarmStartSpec(
+        model=model_config(config.model) if model_cfg is None else model_cfg,
+        hf_path=str(config.model.hf_path or ""),
+        tokenizer_path=str(config.tokenizer_path or ""),
+        data=DataSpec.of(d),
+        sft=SftSpec.of(config.sft) if config.sft.enabled else None,
+        seed=seed,
+        cache_dir=str(config.sft.cache_dir or ""),
+        key=hashlib.sha256(blob.encode()).hexdigest()[:16],
+    )
 
 
 def eval_spec(config: Any) -> EvalSpec:

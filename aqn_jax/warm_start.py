@@ -6,7 +6,7 @@ safetensors, loadable by `transformers` too) under `config.sft.cache_dir` (defau
 next to the workdir, so every run under one parent shares it), keyed by a hash of everything
 that determines it (model, tokenizer, data, SFT settings, seed). A later run with the same key
 loads it instead of training. The jobs `pretrain`, `train`, `evaluate`, `severity` and
-`compare` call `warm_start` with the `WarmStartSpec` they build once (`checks.warm_start_spec`,
+`compare` call `warm_start` with the `WarmStartSpec` they build once (`spec.warm_start_spec`,
 from the ConfigDict: the job boundary).
 """
 
@@ -24,11 +24,11 @@ from typing import Any
 import jax
 import numpy as np
 
-from aqn_jax.data.config import load_split
+from aqn_jax.data.config import DataSpec, load_split
 from aqn_jax.data.gsm8k import Example
 from aqn_jax.data.tokenizers import Tokenizer, load_tokenizer
 from aqn_jax.metrics import progress
-from aqn_jax.models.factory import load_model, model_config
+from aqn_jax.models.factory import load_params
 from aqn_jax.models.hf import load_hf_checkpoint, save_hf_checkpoint
 from aqn_jax.models.registry import ModelConfig, causal_lm
 from aqn_jax.rl.sft import sft_sequences, sft_train
@@ -86,11 +86,12 @@ class SftSpec:
 
 @dataclasses.dataclass(frozen=True)
 class WarmStartSpec:
-    """What the warm start reads of an experiment config (`checks.warm_start_spec`)."""
+    """What the warm start reads of an experiment config (`spec.warm_start_spec`)."""
 
-    model: Any  # config.model, frozen (`load_model` / `model_config`)
+    model: ModelConfig  # config.model, parsed (`models.factory.model_config`)
+    hf_path: str  # config.model.hf_path: the snapshot whose weights start it ('' = an init)
     tokenizer_path: str  # config.tokenizer_path ('' = the model's, `tokenizer_for`)
-    data: Any  # config.data (`data.config.DataSpec`): the SFT trains on its train split
+    data: DataSpec  # config.data: the SFT trains on its train split
     sft: SftSpec | None  # None: config.sft.enabled=False, the configured model itself
     seed: int  # init + SFT seed (`sft_seed`)
     cache_dir: str  # config.sft.cache_dir; '' = <workdir>/../cache
@@ -135,21 +136,20 @@ def check_sft_cache(spec: WarmStartSpec, workdir: str | None) -> None:
         )
 
 
-def tokenizer_for(tokenizer_path: str, model: Any) -> Tokenizer:
-    """The tokenizer at `tokenizer_path` (config.tokenizer_path), else the snapshot's of
-    `model` (config.model.hf_path), else the built-in one; raises when it has more ids than
-    the model's vocabulary."""
-    path = tokenizer_path or model.hf_path
+def tokenizer_for(tokenizer_path: str, hf_path: str, vocab_size: int) -> Tokenizer:
+    """The tokenizer at `tokenizer_path` (config.tokenizer_path), else the snapshot's at
+    `hf_path` (config.model.hf_path), else the built-in one; raises when it has more ids than
+    the model's `vocab_size`."""
+    path = tokenizer_path or hf_path
     field = "config.tokenizer_path" if tokenizer_path else "config.model.hf_path"
     try:
         tokenizer = load_tokenizer(path or None)
     except (OSError, ValueError) as e:  # a missing or foreign directory: the user's input
         raise ValueError(f"{field}={path!r}; {e}") from e
-    vocab = model_config(model).vocab_size
-    if tokenizer.vocab_size > vocab:
+    if tokenizer.vocab_size > vocab_size:
         raise ValueError(
             f"{field}={path!r}: the tokenizer has {tokenizer.vocab_size} ids but the model's"
-            f" vocab_size is {vocab}"
+            f" vocab_size is {vocab_size}"
         )
     return tokenizer
 
@@ -182,8 +182,7 @@ def warm_start(
     train split of `spec.data` where the caller loaded it already (the SFT trains on it; else
     it is loaded when the SFT trains)."""
     if spec.sft is None:
-        model_cfg, params = load_model(spec.model, spec.seed)
-        return model_cfg, params, {"sft": "off"}
+        return spec.model, load_params(spec.model, spec.hf_path, spec.seed), {"sft": "off"}
     path = cache_dir(spec, workdir)
     where = cached_sft(spec, workdir)
     if where is not None:
@@ -205,7 +204,7 @@ def warm_start(
 def _load_cached(spec: WarmStartSpec, where: str, found: str, verbose: bool):
     """The finished warm start at `where` (`found`: 'hit' the cache's, 'shipped'), or None when
     it does not load (then set aside, `_set_aside_damaged`)."""
-    model_cfg = model_config(spec.model)
+    model_cfg = spec.model
     try:
         _, params = load_hf_checkpoint(where, model_cfg.param_dtype)
         with open(os.path.join(where, SFT_META)) as f:
@@ -225,11 +224,11 @@ def _train_sft(
     """The SFT from the configured model's init, on `train` (the train split; loaded when
     None); (model config, params, info)."""
     sft = spec.sft
-    tokenizer = tokenizer_for(spec.tokenizer_path, spec.model)
+    tokenizer = tokenizer_for(spec.tokenizer_path, spec.hf_path, spec.model.vocab_size)
     train = load_split(spec.data, "train") if train is None else train
     examples = list(train[: sft.examples])
     data = sft_sequences(examples, tokenizer)
-    model_cfg, params = load_model(spec.model, spec.seed)
+    model_cfg, params = spec.model, load_params(spec.model, spec.hf_path, spec.seed)
     model = causal_lm(model_cfg)
     bar = progress(sft.steps, "SFT", enabled=verbose and jax.process_index() == 0)
 

@@ -46,6 +46,7 @@ from aqn_jax.data.config import load_split  # noqa: E402
 from aqn_jax.faults.intercept import STATS_COLLECTION, step_key, summarize_stats  # noqa: E402
 from aqn_jax.forward import token_nll  # noqa: E402
 from aqn_jax.jobs.evaluate import load_policy  # noqa: E402
+from aqn_jax.models.factory import model_config  # noqa: E402
 from aqn_jax.models.registry import causal_lm, layer_name  # noqa: E402
 from aqn_jax.rl.sft import sft_sequences  # noqa: E402
 from aqn_jax.warm_start import tokenizer_for  # noqa: E402
@@ -140,7 +141,8 @@ def main(argv=None) -> None:
         p.error("--hf-path=DIR (the Qwen2.5-Coder-0.5B snapshot) or --tiny")
     load = check_load()
     config = _config(args.hf_path, args.tiny)
-    tokenizer = tokenizer_for(config.tokenizer_path, config.model)
+    vocab = model_config(config.model).vocab_size
+    tokenizer = tokenizer_for(config.tokenizer_path, config.model.hf_path, vocab)
     test = load_split(config.data, "test")[: args.size]
     data = sft_sequences(test, tokenizer)
     key = step_key(int(config.seed), 0, "rollout")

@@ -57,7 +57,7 @@ def child(args) -> None:
     config = _config(args.hf_path, cap, setting == "on", int(args.size))
     model_cfg = model_config(config.model)
     _, params = load_hf_checkpoint(args.hf_path, model_cfg.dtype)
-    tok = tokenizer_for(config.tokenizer_path, config.model)
+    tok = tokenizer_for(config.tokenizer_path, config.model.hf_path, model_cfg.vocab_size)
     test = load_split(config.data, "test")[: int(config.evaluate.size)]
     mesh = parallel.make_mesh(config.mesh)
     params = parallel.put_global(params, parallel.param_shardings(logical_axes(model_cfg), mesh))

@@ -18,7 +18,6 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from aqn_jax.checks import warm_start_spec
 from aqn_jax.data.config import load_split
 from aqn_jax.diagnosis.srdd import calibration_batch
 from aqn_jax.experiment import arm_config
@@ -28,6 +27,7 @@ from aqn_jax.faults.sites import SiteSelector
 from aqn_jax.faults.transforms import Deadzone
 from aqn_jax.models.qwen2 import Qwen2ForCausalLM
 from aqn_jax.rl.sampler import Sampler, SamplingParams
+from aqn_jax.spec import warm_start_spec
 from aqn_jax.warm_start import tokenizer_for, warm_start
 
 LAYER = 4
@@ -78,7 +78,7 @@ def main():
     model_cfg, params, _ = warm_start(
         warm_start_spec(config), "/tmp/fault_scope_bench", verbose=False
     )
-    tokenizer = tokenizer_for(config.tokenizer_path, config.model)
+    tokenizer = tokenizer_for(config.tokenizer_path, config.model.hf_path, model_cfg.vocab_size)
     model = Qwen2ForCausalLM(model_cfg)
     examples = load_split(config.data, "test")[:128]
     ids, mask = calibration_batch(examples, tokenizer, 64, config.rollout.max_prompt_len)

@@ -115,13 +115,13 @@ def validation(args) -> None:
     from aqn_jax.warm_start import tokenizer_for
 
     config = _config(args.hf_path, "on")
-    tok = tokenizer_for(config.tokenizer_path, config.model)
+    dtype = compute_dtype.choose()[0]  # config.model.dtype='auto'
+    model_cfg, params = load_hf_checkpoint(args.hf_path, dtype)
+    tok = tokenizer_for(config.tokenizer_path, config.model.hf_path, model_cfg.vocab_size)
     test = load_split(config.data, "test")[: args.validation]
     ids = [tok.encode_chat(ex.prompt_messages) for ex in test]
     head = next(i for i in range(min(map(len, ids))) if any(x[i] != ids[0][i] for x in ids))
     tail = next(i for i in range(1, min(map(len, ids))) if any(x[-i] != ids[0][-i] for x in ids))
-    dtype = compute_dtype.choose()[0]  # config.model.dtype='auto'
-    model_cfg, params = load_hf_checkpoint(args.hf_path, dtype)
     model_cfg = dataclasses.replace(model_cfg, remat=False)
     seconds = {}
     for new in (64, 1):

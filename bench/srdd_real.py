@@ -38,7 +38,7 @@ from aqn_jax.diagnosis import analysis, srdd  # noqa: E402
 from aqn_jax.diagnosis.scans import make_scan, swept_deadzone_plan  # noqa: E402
 from aqn_jax.faults.config import fault_plan  # noqa: E402
 from aqn_jax.faults.intercept import step_key  # noqa: E402
-from aqn_jax.models.factory import load_model  # noqa: E402
+from aqn_jax.models.factory import load_params, model_config  # noqa: E402
 from aqn_jax.models.qwen2 import Qwen2ForCausalLM  # noqa: E402
 from aqn_jax.warm_start import tokenizer_for  # noqa: E402
 
@@ -102,11 +102,12 @@ def main() -> None:
 
     config = _config(args.hf_path, args.config, args.gsm8k)
     diag = config.diagnosis
-    tok = tokenizer_for(config.tokenizer_path, config.model)
+    qcfg = model_config(config.model)
+    tok = tokenizer_for(config.tokenizer_path, config.model.hf_path, qcfg.vocab_size)
     ids, mask = srdd.calibration_batch(
         load_split(config.data, "train"), tok, args.prompts, int(diag.max_prompt_len)
     )
-    qcfg, params = load_model(config.model, config.seed)
+    params = load_params(qcfg, config.model.hf_path, config.seed)
     model = Qwen2ForCausalLM(qcfg)
     n = qcfg.num_hidden_layers
     keys = (step_key(int(diag.seed), 0, "eval"), jax.random.key(int(diag.seed) + 1))

@@ -211,10 +211,10 @@ def sft_tiny():
     configs/warm_start.py; greedy test accuracy 0.832), read from disk, so no test session
     trains one. (Qwen2Config, params, CharTokenizer, the embedded task: 1 digit, 1 step, split
     by question.) It replaced a 30-step SFT run inside the session (~50-60 s of a worker)."""
-    from aqn_jax.checks import warm_start_spec
     from aqn_jax.data.config import task_of
     from aqn_jax.data.tokenizers import CharTokenizer
     from aqn_jax.models.hf import load_hf_checkpoint
+    from aqn_jax.spec import warm_start_spec
     from aqn_jax.warm_start import SHIPPED_DIR
 
     config = load_config("targeted")

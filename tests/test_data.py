@@ -602,8 +602,8 @@ def test_prompt_format_shows_worked_problems_and_the_instruction(tmp_path):
 def test_prompt_format_is_part_of_the_warm_start_key():
     """An SFT warm start trained on one prompt form is not reused for another; at the defaults
     the key is the one made before config.data.shots / instruction existed (the shipped one)."""
-    from aqn_jax.checks import warm_start_spec
     from aqn_jax.experiment import base_config
+    from aqn_jax.spec import warm_start_spec
 
     config = base_config()
     plain = warm_start_spec(config).key

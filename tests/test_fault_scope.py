@@ -293,9 +293,10 @@ def test_sampler_trainer_drift_is_near_zero_for_causal_and_positive_for_call(sco
     # lies within that rounding of the threshold can still be flushed by one program and not the
     # other (measured on Intel AMX: one of ~200 tokens moved by 0.045), so the typical token, the
     # median, carries the claim; under the call scope the threshold itself differs.
-    from aqn_jax.models.factory import load_model
+    from aqn_jax.models.factory import load_params, model_config
 
-    cfg, params = load_model(config.model, config.seed)
+    cfg = model_config(config.model)
+    params = load_params(cfg, config.model.hf_path, config.seed)
     keys = max(config.rollout.prompt_buckets) + config.rollout.max_new_tokens
     tol = bound(forward_path(cfg, keys, log_softmax=True), logit_bound(cfg, params))
     median, mean = (

@@ -75,9 +75,9 @@ def test_num_layers_overrides_the_presets_depth_only():
     """config.model.num_layers: the preset at that depth, every width unchanged; 0 is the preset
     itself, and the warm start's cache key of the default config is the one it had before the
     field existed (the shipped warm start's); bad values and hf_path are refused by name."""
-    from aqn_jax.checks import warm_start_spec
     from aqn_jax.models.config import model_section
     from aqn_jax.models.factory import model_config
+    from aqn_jax.spec import warm_start_spec
 
     from conftest import load_config
 

@@ -102,7 +102,7 @@ def test_generation_weights_are_bf16_and_match_the_traced_cast(snapshot):
 
     from aqn_jax.data.config import load_split
     from aqn_jax.faults.intercept import FaultPlan
-    from aqn_jax.models.factory import load_model
+    from aqn_jax.models.factory import load_params, model_config
     from aqn_jax.models.qwen2 import Qwen2ForCausalLM
     from aqn_jax.parallel import make_mesh
     from aqn_jax.rl import step as rl_step
@@ -115,8 +115,9 @@ def test_generation_weights_are_bf16_and_match_the_traced_cast(snapshot):
     config.data.train_path, config.data.test_path = snapshot["train"], snapshot["test"]
     config.data_batch.prompts, config.rollout.n = 4, 2
     config.actor.mini_batch_prompts, config.actor.micro_batch_rows = 2, 2
-    model_cfg, params = load_model(config.model, 0)
-    tok = tokenizer_for(config.tokenizer_path, config.model)
+    model_cfg = model_config(config.model)
+    params = load_params(model_cfg, config.model.hf_path, 0)
+    tok = tokenizer_for(config.tokenizer_path, config.model.hf_path, model_cfg.vocab_size)
     batcher = prompt_batcher(loop_spec(config), load_split(config.data, "train"), tok)
     total = trainer_spec(config.trainer).steps(batcher.batches_per_epoch)
     assert total == 4  # total_epochs=2 over 2 batches per epoch

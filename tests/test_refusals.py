@@ -277,8 +277,8 @@ def test_a_refused_resume_writes_nothing(tmp_path, sft_cache):
     two validations are one), not a faulty one and a clean one."""
     import pathlib
 
-    from aqn_jax.checks import warm_start_spec
     from aqn_jax.launch import run
+    from aqn_jax.spec import warm_start_spec
 
     def qerl():  # the run's config on the shallow model, with `extra`'s fields
         config = load_config("qerl", "mxfp4_lora,smoke")

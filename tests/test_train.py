@@ -185,22 +185,31 @@ def test_gspo_trains(sft_cache, tmp_path, monkeypatch):
     """config.algo.policy_loss='gspo' end to end (the smoke: 2 mini-batches, so the second one's
     sequence ratios move off 1): the step programs compile ahead as PPO's do, and the policy
     learns from the loss (a gradient, a second mini-batch that sees a changed policy). The run
-    reads each split once (`check_train` loads them; the run takes them from its spec)."""
+    reads each split once (`check_train` loads them; the run takes them from its spec) and
+    parses config.model once (a preset's parse reads the preset table: `registry.presets`)."""
     from aqn_jax.data import config as data_config
     from aqn_jax.launch import run
+    from aqn_jax.models import registry
 
     made = lowered_during_step_1(monkeypatch)
-    reads, raw_split = [], data_config._raw_split
+    reads, raw_split, presets = [], data_config._raw_split, registry.presets
 
     def counted(data, split):
         reads.append(split)
         return raw_split(data, split)
 
+    def parsed():
+        reads.append("config.model")
+        return presets()
+
     monkeypatch.setattr(data_config, "_raw_split", counted)
+    monkeypatch.setattr(registry, "presets", parsed)
     run(smoke("clean", sft_cache, **{"algo.policy_loss": "gspo"}), str(tmp_path))
     assert made == []
-    # Before: each split read again by the run, and the train split once more by the SFT.
-    assert reads == ["train", "test"]
+    # Before (the SFT trained): config.model parsed 4 times (the check, its tokenizer's vocab,
+    # the SFT's tokenizer and init), each split read again by the run and the train split once
+    # more by the SFT.
+    assert reads == ["config.model", "train", "test"]
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["algo"]["policy_loss"] == "gspo"
     assert config["algo"]["gspo"] == {"clip_ratio_low": 3e-4, "clip_ratio_high": 4e-4}
@@ -269,8 +278,7 @@ SHARDED = textwrap.dedent(
     from aqn_jax.rewards import score_batch
     from aqn_jax.rl import step as rl_step
     from aqn_jax.rl.trainer import Trainer, prompt_batcher, train_batch
-    from aqn_jax.spec import loop_spec, step_spec
-    from aqn_jax.checks import warm_start_spec
+    from aqn_jax.spec import loop_spec, step_spec, warm_start_spec
     from aqn_jax.warm_start import tokenizer_for, warm_start
 
     # The shipped warm start (not a random init, whose rewards are all 0: its gradient is ~1e-10
@@ -285,7 +293,7 @@ SHARDED = textwrap.dedent(
     model_cfg, params, info = warm_start(warm_start_spec(config), {out!r})
     assert info["cache"] == "shipped", info
     params = jax.device_get(params)
-    tok = tokenizer_for(config.tokenizer_path, config.model)
+    tok = tokenizer_for(config.tokenizer_path, config.model.hf_path, model_cfg.vocab_size)
     plan, hw = build_plan(config.faults, config.aqn, 8), fault_plan(config.faults, 8)
     static = rl_step.static_from(step_spec(config), model_cfg, plan, hw, 4)
     sigma, key = np.float32(0.05), jax.random.key(7)

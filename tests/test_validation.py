@@ -225,15 +225,14 @@ def test_a_failed_sft_cache_write_keeps_the_trained_warm_start(tmp_path, monkeyp
     """The cache checked writable, then the write fails anyway (a full disk): the run goes on
     with the SFT it trained, warning once, and leaves no half-written entry behind."""
     from aqn_jax import warm_start as pretrain
-    from aqn_jax.checks import warm_start_spec
+    from aqn_jax.spec import warm_start_spec
 
     from conftest import load_config
 
     config = load_config("targeted", "smoke")
     config.sft.cache_dir = str(tmp_path / "cache")
     trained = object()
-    model_cfg = pretrain.model_config(config.model)
-    monkeypatch.setattr(pretrain, "load_model", lambda *a: (model_cfg, "init"))
+    monkeypatch.setattr(pretrain, "load_params", lambda *a: "init")
     monkeypatch.setattr(pretrain, "sft_train", lambda *a, **k: (trained, {"loss": [2.0, 0.5]}))
 
     def full_disk(path, *args):

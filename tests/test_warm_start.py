@@ -11,10 +11,9 @@ from conftest import load_config, shallow
 
 @pytest.mark.slow
 def test_shipped_warm_start_reads_its_prompt(tmp_path):
-    from aqn_jax.checks import warm_start_spec
     from aqn_jax.data.config import task_of
     from aqn_jax.evaluation import prompt_dependence
-    from aqn_jax.spec import decode_spec
+    from aqn_jax.spec import decode_spec, warm_start_spec
     from aqn_jax.warm_start import SHIPPED_DIR, cache_dir, tokenizer_for, warm_start
 
     config = load_config("targeted")
@@ -27,7 +26,7 @@ def test_shipped_warm_start_reads_its_prompt(tmp_path):
     assert str(SHIPPED_DIR).endswith("aqn_jax/assets")
 
     spec, task = decode_spec(config), task_of(config.data)
-    tok = tokenizer_for(config.tokenizer_path, config.model)
+    tok = tokenizer_for(config.tokenizer_path, config.model.hf_path, qcfg.vocab_size)
     r = prompt_dependence(spec, task, qcfg, params, tok, size=256)
     assert r["n"] == 256
     assert r["acc"] >= 0.6
@@ -39,7 +38,7 @@ def test_shipped_warm_start_reads_its_prompt(tmp_path):
 
 
 def test_a_changed_sft_setting_does_not_load_the_shipped_warm_start():
-    from aqn_jax.checks import warm_start_spec
+    from aqn_jax.spec import warm_start_spec
     from aqn_jax.warm_start import SHIPPED_DIR, cache_dir
 
     config = load_config("targeted")
@@ -53,7 +52,7 @@ def test_a_changed_sft_setting_does_not_load_the_shipped_warm_start():
 def test_a_damaged_sft_cache_entry_is_set_aside_and_recomputed(tmp_path, monkeypatch, capsys):
     """A truncated cache entry used to block every later run with a bare SafetensorError."""
     from aqn_jax import warm_start as pretrain
-    from aqn_jax.checks import warm_start_spec
+    from aqn_jax.spec import warm_start_spec
 
     calls = []
 
@@ -120,8 +119,8 @@ def test_pretrain_job_loads_the_shipped_warm_start_and_trains_nothing(
     assets byte-identical; a changed SFT setting is a miss and would train (the negative
     control: the same tripwire fires)."""
     from aqn_jax import warm_start as pretrain
-    from aqn_jax.checks import warm_start_spec
     from aqn_jax.launch import run
+    from aqn_jax.spec import warm_start_spec
 
     from conftest import tree_state
 

@@ -3,9 +3,9 @@
 A job never imports or runs another job: `launch.py` alone picks the one a config names; the
 compare study's runs are library calls (`aqn_jax.training.run`)."""
 
-from aqn_jax.checks import warm_start_spec
 from aqn_jax.export import plain_policy
 from aqn_jax.lora import lora_spec
+from aqn_jax.spec import warm_start_spec
 from aqn_jax.warm_start import warm_start
 
 

@@ -52,7 +52,7 @@ import numpy as np
 
 from aqn_jax import parallel, training
 from aqn_jax.checkpoint import Checkpointer
-from aqn_jax.checks import check_names, check_train, warm_start_spec
+from aqn_jax.checks import check_names, check_train
 from aqn_jax.compute_dtype import machine_class
 from aqn_jax.data.config import load_split
 from aqn_jax.diagnosis import srdd
@@ -63,7 +63,7 @@ from aqn_jax.files import write_atomic, write_json
 from aqn_jax.jobs import run_policy
 from aqn_jax.metrics import read_metrics
 from aqn_jax.models.factory import logical_axes, model_config
-from aqn_jax.spec import eval_spec, srdd_spec
+from aqn_jax.spec import eval_spec, srdd_spec, warm_start_spec
 from aqn_jax.study import report as study_report
 from aqn_jax.study import stats
 from aqn_jax.study.config import check_compare
@@ -262,7 +262,7 @@ def _diagnose(base, arms, workdir: str, model_cfg, params, timing: dict) -> dict
             params,
             fault_plan(base.faults, model_cfg.num_hidden_layers),
             load_split(base.data, "train"),
-            tokenizer_for(base.tokenizer_path, base.model),
+            tokenizer_for(base.tokenizer_path, base.model.hf_path, model_cfg.vocab_size),
             os.path.dirname(path),
         )
         timing["srdd_s"] = time.perf_counter() - t0
@@ -567,7 +567,7 @@ def _evaluate(config, run_dir: str, programs: dict | None, policy=None) -> dict:
     trained = state["params"]
     if "lora" in trained:  # a QeRL-mode arm: its adapters merged into its (quantised) base
         model_cfg, trained = run_policy(policy or config, trained, run_dir, meta.get("base"))
-    tokenizer = tokenizer_for(config.tokenizer_path, config.model)
+    tokenizer = tokenizer_for(config.tokenizer_path, config.model.hf_path, model_cfg.vocab_size)
     size = int(config.evaluate.size or config.trainer.val_size)
     test = load_split(config.data, "test")[:size]
     mesh = parallel.make_mesh(config.mesh)
@@ -592,7 +592,7 @@ def _baseline(config, workdir: str, model_cfg, params) -> dict:
         eval_spec(config),
         model_cfg,
         placed,
-        tokenizer_for(config.tokenizer_path, config.model),
+        tokenizer_for(config.tokenizer_path, config.model.hf_path, model_cfg.vocab_size),
         load_split(config.data, "test")[:size],
         fault_plan(config.faults, model_cfg.num_hidden_layers),
         mesh,

@@ -13,7 +13,7 @@ import os
 from aqn_jax.data.config import check_data, load_split
 from aqn_jax.diagnosis import srdd
 from aqn_jax.faults.config import fault_plan
-from aqn_jax.models.factory import load_model, model_config
+from aqn_jax.models.factory import load_params, model_config
 from aqn_jax.spec import srdd_spec
 from aqn_jax.warm_start import tokenizer_for
 
@@ -23,11 +23,11 @@ def run(config, workdir: str) -> None:
     model_cfg = model_config(config.model)
     spec = srdd_spec(config)
     check_data(config.data)
-    tokenizer = tokenizer_for(config.tokenizer_path, config.model)
+    tokenizer = tokenizer_for(config.tokenizer_path, config.model.hf_path, model_cfg.vocab_size)
     plan = fault_plan(config.faults, model_cfg.num_hidden_layers)
 
     # -- Diagnose ------------------------------------------------------------------------
-    model_cfg, params = load_model(config.model, config.seed)
+    params = load_params(model_cfg, config.model.hf_path, config.seed)
     print(plan.describe())
     report = srdd.run_srdd(
         spec, model_cfg, params, plan, load_split(config.data, "train"), tokenizer, workdir

@@ -27,7 +27,6 @@ from aqn_jax.checks import (
     check_block_widths,
     check_instruction,
     check_prompt_lengths,
-    warm_start_spec,
 )
 from aqn_jax.data.config import check_data, load_split
 from aqn_jax.evaluation import check_evaluate, robustness, write_evaluation
@@ -36,7 +35,7 @@ from aqn_jax.jobs import run_policy
 from aqn_jax.models.factory import logical_axes, model_config
 from aqn_jax.models.hf import abstract_params
 from aqn_jax.rewards import METHODS
-from aqn_jax.spec import eval_spec
+from aqn_jax.spec import eval_spec, warm_start_spec
 from aqn_jax.warm_start import tokenizer_for, warm_start
 
 
@@ -44,7 +43,7 @@ def check_config(config):
     ev = config.evaluate
     check_evaluate(ev)
     model_cfg = model_config(config.model)
-    tokenizer = tokenizer_for(config.tokenizer_path, config.model)
+    tokenizer = tokenizer_for(config.tokenizer_path, config.model.hf_path, model_cfg.vocab_size)
     check_data(config.data)
     check_instruction(config.data, tokenizer)
     fault_plan(config.faults, model_cfg.num_hidden_layers)

@@ -25,7 +25,7 @@ from aqn_jax.aqn.plan import build_plan
 from aqn_jax.diagnosis.profile import format_profile, residual_profile
 from aqn_jax.faults.intercept import step_key, summarize_stats
 from aqn_jax.forward import forward, trace_manifest
-from aqn_jax.models.factory import load_model, logical_axes, model_config
+from aqn_jax.models.factory import load_params, logical_axes, model_config
 from aqn_jax.models.registry import causal_lm, layer_name
 from aqn_jax.warm_start import tokenizer_for
 
@@ -33,7 +33,7 @@ from aqn_jax.warm_start import tokenizer_for
 def _check_config(config):
     """Every check that needs no compile, so bad input fails at once."""
     model_cfg = model_config(config.model)
-    tokenizer = tokenizer_for(config.tokenizer_path, config.model)
+    tokenizer = tokenizer_for(config.tokenizer_path, config.model.hf_path, model_cfg.vocab_size)
     if not config.prompt:
         raise ValueError("config.prompt='' ; give a non-empty user message")
     if config.phase not in ("rollout", "train", "eval"):
@@ -46,7 +46,7 @@ def run(config, workdir: str) -> None:
     """The job's stages: check, load, the parameter table, the fault manifest of every phase,
     the clean and faulty forwards with the residual profile, the summary."""
     model_cfg, tokenizer, plan = _check_config(config)
-    model_cfg, params = load_model(config.model, config.seed)
+    params = load_params(model_cfg, config.model.hf_path, config.seed)
     source = (
         config.model.hf_path or f"preset {config.model.preset} (random init, seed {config.seed})"
     )

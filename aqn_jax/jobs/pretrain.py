@@ -5,10 +5,12 @@ python -m aqn_jax.launch --config=configs/base.py --config.job=pretrain
 
 from __future__ import annotations
 
-from aqn_jax.checks import warm_start_spec
+from aqn_jax.models.factory import model_config
+from aqn_jax.spec import warm_start_spec
 from aqn_jax.warm_start import tokenizer_for, warm_start
 
 
 def run(config, workdir: str) -> None:
-    tokenizer_for(config.tokenizer_path, config.model)
-    warm_start(warm_start_spec(config), workdir)
+    model_cfg = model_config(config.model)
+    tokenizer_for(config.tokenizer_path, config.model.hf_path, model_cfg.vocab_size)
+    warm_start(warm_start_spec(config, model_cfg), workdir)

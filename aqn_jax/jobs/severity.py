@@ -27,7 +27,7 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
-from aqn_jax.checks import check_instruction, warm_start_spec
+from aqn_jax.checks import check_instruction
 from aqn_jax.data.config import check_data, load_split, task_of, with_prompt_format
 from aqn_jax.evaluation import greedy_sampling, heldout_loss, prompt_dependence
 from aqn_jax.faults.config import POINTS
@@ -41,7 +41,7 @@ from aqn_jax.models.registry import causal_lm, layer_name
 from aqn_jax.rl.sampler import Sampler
 from aqn_jax.rl.scoring import eval_scores
 from aqn_jax.rl.sft import sft_sequences
-from aqn_jax.spec import decode_spec
+from aqn_jax.spec import decode_spec, warm_start_spec
 from aqn_jax.study.config import check_severity
 from aqn_jax.warm_start import tokenizer_for, warm_start
 
@@ -85,7 +85,7 @@ def _check(config) -> _Checked:
     n_layers = model_cfg.num_hidden_layers
     layers, points = check_severity(config.severity, n_layers)
     check_data(config.data)
-    tokenizer = tokenizer_for(config.tokenizer_path, config.model)
+    tokenizer = tokenizer_for(config.tokenizer_path, config.model.hf_path, model_cfg.vocab_size)
     check_instruction(config.data, tokenizer)
     dz = config.faults.deadzone
     kinds = expand_kinds((dz.site,) if isinstance(dz.site, str) else tuple(dz.site), "site")

@@ -86,13 +86,12 @@ def init_params(config: ModelConfig, seed: int) -> dict:
     return init(jax.random.key(seed))
 
 
-def load_model(model_cfg: Any, seed: int) -> tuple[ModelConfig, dict]:
-    """(config, params): the HF snapshot's weights, or a random init of the preset."""
-    config = model_config(model_cfg)
-    if model_cfg.hf_path:
-        _, params = load_hf_checkpoint(os.path.expanduser(model_cfg.hf_path), config.param_dtype)
-        return config, params
-    return config, init_params(config, seed)
+def load_params(config: ModelConfig, hf_path: str, seed: int) -> dict:
+    """The params of `config` (`model_config`'s): the HF snapshot's weights at `hf_path`
+    (config.model.hf_path), or a random init of the preset from `seed` where it is ''."""
+    if hf_path:
+        return load_hf_checkpoint(os.path.expanduser(hf_path), config.param_dtype)[1]
+    return init_params(config, seed)
 
 
 def logical_axes(config: ModelConfig, head: str = "lm") -> dict:
