@@ -1,6 +1,7 @@
-"""The checks of an RL run's config that need no compile: every field named when it is wrong,
-before anything is trained or written (`check_train`), and the prompt-length checks the
-`evaluate` job shares."""
+"""The boundary of an RL run: its config checked without a compile, every field named when it is
+wrong, before anything is trained or written, and parsed once into the run's `RunSpec`
+(`check_train`: the refusals here, the typed parts from `spec.py`'s builders, which refuse
+nothing of their own); the prompt-length checks the `evaluate` job shares."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from aqn_jax.lora import LoraSpec, check_ranks
 from aqn_jax.models.factory import model_config
 from aqn_jax.models.hf import abstract_params
 from aqn_jax.models.registry import family_of
+from aqn_jax.planner import check_planner
 from aqn_jax.rl.advantages import ESTIMATORS
 from aqn_jax.rl.optim import LR_SCHEDULES, check_optimizer
 from aqn_jax.rl.sampler import check_rollout
@@ -38,6 +40,7 @@ from aqn_jax.spec import (
     checkpoint_spec,
     job_spec,
     loop_spec,
+    planner_section,
     run_diagnosis,
     srdd_spec,
     step_spec,
@@ -398,6 +401,7 @@ def _check_memory(config, model_cfg, step: StepSpec, device: FaultPlan):
             f"config.trainer.val_batch_size={val}": val,
         },
     )
+    check_planner(planner_section(config))
     job = job_spec(config, model_cfg, step, device)
     return job.mesh, planner.check(job, jax.device_count())
 

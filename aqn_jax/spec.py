@@ -8,12 +8,14 @@ taking the parts it builds on: `step_spec` (the step programs' `StepSpec`, with 
 `StepSpec` and the device's `FaultPlan`), `srdd_spec` (the diagnosis's `SrddSpec`),
 `summary_spec` (what summary.json says of the config), `trainer_spec` / `checkpoint_spec`,
 `warm_start_spec` (the warm start's `WarmStartSpec`, over the parsed model) and the
-evaluation's `eval_spec` / `decode_spec`. A section's own parser stays beside its defaults
-(`rl.config.Hyper.of`, `lora.lora_spec`, `faults.config.fault_plan`, `sdc.guard.guard_spec`,
-`rl.optim.OptimizerSpec.of`, `data.config.DataSpec.of`, `aqn.config.AqnSpec.of`,
-`models.factory.model_config`). What needs the raw ConfigDict stays at the boundary:
-config.json and the resume comparison (`training.run`) and the warm start's cache key
-(`warm_start_spec`).
+evaluation's `eval_spec` / `decode_spec`. They refuse nothing themselves: the checks are the
+boundary's (`checks.check_train`, which calls them; the evaluate and compare jobs check
+config.evaluate first). A section's own parser stays beside its defaults and refuses that
+section's fields (`rl.config.Hyper.of`, `lora.lora_spec`, `faults.config.fault_plan`,
+`sdc.guard.guard_spec`, `rl.optim.OptimizerSpec.of`, `data.config.DataSpec.of`,
+`aqn.config.AqnSpec.of`, `warm_start.SftSpec.of`, `models.factory.model_config`). What needs
+the raw ConfigDict stays at the boundary: config.json and the resume comparison
+(`training.run`) and the warm start's cache key (`warm_start_spec`).
 """
 
 from __future__ import annotations
@@ -33,13 +35,13 @@ from aqn_jax.data.config import DataSpec
 from aqn_jax.data.gsm8k import Example
 from aqn_jax.data.tokenizers import Tokenizer
 from aqn_jax.diagnosis.srdd import SrddSpec
-from aqn_jax.evaluation import DecodeSpec, EvalSpec, check_evaluate, conditions
+from aqn_jax.evaluation import DecodeSpec, EvalSpec, conditions
 from aqn_jax.faults.config import kind_of
 from aqn_jax.faults.intercept import FaultPlan
 from aqn_jax.lora import LoraSpec, lora_spec
 from aqn_jax.models.factory import model_config
 from aqn_jax.models.registry import ModelConfig
-from aqn_jax.planner import JobSpec, MemoryPlan, check_planner, reachable_buckets
+from aqn_jax.planner import JobSpec, MemoryPlan, reachable_buckets
 from aqn_jax.report import SummarySpec
 from aqn_jax.rl import advantages as adv_lib
 from aqn_jax.rl.config import Hyper, flag
@@ -207,12 +209,10 @@ def loop_spec(config: Any) -> LoopSpec:
 
 
 def job_spec(config: Any, model_cfg: ModelConfig, step: StepSpec, device: FaultPlan) -> JobSpec:
-    """What the memory plan reads: the mesh, batch and planner fields of `config`, for the model
-    `model_cfg`, the step programs' `step` and the device's fault plan `device`; raises naming
-    a `config.planner` field out of range."""
-    section = config.get("planner")
-    section = planner_config() if section is None else section
-    check_planner(section)
+    """What the memory plan reads: the mesh, batch and planner fields of `config` (checked:
+    `checks.check_train`), for the model `model_cfg`, the step programs' `step` and the device's
+    fault plan `device`."""
+    section = planner_section(config)
     ro, actor, h = config.rollout, config.actor, step.h
     return JobSpec(
         model=model_cfg,
@@ -236,6 +236,12 @@ def job_spec(config: Any, model_cfg: ModelConfig, step: StepSpec, device: FaultP
         # The update's shared prompt as the device's faults allow it (AQN acts in the rollout).
         share_n=h.n if h.share_prompt and not share_refusals(device) else 1,
     )
+
+
+def planner_section(config: Any) -> Any:
+    """config.planner, or its defaults where the config has none."""
+    section = config.get("planner")
+    return planner_config() if section is None else section
 
 
 def srdd_spec(config: Any) -> SrddSpec:
@@ -330,10 +336,9 @@ def warm_start_spec(config: Any, model_cfg: ModelConfig | None = None) -> WarmSt
 
 
 def eval_spec(config: Any) -> EvalSpec:
-    """`config.evaluate` with the rollout, trainer and data fields it reads, checked and typed
-    (nothing below reads the ConfigDict)."""
+    """`config.evaluate` (checked: `evaluation.check_evaluate`, which the jobs call first) with
+    the rollout, trainer and data fields it reads, typed (nothing below reads the ConfigDict)."""
     ev = config.evaluate
-    check_evaluate(ev)
     faults = (ev.fault,) if isinstance(ev.fault, bool) else tuple(ev.fault)
     return EvalSpec(
         conditions=tuple(conditions(ev)),

@@ -268,6 +268,11 @@ def test_aqn_form_and_noise_study_variants(tmp_path):
     bad.compare.comparisons = (("targeted", "deadzone"),)
     with pytest.raises(ValueError, match="config.study_fault='noise'"):
         check_config(bad, str(tmp_path))
+    # config.evaluate (read by each run's evaluation, after its training) refused with the rest.
+    bad = load_config("compare", "noise_study")
+    bad.evaluate.samples = 0
+    with pytest.raises(ValueError, match=r"config\.evaluate\.samples=0; must be >= 1"):
+        check_config(bad, str(tmp_path))
 
 
 def test_train_gives_sigterm_back():

@@ -285,15 +285,20 @@ def test_nothing_fits_says_how_many_devices_would():
 
 
 def test_planner_config_and_unknown_capacity():
+    from aqn_jax.checks import check_train
+
+    small = make_config()  # config.planner refused by the run's checks, naming the field
+    small.planner.headroom = 1.5
+    with pytest.raises(ValueError, match=r"config\.planner\.headroom=1\.5; must be in \(0, 1\]"):
+        check_train(small)
+    small.planner.headroom = 0.9
+    small.planner.device_memory_gb = -1.0
+    with pytest.raises(ValueError, match=r"config\.planner\.device_memory_gb=-1\.0"):
+        check_train(small)
+    small.planner.device_memory_gb = 0.0
+    assert check_train(small).memory.fits  # negative control: the valid neighbour
     config = make_config(preset="qwen2p5_7b")
     cfg = model_config(config.model)
-    config.planner.headroom = 1.5
-    with pytest.raises(ValueError, match=r"config\.planner\.headroom=1\.5; must be in \(0, 1\]"):
-        planner.check(job(config, cfg), 8)
-    config.planner.headroom = 0.9
-    config.planner.device_memory_gb = -1.0
-    with pytest.raises(ValueError, match=r"config\.planner\.device_memory_gb=-1\.0"):
-        planner.check(job(config, cfg), 8)
     config.planner.device_memory_gb = 0.0
     # CPU reports no device memory limit: the plan is checked against the host's memory
     # (test_cpu_plan_is_checked_against_host_memory); without that too, reported, not refused.

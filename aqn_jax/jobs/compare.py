@@ -56,7 +56,7 @@ from aqn_jax.checks import check_names, check_train
 from aqn_jax.compute_dtype import machine_class
 from aqn_jax.data.config import load_split
 from aqn_jax.diagnosis import srdd
-from aqn_jax.evaluation import conditions, robustness, write_evaluation
+from aqn_jax.evaluation import check_evaluate, conditions, robustness, write_evaluation
 from aqn_jax.experiment import ARMS, apply_arm
 from aqn_jax.faults.config import fault_plan
 from aqn_jax.files import write_atomic, write_json
@@ -120,6 +120,7 @@ def check_config(config, workdir: str) -> None:
     """Every check that needs no compile, for every arm: bad input fails before any training."""
     check_names(config)  # config.arm / study_fault by name: each run sets its own arm
     check_compare(config.compare)
+    check_evaluate(config.evaluate)  # each run's evaluation, and the warm start's baseline
     names = [c.name for c in conditions(config.evaluate)]
     target = config.compare.get("target_condition", "fault")
     if float(config.compare.get("target_mdd", 0.0)) > 0 and target not in names:
