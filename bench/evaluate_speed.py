@@ -3,6 +3,7 @@ prefilled once (config.rollout.share_prefix) against each prompt prefilled whole
 
   python bench/evaluate_speed.py --hf-path=/models/qwen05 [--caps 64,32] [--reps 1] [--record]
       [--size 256]   # the faulty device's problems (the clean device: half as many)
+      [--batches 32,128]   # the study's decode batch, then larger ones (sharing on)
 
 The evaluation is `configs/qwen2p5_coder_0p5b_gsm8k.py:study,arith`'s (f32, greedy, the 192
 bucket, batches of 32): the first 256 arith test problems on the faulty device (the per-token
@@ -13,7 +14,10 @@ setting) runs in its own process (its peak RSS its own), interleaved off, on, of
 compiles on one batch of each device first (not timed), then evaluates the 384 problems.
 Prints each process's seconds, then per cap `BENCH evaluate_shared_prefix ratio=<off s / on s>`
 with the peak RSS of both, and whether both settings gave the same greedy answers (the share of
-problems whose response text is equal, per device). `--record` appends the table to
+problems whose response text is equal, per device). `--batches=32,128`: also the same evaluation
+with sharing on at each further decode batch size, `BENCH evaluate_batch ratio=<on at the first
+/ on at it>` (a decode step reads every weight once for the whole batch, so on a CPU a larger
+batch amortises it), with its answers against the first batch's. `--record` appends the table to
 WORKSPACE.md with the CPU's flags.
 """
 
@@ -29,7 +33,7 @@ import sys
 import time
 
 
-def _config(hf_path: str, cap: int, share: bool, size: int = 256):
+def _config(hf_path: str, cap: int, share: bool, size: int = 256, batch: int | None = None):
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "configs"))
     import qwen2p5_coder_0p5b_gsm8k as preset
 
@@ -38,6 +42,8 @@ def _config(hf_path: str, cap: int, share: bool, size: int = 256):
     config.rollout.max_new_tokens = cap
     config.rollout.share_prefix = share
     config.evaluate.size, config.evaluate.clean_size = size, size // 2
+    if batch is not None:
+        config.evaluate.batch_size = batch
     return config
 
 
@@ -54,7 +60,8 @@ def child(args) -> None:
     from aqn_jax.warm_start import tokenizer_for
 
     cap, setting = int(args.cap), args.child
-    config = _config(args.hf_path, cap, setting == "on", int(args.size))
+    batch = int(args.batch) if args.batch else None
+    config = _config(args.hf_path, cap, setting == "on", int(args.size), batch)
     model_cfg = model_config(config.model)
     _, params = load_hf_checkpoint(args.hf_path, model_cfg.dtype)
     tok = tokenizer_for(config.tokenizer_path, config.model.hf_path, model_cfg.vocab_size)
@@ -91,6 +98,15 @@ def child(args) -> None:
     print("RESULT " + json.dumps(out), flush=True)
 
 
+def _same(a: dict, b: dict) -> dict:
+    """Per device, the share of problems whose response text is equal in both runs."""
+    return {
+        k: sum(x == y for x, y in zip(a["responses"][k], b["responses"][k], strict=True))
+        / len(a["responses"][k])
+        for k in a["responses"]
+    }
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--hf-path", required=True)
@@ -98,6 +114,13 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=1)
     p.add_argument("--record", action="store_true")
     p.add_argument("--size", type=int, default=256, help="faulty-device problems (clean: half)")
+    p.add_argument(
+        "--batches",
+        default="32",
+        help="decode batch sizes: the first is the study's (off and on); each further one runs"
+        " with sharing on and is printed as BENCH evaluate_batch (first / it)",
+    )
+    p.add_argument("--batch", default=None, help=argparse.SUPPRESS)
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--cap", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -107,6 +130,13 @@ def main() -> None:
         caps = [int(c) for c in args.caps.split(",")]
     except ValueError:
         sys.exit(f"--caps={args.caps!r}; allowed: comma-separated positive ints")
+    try:
+        batches = [int(b) for b in args.batches.split(",")]
+    except ValueError:
+        sys.exit(f"--batches={args.batches!r}; allowed: comma-separated positive ints")
+    if not batches or min(batches) < 1 or len(set(batches)) != len(batches):
+        sys.exit(f"--batches={args.batches!r}; allowed: distinct positive ints")
+    settings = [("off", batches[0]), ("on", batches[0])] + [("on", b) for b in batches[1:]]
     if not caps or min(caps) < 1 or not os.path.isdir(args.hf_path):
         sys.exit(f"--caps={args.caps!r} (positive ints) or --hf-path={args.hf_path!r} not a dir")
     sys.path.insert(0, os.path.dirname(__file__))
@@ -116,10 +146,10 @@ def main() -> None:
     runs: dict[tuple[int, str], list[dict]] = {}
     for cap in caps:
         for rep in range(args.reps):
-            for setting in ("off", "on"):
+            for setting, batch in settings:
                 cmd = [sys.executable, __file__, f"--hf-path={args.hf_path}", f"--size={args.size}"]
                 proc = subprocess.run(
-                    [*cmd, f"--child={setting}", f"--cap={cap}"],
+                    [*cmd, f"--child={setting}", f"--cap={cap}", f"--batch={batch}"],
                     capture_output=True,
                     text=True,
                     check=False,
@@ -131,17 +161,20 @@ def main() -> None:
                     )
                 res = json.loads(line[0][7:])
                 brief = {k: v for k, v in res.items() if k != "responses"}
-                print(f"cap {cap} rep {rep} {setting}: " + json.dumps(brief), flush=True)
-                runs.setdefault((cap, setting), []).append(res)
+                name = setting if batch == batches[0] else f"on b{batch}"
+                print(f"cap {cap} rep {rep} {name}: " + json.dumps(brief), flush=True)
+                runs.setdefault((cap, name), []).append(res)
     table = [
-        "| cap | setting | eval s (median) | compile s | peak RSS GiB | acc fault / clean |"
+        f"| cap | setting (batch {batches[0]} unless named) | eval s (median) | compile s |"
+        " peak RSS GiB | acc fault / clean |"
         " mean tokens fault / clean | clipped fault / clean |",
         "|---|---|---|---|---|---|---|---|",
     ]
     benches = []
     for cap in caps:
         med = {}
-        for setting in ("off", "on"):
+        names = ["off", "on"] + [f"on b{b}" for b in batches[1:]]
+        for setting in names:
             rs = sorted(runs[(cap, setting)], key=lambda r: r["eval_s"])
             r = rs[len(rs) // 2]
             med[setting] = r
@@ -152,11 +185,7 @@ def main() -> None:
                 f" {r['clipped']['fault']:.2f} / {r['clipped']['clean']:.2f} |"
             )
         off, on = med["off"], med["on"]
-        same = {
-            k: sum(a == b for a, b in zip(off["responses"][k], on["responses"][k], strict=True))
-            / len(off["responses"][k])
-            for k in off["responses"]
-        }
+        same = _same(off, on)
         benches.append(
             f"BENCH evaluate_shared_prefix ratio={off['eval_s'] / on['eval_s']:.2f} cap={cap}"
             f" off_s={off['eval_s']:.1f} on_s={on['eval_s']:.1f}"
@@ -164,12 +193,22 @@ def main() -> None:
             f" same_answers_fault={same['fault']:.4f} same_answers_clean={same['clean']:.4f}"
             f" problems={sum(off['n'].values())} reps={args.reps}"
         )
+        for b in batches[1:]:
+            big = med[f"on b{b}"]
+            same = _same(on, big)
+            benches.append(
+                f"BENCH evaluate_batch ratio={on['eval_s'] / big['eval_s']:.2f} cap={cap}"
+                f" batch={batches[0]}_vs_{b} on_s={on['eval_s']:.1f} big_s={big['eval_s']:.1f}"
+                f" rss_gib={on['peak_rss_gib']:.2f}/{big['peak_rss_gib']:.2f}"
+                f" same_answers_fault={same['fault']:.4f} same_answers_clean={same['clean']:.4f}"
+                f" off_over_big={off['eval_s'] / big['eval_s']:.2f}"
+            )
     print("\n".join(table))
     print("\n".join(benches))
     if args.record:
         intro = (
             f"`python bench/evaluate_speed.py --hf-path={args.hf_path} --caps={args.caps}"
-            f" --reps={args.reps} --size={args.size}`"
+            f" --reps={args.reps} --size={args.size} --batches={args.batches}`"
             f" on {cpu_description()} ({cpu_flags()}); load: {load}"
         )
         print(f"recorded in {record('evaluate_speed.py', intro, [*table, '', *benches])}")
