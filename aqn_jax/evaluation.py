@@ -1,5 +1,6 @@
 """Robustness evaluation of a policy: test-split accuracy under a matrix of device conditions,
-and the held-out loss (the original design notes' metric) with the fault off and on.
+and the held-out loss (the metric of the original system's controlled test: docs/ARCHITECTURE.md,
+"The original system's experiments") with the fault off and on.
 
 Conditions (`config.evaluate`): the hardware fault of `config.faults` off / on, crossed with a
 perturbation of every decoder linear: none, relative Gaussian noise on the outputs
@@ -388,8 +389,8 @@ def heldout_loss(
     programs: dict | None = None,
 ) -> float:
     """Token-mean cross-entropy of the worked solutions (+ EOS) given the prompts, on the device
-    of `plan` (phase 'eval'): the loss of the original design notes' table. `programs`: as in
-    `robustness`."""
+    of `plan` (phase 'eval'): the loss of the original system's controlled test
+    (docs/ARCHITECTURE.md, "The original system's experiments"). `programs`: as in `robustness`."""
     data = sft_sequences(examples, tokenizer)
 
     def make():

@@ -3,14 +3,15 @@
 `configs/<arm>.py` files are thin wrappers (`arm_config(name, arg)`), so that the `compare`
 job and the tests build exactly the configs the command line runs.
 
-Arms (the original design notes: a deadzone at the middle layer; `config.study_fault` names the
-fault the arms share: `deadzone` by default, `noise` for the original design notes' study):
+Arms (the original system's study, docs/ARCHITECTURE.md "The original system's experiments": a
+deadzone at the middle layer; `config.study_fault` names the fault the arms share: `deadzone` by
+default, `noise` for its noise study):
   clean        no fault, no AQN (the upper bound)
   deadzone     the fault, no AQN (the lower bound; in a noise study: the noise, no AQN)
   global_aqn   the fault, AQN on every layer (the config's schedule: epoch_aware by default)
   global_qerl  the fault, AQN on every layer with QeRL's global decay (schedule 'qerl')
   targeted     the fault, AQN only on the layers SRDD locates (aqn.layers='located')
-  healthy      the fault, AQN on every layer but the faulty one (the original notes' control)
+  healthy      the fault, AQN on every layer but the faulty one (the controlled test's control)
   srdd_guided  the fault, AQN on every layer at SRDD's per-layer sigma map (aqn.layers='srdd')
 
 The mismatch study's arms (aqn_jax/rl/rollout_correction.py), each the fault plus:
@@ -75,8 +76,8 @@ def base_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # not change it (`after_overrides`: another arm is another config).
     config.arm = "clean"
     # The fault every arm but clean runs on: deadzone (config.faults.deadzone) | noise
-    # (config.faults.noise: the original design notes' hardware error model). Given on the
-    # command line, it moves an arm config's fault to that kind (`after_overrides`).
+    # (config.faults.noise: the original system's hardware error model, docs/ARCHITECTURE.md).
+    # Given on the command line, it moves an arm config's fault to that kind (`after_overrides`).
     config.study_fault = "deadzone"  # deadzone | noise
     config.seed = 0  # RL seed: data order, sampling, fault noise (int; the study uses 0-4)
     # Resuming a workdir whose checkpoints were made under another config is refused, naming
@@ -177,7 +178,7 @@ for _name, _arm in {
     "targeted": Arm("study", aqn=True, layers="located"),  # the layers SRDD locates
     "healthy": Arm("study", aqn=True, layers="healthy"),  # all but the faulty layers
     "srdd_guided": Arm("study", aqn=True, layers="srdd"),  # SRDD's per-layer sigma map
-    # The baseline of the original design notes (configs/compare.py): QeRL's global decay.
+    # The original system's noise-study baseline (configs/compare.py): QeRL's global decay.
     "global_qerl": Arm("baseline", aqn=True, layers="all", schedule="qerl"),
     # The mismatch study: the fault plus a rollout correction or QeRL's AQN.
     "uncorrected": Arm("correction", correction="none"),

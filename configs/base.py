@@ -6,7 +6,8 @@ srdd_guided). On its own it is the clean arm without any fault or AQN.
   python -m aqn_jax.launch --config=configs/base.py
   python -m aqn_jax.launch --config=configs/base.py:smoke     # < 1 minute, a wiring check
 
-Defaults follow the original design notes (a deadzone at a middle layer, AQN
+Defaults follow the original system's study (docs/ARCHITECTURE.md, "The original system's
+experiments": a deadzone at a middle layer, AQN
 sigma 0.05 -> 0.0005 epoch-aware over 2 epochs, GRPO with n = 5, KL loss low_var_kl 0.001,
 clip 0.2, token-mean), scaled to the tiny model: 8 layers (the fault layer is 4), 16 prompts
 per step, a larger learning rate (3e-5, not 5e-7). The fault's severity is stated as the

@@ -9,7 +9,7 @@ global; report.md with plots and results.json. Results: docs/compare_results.md.
       flush |h| < t * max|h|) | seed_regime (97% flushed, the seed's regime on a real LM)
       layer_early | layer_middle | layer_late (fault at layer 1 / 4 / 6) | two_layers (2 and 5)
       aqn_between | aqn_before_fault | aqn_norm_weight (AQN's form, targeted vs global_aqn)
-      noise_study | noise_study_5pct (the original design notes: relative noise on every
+      noise_study | noise_study_5pct (the original system's noise study: relative noise on every
       linear; arms deadzone = the noise without AQN, global_qerl, global_aqn = epoch-aware)
       mismatch_study | mismatch_study_mxfp4 | mismatch_study_call | mismatch_study_causal
       (the rollout corrections and AQN when the sampler's device is not the trainer's; arms
@@ -47,11 +47,12 @@ VARIANTS = {
     "aqn_between": {"aqn_order": "between"},
     "aqn_before_fault": {"aqn_order": "before_fault"},
     "aqn_norm_weight": {"aqn_form": "norm_weight", "aqn_order": "after_fault"},
-    # The original design notes: relative noise on every linear output; no AQN vs QeRL's
-    # global decay vs epoch-aware; each policy evaluated with 0 / 5 / 10 / 20% noise on a clean
+    # The original system's noise study (docs/ARCHITECTURE.md, "The original system's
+    # experiments"): relative noise on every linear output; no AQN vs QeRL's global decay vs
+    # epoch-aware; each policy evaluated with 0 / 5 / 10 / 20% noise on a clean
     # device. The study runs at 10%: on the warm start 5% costs only 0.016 (inside the noise of
-    # 256 problems) and 10% costs 0.078, about the notes' 8.7 points at 5% on Qwen2.5-1.5B;
-    # noise_study_5pct keeps the notes' number.
+    # 256 problems) and 10% costs 0.078, about that study's 8.72 points at 5% on Qwen2.5-1.5B;
+    # noise_study_5pct keeps its number.
     "noise_study": {"study_fault": "noise", "noise_scale": "0.10"},
     "noise_study_5pct": {"study_fault": "noise", "noise_scale": "0.05"},
     # The rollout corrections against AQN when the sampler's device is not the trainer's
@@ -117,7 +118,7 @@ def _fault_variant(config, spec) -> None:
 
 
 def _noise_study(config, spec) -> None:
-    """The original design notes' study: relative noise on every linear, AQN's two decays."""
+    """The original system's noise study: relative noise on every linear, AQN's two decays."""
     config.study_fault = "noise"
     config.faults.noise.kind = "relative_gaussian"
     config.faults.noise.scale = float(spec["noise_scale"])

@@ -1,8 +1,8 @@
 """SRDD diagnosis of the embedded model on a simulated faulty device.
 
 Purpose: localise a hardware fault to its decoder layer from per-layer scans (instability,
-gain, kurtosis, min/max DC gain, dead fraction), and derive the per-layer AQN sigma map of
-the original design notes for SRDD-guided training.
+gain, kurtosis, min/max DC gain, dead fraction), and derive the original system's per-layer AQN
+sigma map (docs/ARCHITECTURE.md, "SRDD diagnosis") for SRDD-guided training.
 
   python -m aqn_jax.launch --config=configs/diagnose.py
   python -m aqn_jax.launch --config=configs/diagnose.py --config.faults.deadzone.layers=6 \

@@ -1,6 +1,7 @@
 """Arm `healthy` of the embedded study (aqn_jax/experiment.py).
 
-The deadzone at layer 4 and AQN on every layer except it (the original design notes' control:
+The deadzone at layer 4 and AQN on every layer except it (the control of the original system's
+controlled test, docs/ARCHITECTURE.md "The original system's experiments":
 is targeted AQN's gain only 'not hurting the healthy layers'?).
 
   python -m aqn_jax.launch --config=configs/healthy.py

@@ -19,7 +19,8 @@ or the `openai/gsm8k` data set (config `main`) as verl's parquet:
 `python examples/data_preprocess/gsm8k.py --local_dir ~/data/gsm8k` in a verl checkout. Both
 formats load (aqn_jax/data/gsm8k.py); prompts and ground truths follow verl
 (docs/ARCHITECTURE.md, "GSM8K and RL conventions (verl)").
-Tests and CI read `../shared/datasets/gsm8k/{train,test}.jsonl`.
+The tests that need it (`GSM8K` in tests/test_qwen_gsm8k_config.py and tests/test_device_parts.py)
+read the raw jsonl from a `datasets/gsm8k/` folder beside the checkout.
 
 Then, with the three paths as required fields:
 
@@ -461,9 +462,10 @@ def _seed_study(config, smoke: bool):
     verdict in srdd/srdd.json is what every targeted run reads), global_seed (global_aqn: the
     same AQN on every layer's output); clean_rl (clean) when added to the arms.
 
-    The AQN is the seed's (seed 000's config block and seed 002's schedule): relative activation
-    noise y + sigma * eps * |y| (config.aqn.form='activation') on each selected layer's output
-    (sites 'layer': the residual stream after the decoder layer, the deadzone's own site),
+    The AQN is the seed's (docs/ARCHITECTURE.md, "The original system's experiments"): relative
+    activation noise y + sigma * eps * |y| (config.aqn.form='activation') on each selected
+    layer's output (sites 'layer': the residual stream after the decoder layer, the deadzone's
+    own site),
     sigma 0.05 -> 0.0005 with the epoch-aware decay over 2 epochs, stated as the seed states it
     (epoch 1: 0.05 -> 0.01, epoch 2: 0.01 -> 0.0005: config.aqn.epoch_sigmas), in the seed's
     order against the deadzone at the shared site (config.aqn.order='between': the deadzone,

@@ -16,7 +16,8 @@ Then, with the snapshot path as the required field:
 
 Arguments: an arm of aqn_jax/experiment.py (clean | deadzone | global_aqn | targeted | healthy |
 srdd_guided | global_qerl: job train, a short SFT on the task's chat format, then GRPO) or
-`severity` (job severity: the table of the original design notes, layers 5/10/15/20/25 x
+`severity` (job severity: the original system's held-out-loss test, docs/ARCHITECTURE.md "The
+original system's experiments", over layers 5/10/15/20/25 x
 thresholds 0.001 / 0.01 / 0.1 of the tensor max: flushed fraction, held-out loss on answer
 tokens, greedy accuracy);
 `,smoke` shrinks either. `configs/model_summary.py --config.model.hf_path=...` prints the

@@ -1,7 +1,8 @@
 """Arm `srdd_guided` of the embedded study (aqn_jax/experiment.py).
 
 The deadzone at layer 4; SRDD runs first and AQN is injected on every layer at the per-layer
-sigma map of the original design notes (aqn.layers='srdd'; layer 4 gets sigma x1.5).
+sigma map of the original system (docs/ARCHITECTURE.md, "SRDD diagnosis"; aqn.layers='srdd';
+layer 4 gets sigma x1.5).
 
   python -m aqn_jax.launch --config=configs/srdd_guided.py
   python -m aqn_jax.launch --config=configs/srdd_guided.py:smoke     # < 1 minute, a wiring check

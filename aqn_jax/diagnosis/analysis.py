@@ -21,9 +21,10 @@ that pass their floor) exceeds `z_threshold`, else "no fault found". Confidence:
 both clipped to [0, 1]: how far the located layers stand out, or how far the most suspicious
 layer is from the threshold.
 
-Guided sigma (the original design notes, docs/ARCHITECTURE.md): start at `base`; gain < 0.8 * median
--> x1.5; kurtosis > 1.2 * median -> x1.5; instability > 0.1 -> x0.5; clamp to [0.01, 0.15];
-layers with sigma > 1.2 * base are high priority. Two choices of ours, both recorded in the output:
+Guided sigma (the original system's, docs/ARCHITECTURE.md "SRDD diagnosis"): start at `base`;
+gain < 0.8 * median -> x1.5; kurtosis > 1.2 * median -> x1.5; instability > 0.1 -> x0.5; clamp
+to [0.01, 0.15]; layers with sigma > 1.2 * base are high priority. Two choices of ours, both
+recorded in the output:
   * the kurtosis rule compares Pearson kurtosis (Fisher + 3): the seed's values were in the
     thousands, where the two agree, while on small models the Fisher median can be <= 0 and the
     rule as written would flag every layer;
@@ -177,7 +178,7 @@ def guided_sigmas(
     lo: float = 0.01,
     hi: float = 0.15,
 ) -> dict[str, Any]:
-    """The per-layer sigma map of the original design notes (module docstring). Returns
+    """The original system's per-layer sigma map (module docstring). Returns
     {"sigmas": {layer: sigma}, "high_priority": [...], "rules": {layer: [rule, ...]}}."""
     if signal_loss not in SIGNAL_LOSS:
         raise ValueError(f"config.diagnosis.signal_loss={signal_loss!r}; allowed: {SIGNAL_LOSS}")

@@ -142,9 +142,10 @@ def _deadzone_section() -> ml_collections.ConfigDict:
 
 
 def _noise_section() -> ml_collections.ConfigDict:
-    """config.faults.noise: the error models of the original (seeds 002/003)."""
+    """config.faults.noise: the original system's error models (docs/ARCHITECTURE.md,
+    "Hardware-error models of the original system")."""
     c = ml_collections.ConfigDict()
-    c.enabled = False  # hardware error model of the original (seeds 002/003)
+    c.enabled = False  # the original system's hardware error model
     c.kind = "relative_gaussian"  # relative_gaussian | absolute_gaussian | systematic_bias
     c.scale = 0.05  # relative: 0.05 = 5% error; absolute: std; bias: magnitude
     c.sites = ("linear",)  # module kinds or groups (linear, rmsnorm)

@@ -29,7 +29,7 @@ Input: `results.json` (written by the `compare` job)::
         }, ...
       },
       "study_fault": "deadzone",                      # the arms' fault (a config.faults kind)
-      "aqn": {"form", "order", "schedule", ...},      # the AQN arms' form (design notes)
+      "aqn": {"form", "order", "schedule", ...},      # the AQN arms' form (_design_notes)
       "timing": {...}                                 # free-form, copied into the report
     }
 
