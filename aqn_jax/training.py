@@ -46,7 +46,7 @@ from aqn_jax.metrics import VALIDATION_SAMPLES, open_run, progress
 from aqn_jax.models.registry import causal_lm, family_of
 from aqn_jax.report import print_summary, run_summary, write_run_report
 from aqn_jax.rl import step as rl_step
-from aqn_jax.rl.trainer import Trainer, prompt_batcher
+from aqn_jax.rl.trainer import Trainer, TrainerParts, prompt_batcher
 from aqn_jax.sdc.guard import RollbackNeeded
 from aqn_jax.sdc.telemetry import fault_fired, guard_hint
 from aqn_jax.spec import RunSpec
@@ -62,36 +62,41 @@ def run(config, workdir: str) -> None:
     resume comparison after that."""
     t_start = time.perf_counter()
     r, state = _set_up(config, workdir)
-    state, start, writer, history = _begin(r, state)
-    state = _loop(r, state, start, writer, history)
+    state, start, writer, history, ahead = _begin(r, state)
+    state = _loop(r, state, start, writer, history, ahead)
     _finish(r, state, history, t_start)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class _Run:
-    """What the stages of one run share (`_set_up`)."""
+    """What the stages of one run share, set up (`_set_up`)."""
 
     spec: RunSpec
     workdir: str
     warm: tuple  # (model config, the warm start's float params: the manifest's, the export's)
     sft_info: dict
     base_print: str | None  # a LoRA run's frozen base (weight format: fingerprint)
-    test_examples: list
-    diagnosis: dict | None = None
-    plan: FaultPlan | None = None
-    static: rl_step.Static | None = None
-    loop: Trainer | None = None
-    ckpt: Checkpointer | None = None
-    total: int = 0
-    ahead: Ahead | None = None  # the step programs compiling in a thread (`_begin`)
+    diagnosis: dict | None  # SRDD's report, where it ran (`spec.diagnose`)
+    plan: FaultPlan  # the device's faults with the treatment (AQN) and ABFT placed
+    loop: Trainer  # the RL steps and validations over the jitted step programs
+    ckpt: Checkpointer
 
     @property
     def primary(self) -> bool:
         return jax.process_index() == 0
 
     @property
+    def static(self) -> rl_step.Static:
+        return self.loop.static
+
+    @property
+    def total(self) -> int:
+        """The run's RL steps."""
+        return self.loop.static.total_steps
+
+    @property
     def val_size(self) -> int:
-        return min(self.spec.trainer.val_size, len(self.test_examples))
+        return min(self.spec.trainer.val_size, len(self.spec.test_examples))
 
     def validate(self, state, step: int) -> dict[str, float]:
         t0 = time.perf_counter()
@@ -126,14 +131,13 @@ def _set_up(config, workdir: str) -> tuple[_Run, rl_step.RLState]:
     if spec.checkpoint.export == "hf":  # an existing one must be an export
         check_target(os.path.join(workdir, EXPORT_DIR), EXPORT_FIELD, workdir)
     print(spec.memory.table())
-    train_examples, test_examples = spec.train_examples, spec.test_examples
     # A layout change named, even overridden.
     override = bool(config.get("resume_override", False))
     changes = check_resume_config(config.to_json_best_effort(), override, workdir)
     check_resumable(workdir)  # a finished params-only run: refused before anything is written
     ws = spec.warm_start
     check_resume_warm_start(workdir, ws.key, ws.sft is None or cached_sft(ws, workdir) is not None)
-    model_cfg, params, sft_info = warm_start(ws, workdir, train=train_examples)
+    model_cfg, params, sft_info = warm_start(ws, workdir, train=spec.train_examples)
     float_params, weight_format = params, spec.weight_format
     base_print = None
     if spec.lora.enabled:
@@ -142,39 +146,43 @@ def _set_up(config, workdir: str) -> tuple[_Run, rl_step.RLState]:
         base_print = f"{weight_format}:{lora_fingerprint(params)}"
         params = quant_base.pack(params, weight_format, family_of(model_cfg).site_of)
     check_resume_base(workdir, base_print)  # another base (overridden fields): refused here
-    r = _Run(spec, workdir, (model_cfg, float_params), sft_info, base_print, test_examples)
-    if r.primary:
+    if jax.process_index() == 0:
         if changes:
             record_override(workdir, changes)
         with open(os.path.join(workdir, "config.json"), "w") as f:
             f.write(config.to_json_best_effort(indent=2))
-    _fault_plan(r, train_examples, params)
-    state = _programs(r, train_examples, params)
+    diagnosis, plan = _fault_plan(spec, workdir, params)
+    state, loop = _programs(spec, plan, params)
+    ck = spec.checkpoint
+    ckpt = Checkpointer(workdir, ck.every, ck.keep, ck.final)
+    warm = (model_cfg, float_params)
+    r = _Run(spec, workdir, warm, sft_info, base_print, diagnosis, plan, loop, ckpt)
     _manifest(r, state)
     return r, state
 
 
-def _fault_plan(r: _Run, train_examples, params) -> None:
-    """SRDD where the AQN arm needs it, then the fault plan (hardware faults + AQN, ABFT)."""
-    spec, workdir = r.spec, r.workdir
+def _fault_plan(spec: RunSpec, workdir: str, params) -> tuple[dict | None, FaultPlan]:
+    """SRDD where the AQN arm needs it, then the fault plan (hardware faults + AQN, ABFT).
+    (SRDD's report or None, the plan)"""
+    diagnosis = None
     if spec.diagnose:
-        r.diagnosis = srdd.run_srdd(
-            spec.srdd, spec.model, params, spec.device, train_examples, spec.tokenizer, workdir
+        diagnosis = srdd.run_srdd(
+            spec.srdd, spec.model, params, spec.device, spec.train_examples, spec.tokenizer, workdir
         )
-        verdict = r.diagnosis["verdict"]
+        verdict = diagnosis["verdict"]
         print(
             f"SRDD: {verdict['message']} (confidence {verdict['confidence']:.3f}); srdd.json"
             f" in {workdir}"
         )
     plan = spec.plan(
-        srdd_sigmas=None if r.diagnosis is None else srdd.sigmas_of(r.diagnosis),
-        srdd_layers=None if r.diagnosis is None else r.diagnosis["verdict"]["layers"],
+        srdd_sigmas=None if diagnosis is None else srdd.sigmas_of(diagnosis),
+        srdd_layers=None if diagnosis is None else diagnosis["verdict"]["layers"],
     )
     sdc = spec.sdc  # SDC detection: ABFT checks after the faults
     if sdc.abft or sdc.abft_backward:
         plan = with_abft(plan, forward=sdc.abft, backward=sdc.abft_backward)
     print(plan.describe())
-    r.plan = plan
+    return diagnosis, plan
 
 
 def _manifest(r: _Run, state) -> None:
@@ -192,15 +200,14 @@ def _manifest(r: _Run, state) -> None:
             f.write(plan.manifest_json(manifest))
 
 
-def _programs(r: _Run, train_examples, params) -> rl_step.RLState:
-    """Shard and initialise the state by logical axes (returned), jit the step programs once,
-    and the loop (`Trainer`) and checkpointer over them."""
-    spec = r.spec
+def _programs(spec: RunSpec, plan: FaultPlan, params) -> tuple[rl_step.RLState, Trainer]:
+    """Shard and initialise the state by logical axes, jit the step programs once, and the loop
+    (`Trainer`) over them on the device `plan`. (the state, the loop)"""
     mesh = parallel.make_mesh(spec.mesh_axes)
-    batcher = prompt_batcher(spec.loop, train_examples, spec.tokenizer)
-    r.total = spec.trainer.steps(batcher.batches_per_epoch)
-    static = rl_step.static_from(spec.step, spec.model, r.plan, spec.device, r.total)
-    for line in _levers_off(static, r.plan, spec.loop.share_prompt, spec.loop.share_prefix):
+    batcher = prompt_batcher(spec.loop, spec.train_examples, spec.tokenizer)
+    total = spec.trainer.steps(batcher.batches_per_epoch)
+    static = rl_step.static_from(spec.step, spec.model, plan, spec.device, total)
+    for line in _levers_off(static, plan, spec.loop.share_prompt, spec.loop.share_prefix):
         print(line)
     sh = rl_step.shardings(static, mesh)
     lora_key = jax.random.fold_in(jax.random.key(spec.seed), 0x10AA)
@@ -218,27 +225,25 @@ def _programs(r: _Run, train_examples, params) -> rl_step.RLState:
         out_shardings=(sh.state, rep),
         donate_argnums=() if guarded else 0,  # a guard may keep the state before the step
     )
-    r.static = static
-    r.loop = Trainer(
-        spec.loop,
-        static,
-        sh,
-        prepare,
-        update,
-        ref_params,
-        batcher,
-        spec.tokenizer,
-        r.test_examples,
-        spec.device,
+    parts = TrainerParts(
+        spec=spec.loop,
+        static=static,
+        shardings=sh,
+        prepare=prepare,
+        update=update,
+        ref_params=ref_params,
+        batcher=batcher,
+        tokenizer=spec.tokenizer,
+        test_examples=spec.test_examples,
+        hardware_plan=spec.device,
     )
-    ck = spec.checkpoint
-    r.ckpt = Checkpointer(r.workdir, ck.every, ck.keep, ck.final)
-    return state
+    return state, Trainer(parts)
 
 
 def _begin(r: _Run, state):
     """Restore the latest complete checkpoint, or validate at step 0; the step programs
-    compile ahead meanwhile. (state, the last step done, the metrics writer, the rows so far)"""
+    compile ahead meanwhile. (state, the last step done, the metrics writer, the rows so far,
+    the compile ahead: None when no step is left)"""
     # Orbax never lists a half-written checkpoint; the per-step outputs then hold exactly the
     # rows up to it, or none (metrics.open_run).
     ckpt, batcher = r.ckpt, r.loop.batcher
@@ -259,20 +264,20 @@ def _begin(r: _Run, state):
     # in a thread while step 0 validates: on an accelerator the validation runs on the device
     # meanwhile; on a CPU with a warm compile cache what is left (tracing, lowering, loading)
     # hides behind it, while a cold compile competes with it for the cores.
-    r.ahead = Ahead(r.loop, state, batcher, start + 1) if start < r.total else None
+    ahead = Ahead(r.loop, state, batcher, start + 1) if start < r.total else None
     if restored is None:
         try:
             val0 = r.validate(state, 0)
         except SystemExit:  # SIGTERM (sigterm_exits_143): no RL step yet, nothing to save
-            _abandon(r.ahead, writer, ckpt)
+            _abandon(ahead, writer, ckpt)
             raise
         writer.write(0, val0)
         history = [{"step": 0, **val0}]
     print(val_line(0, history[0]))
-    return state, start, writer, history
+    return state, start, writer, history, ahead
 
 
-def _loop(r: _Run, state, start: int, writer, history: list):
+def _loop(r: _Run, state, start: int, writer, history: list, ahead: Ahead | None):
     """The RL steps after `start`: validation every trainer.val_every, a checkpoint when due;
     a guard's rollback goes back to the last checkpoint (the loop's start without one)."""
     stop, ckpt, loop, batcher, total = Preemption(), r.ckpt, r.loop, r.loop.batcher, r.total
@@ -286,7 +291,7 @@ def _loop(r: _Run, state, start: int, writer, history: list):
         step = start + 1
         while step <= total:
             # The first step's time includes the wait for the compile ahead (what it did not hide).
-            wait = r.ahead.wait(stop) if step == start + 1 and r.ahead is not None else 0.0
+            wait = ahead.wait(stop) if step == start + 1 and ahead is not None else 0.0
             try:
                 state, m = loop.step(state, step)
             except RollbackNeeded as e:  # the guard's last resort (config.sdc.guard)
@@ -319,8 +324,8 @@ def _loop(r: _Run, state, start: int, writer, history: list):
             step += 1
     finally:  # also on a crash: SIGTERM given back, async saves finished
         stop.close()
-        if r.ahead is not None:
-            r.ahead.close()  # a crash before step 1 leaves no compile thread running
+        if ahead is not None:
+            ahead.close()  # a crash before step 1 leaves no compile thread running
         bar.close()
         ckpt.close()
         writer.close()

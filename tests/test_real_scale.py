@@ -106,7 +106,7 @@ def test_generation_weights_are_bf16_and_match_the_traced_cast(snapshot):
     from aqn_jax.models.qwen2 import Qwen2ForCausalLM
     from aqn_jax.parallel import make_mesh
     from aqn_jax.rl import step as rl_step
-    from aqn_jax.rl.trainer import Trainer, prompt_batcher
+    from aqn_jax.rl.trainer import Trainer, TrainerParts, prompt_batcher
     from aqn_jax.spec import loop_spec, step_spec, trainer_spec
     from aqn_jax.warm_start import tokenizer_for
 
@@ -125,7 +125,8 @@ def test_generation_weights_are_bf16_and_match_the_traced_cast(snapshot):
     sh = rl_step.shardings(static, make_mesh(config.mesh))
     state, ref = rl_step.init_state(static, params, sh)
     test = load_split(config.data, "test")
-    tr = Trainer(loop_spec(config), static, sh, None, None, ref, batcher, tok, test, FaultPlan())
+    spec, plan = loop_spec(config), FaultPlan()
+    tr = Trainer(TrainerParts(spec, static, sh, None, None, ref, batcher, tok, test, plan))
     w = tr.generation_weights(state.params)
     leaves = jax.tree_util.tree_leaves(w)
     assert {x.dtype for x in leaves} == {jnp.dtype(jnp.bfloat16)}

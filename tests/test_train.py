@@ -277,7 +277,7 @@ SHARDED = textwrap.dedent(
     from aqn_jax.faults.config import fault_plan
     from aqn_jax.rewards import score_batch
     from aqn_jax.rl import step as rl_step
-    from aqn_jax.rl.trainer import Trainer, prompt_batcher, train_batch
+    from aqn_jax.rl.trainer import Trainer, TrainerParts, prompt_batcher, train_batch
     from aqn_jax.spec import loop_spec, step_spec, warm_start_spec
     from aqn_jax.warm_start import tokenizer_for, warm_start
 
@@ -342,7 +342,8 @@ SHARDED = textwrap.dedent(
     sh1 = rl_step.shardings(static, mesh1)
     state1, _ = rl_step.init_state(static, params, sh1)
     batcher = prompt_batcher(loop_spec(config), load_split(config.data, "train"), tok)
-    loop = Trainer(loop_spec(config), static, sh1, None, None, None, batcher, tok, [], hw)
+    parts = TrainerParts(loop_spec(config), static, sh1, None, None, None, batcher, tok, [], hw)
+    loop = Trainer(parts)
     batch = batcher.next_batch()
     out = loop.rollout(state1.params, batch, 1)  # AQN's sigma at step 1 (the values dict's)
     texts = [tok.decode(t[m > 0]) for t, m in zip(out.tokens, out.response_mask)]

@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -89,30 +89,37 @@ def prompt_batcher(spec: LoopSpec, train_examples: Sequence[Example], tokenizer:
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class TrainerParts:
+    """What `Trainer` runs: the loop's spec, the step programs (jitted by the train job with
+    `shardings` over `static`), the reference policy, the data and the device."""
+
+    spec: LoopSpec
+    static: Static
+    shardings: Shardings
+    prepare: Callable | None  # jitted `step.prepare_step` (None: the step is not run)
+    update: Callable | None  # jitted `step.update_step`
+    ref_params: Any  # the frozen reference policy (placed); None without one
+    batcher: PromptBatcher  # the train split in RL batches (`prompt_batcher`)
+    tokenizer: Tokenizer
+    test_examples: Sequence[Example]  # the validation's problems, in order
+    hardware_plan: FaultPlan  # the device's faults alone: the validation's faulty device
+
+
 class Trainer:
     """Runs the RL steps and validations of one run over the jitted `prepare` and `update`
-    (`step.prepare_step` / `step.update_step`, jitted with the shardings `sh`). The train state
-    is the caller's: `step(state, t)` returns the next one (`update` donates the old)."""
+    (`step.prepare_step` / `step.update_step`, jitted with the shardings of `parts`). The train
+    state is the caller's: `step(state, t)` returns the next one (`update` donates the old)."""
 
-    def __init__(
-        self,
-        spec: LoopSpec,
-        static: Static,
-        sh: Shardings,
-        prepare,
-        update,
-        ref_params: Any,
-        batcher: PromptBatcher,
-        tokenizer: Tokenizer,
-        test_examples: Sequence[Example],
-        hardware_plan: FaultPlan,
-    ):
+    def __init__(self, parts: TrainerParts):
+        spec, static, sh, tokenizer = parts.spec, parts.static, parts.shardings, parts.tokenizer
+        hardware_plan = parts.hardware_plan
         self.spec = spec
         self.static = static
-        self.prepare, self.update, self.ref_params = prepare, update, ref_params
-        self.batcher = batcher
+        self.prepare, self.update, self.ref_params = parts.prepare, parts.update, parts.ref_params
+        self.batcher = parts.batcher
         self.tokenizer = tokenizer
-        self.test_examples = list(test_examples)
+        self.test_examples = list(parts.test_examples)
         self.mesh = sh.replicated.mesh
         self.seed = spec.seed
         buckets = spec.buckets
