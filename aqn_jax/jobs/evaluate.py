@@ -34,6 +34,7 @@ from aqn_jax.faults.config import fault_plan
 from aqn_jax.jobs import run_policy
 from aqn_jax.models.factory import logical_axes, model_config
 from aqn_jax.models.hf import abstract_params
+from aqn_jax.models.registry import ModelConfig
 from aqn_jax.rewards import METHODS
 from aqn_jax.spec import eval_spec, warm_start_spec
 from aqn_jax.warm_start import tokenizer_for, warm_start
@@ -76,14 +77,15 @@ def run_status(run_dir: str, step: int) -> dict:
     return status
 
 
-def load_policy(config, workdir: str):
-    """(model config, host params, description, run status) of what config.evaluate names."""
+def load_policy(config, workdir: str, model_cfg: ModelConfig | None = None):
+    """(model config, host params, description, run status) of what config.evaluate names;
+    `model_cfg` is config.model parsed already (`check_config`'s), else parsed here."""
     ev = config.evaluate
+    model_cfg = model_config(config.model) if model_cfg is None else model_cfg
     if not ev.run:
-        model_cfg, params, info = warm_start(warm_start_spec(config), workdir)
+        model_cfg, params, info = warm_start(warm_start_spec(config, model_cfg), workdir)
         source = "config.model" if info.get("sft") == "off" else f"SFT, cache {info['cache']}"
         return model_cfg, jax.device_get(params), f"warm start ({source})", None
-    model_cfg = model_config(config.model)
     ckpt = Checkpointer(os.path.expanduser(ev.run), 0, 1)
     step = ckpt.latest_step() if ev.step < 0 else int(ev.step)
     if step is None or step not in ckpt.manager.all_steps():
@@ -116,7 +118,7 @@ def run(config, workdir: str) -> None:
     size = int(config.evaluate.size or config.trainer.val_size)
     test = load_split(config.data, "test")[:size]
     check_prompt_lengths(config.rollout, len(test), tokenizer, test)
-    model_cfg, params, what, status = load_policy(config, workdir)
+    model_cfg, params, what, status = load_policy(config, workdir, model_cfg)
     mesh = parallel.make_mesh(config.mesh)
     params = parallel.put_global(params, parallel.param_shardings(logical_axes(model_cfg), mesh))
     names = [c.name for c in spec.conditions]

@@ -457,44 +457,9 @@ def collect(workdir: str, study: Study) -> dict[str, Any]:
                 raise Refused(f"{ev_path}: not a file")
             unfinished.append(os.path.relpath(run_dir, workdir))
             continue
-        ev = _evaluation(ev_path)
-        conds = ev["conditions"]
-        rows = _metrics(run_dir)
-        series = _per_step(rows)
-        name = study.name(arm)
-        runs.append(
-            {
-                "arm": name,
-                "seed": seed,
-                "steps": len(series["signal"]),  # the RL steps the run logged
-                "faulty_step0": base["fault"]["acc"],
-                "faulty_final": conds["fault"]["acc"],
-                "clean_step0": base["clean"]["acc"],
-                "clean_final": conds["clean"]["acc"],
-                "n": int(conds["fault"]["n"]),
-                "n_clean": int(conds["clean"]["n"]),
-                **series,
-            }
-        )
-        detail.append(
-            {
-                "arm": name,
-                "seed": seed,
-                "dir": os.path.relpath(run_dir, workdir),
-                "n": {c: int(v["n"]) * int(v.get("samples", 1)) for c, v in conds.items()},
-                "records": _records(run_dir, ev, ev_path),
-                "train_s": float(sum(r.get(k) or 0.0 for r in rows for k in TRAIN_TIMING)),
-                "wall_s": ev.get("wall_time_s"),
-                "per_step": {
-                    name: [
-                        (r.get("step"), r[key])
-                        for r in rows
-                        if r.get(key) is not None and not (name == "mismatch" and _skipped(r))
-                    ]
-                    for name, key in PER_STEP.items()
-                },
-            }
-        )
+        run, run_detail = _run_entry(workdir, run_dir, study.name(arm), seed, base, ev_path)
+        runs.append(run)
+        detail.append(run_detail)
     with_records = [d["dir"] for d in detail if d["records"] is not None]
     without = [d["dir"] for d in detail if d["records"] is None]
     if with_records and without:
@@ -504,26 +469,13 @@ def collect(workdir: str, study: Study) -> dict[str, Any]:
             " alike"
         )
     _check_pairing(workdir, study, detail)
-    srdd_path = os.path.join(workdir, "srdd", "srdd.json")
-    layers = None
-    if os.path.lexists(srdd_path):
-        verdict = _load(srdd_path, "SRDD's diagnosis").get("verdict")
-        if not isinstance(verdict, dict) or not isinstance(verdict.get("layers"), list):
-            raise Refused(f"{srdd_path}: no verdict.layers (SRDD's located layers)")
-        layers = verdict["layers"]
-    seq_path = os.path.join(workdir, "sequential.json")
-    sequential = None
-    if os.path.lexists(seq_path):
-        sequential = _load(seq_path, "the sequential stopping record")
-        if not isinstance(sequential.get("reason"), str):
-            raise Refused(f"{seq_path}: no reason (why the study stopped adding seeds)")
     return {
         "runs": runs,
-        "srdd_layers": layers,
+        "srdd_layers": _srdd_layers(workdir),
         "_detail": {
             "runs": detail,
             "unfinished": unfinished,
-            "sequential": sequential,
+            "sequential": _sequential(workdir),
             "baseline": {
                 "wall_s": base_ev.get("wall_time_s"),
                 "n": {c: int(v["n"]) * int(v.get("samples", 1)) for c, v in base.items()},
@@ -531,6 +483,69 @@ def collect(workdir: str, study: Study) -> dict[str, Any]:
             },
         },
     }
+
+
+def _run_entry(
+    workdir: str, run_dir: str, name: str, seed: int, base: Mapping[str, Any], ev_path: str
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """One finished run's (results entry, `_detail` entry): its accuracies against step 0's
+    (`base`: the baseline's conditions), its per-step series, records and timing."""
+    ev = _evaluation(ev_path)
+    conds = ev["conditions"]
+    rows = _metrics(run_dir)
+    series = _per_step(rows)
+    run = {
+        "arm": name,
+        "seed": seed,
+        "steps": len(series["signal"]),  # the RL steps the run logged
+        "faulty_step0": base["fault"]["acc"],
+        "faulty_final": conds["fault"]["acc"],
+        "clean_step0": base["clean"]["acc"],
+        "clean_final": conds["clean"]["acc"],
+        "n": int(conds["fault"]["n"]),
+        "n_clean": int(conds["clean"]["n"]),
+        **series,
+    }
+    detail = {
+        "arm": name,
+        "seed": seed,
+        "dir": os.path.relpath(run_dir, workdir),
+        "n": {c: int(v["n"]) * int(v.get("samples", 1)) for c, v in conds.items()},
+        "records": _records(run_dir, ev, ev_path),
+        "train_s": float(sum(r.get(k) or 0.0 for r in rows for k in TRAIN_TIMING)),
+        "wall_s": ev.get("wall_time_s"),
+        "per_step": {
+            key_name: [
+                (r.get("step"), r[key])
+                for r in rows
+                if r.get(key) is not None and not (key_name == "mismatch" and _skipped(r))
+            ]
+            for key_name, key in PER_STEP.items()
+        },
+    }
+    return run, detail
+
+
+def _srdd_layers(workdir: str) -> list | None:
+    """SRDD's located layers (`srdd/srdd.json`'s verdict), or None without a diagnosis."""
+    srdd_path = os.path.join(workdir, "srdd", "srdd.json")
+    if not os.path.lexists(srdd_path):
+        return None
+    verdict = _load(srdd_path, "SRDD's diagnosis").get("verdict")
+    if not isinstance(verdict, dict) or not isinstance(verdict.get("layers"), list):
+        raise Refused(f"{srdd_path}: no verdict.layers (SRDD's located layers)")
+    return verdict["layers"]
+
+
+def _sequential(workdir: str) -> dict | None:
+    """The sequential compare's stopping record (`sequential.json`), or None."""
+    seq_path = os.path.join(workdir, "sequential.json")
+    if not os.path.lexists(seq_path):
+        return None
+    sequential = _load(seq_path, "the sequential stopping record")
+    if not isinstance(sequential.get("reason"), str):
+        raise Refused(f"{seq_path}: no reason (why the study stopped adding seeds)")
+    return sequential
 
 
 def _check_pairing(workdir: str, study: Study, detail: Sequence[Mapping[str, Any]]) -> None:
