@@ -333,6 +333,13 @@ def _other_n_without_records(work):
     )
 
 
+def _machines(work, other=None):
+    """machine.json in every run: class A, but the (arm, seed) runs of `other`."""
+    for run in work.glob("runs/*/seed*"):
+        key = (run.parent.name, int(run.name[4:]))
+        _write(run / "machine.json", {"machine_class": (other or {}).get(key, "class A")})
+
+
 def _ro(path):
     path.chmod(0o555)
 
@@ -422,6 +429,16 @@ REFUSALS = {
         lambda w, o: _no_records(w.joinpath(*RUN)),
         ("S", "out/o"),
         "seed1: no per-problem records (samples.jsonl), but",
+    ),
+    "a_seed_on_two_machine_classes": (
+        lambda w, o: _machines(w, {("targeted", 1): "class B"}),
+        ("S", "out/o"),
+        "seed1: ran on 'class B', but",
+    ),
+    "machine_record_without_class": (
+        lambda w, o: _write(w.joinpath(*RUN, "machine.json"), {"lscpu": "x"}),
+        ("S", "out/o"),
+        "seed1/machine.json: no machine_class",
     ),
     "no_config": (
         lambda w, o: (w / "config.json").unlink(),
@@ -526,3 +543,23 @@ def test_a_step_without_an_update_is_not_a_zero_mismatch(tmp_path, capsys):
     assert mis["mean"] == pytest.approx([0.011, (0.020 + 0.022) / 2], rel=1e-12)
     # Negative control: counted as measured, the zero would pull step 2's mean to 0.014.
     assert abs(mis["mean"][1] - (0.020 + 0.0 + 0.022) / 3) > 0.005
+
+
+def test_machine_class_per_seed_from_the_runs(tmp_path, capsys):
+    """`cpu` and `machines` are the classes the runs recorded (machine.json), not the machine
+    the outcome is written on; a study whose seeds ran on two classes lists both."""
+    work = make_study(tmp_path / "S")
+    _machines(work, {(arm, 1): "class B" for arm in ARMS})
+    code, err = run_main(capsys, f"--workdir={work}", f"--out={tmp_path / 'o'}")
+    assert code == 0, err
+    got = json.loads((tmp_path / "o.json").read_text())
+    seeds = sorted({s for _, s in correctness()})
+    assert got["machines"] == {str(s): ("class B" if s == 1 else "class A") for s in seeds}
+    assert got["cpu"] == "class A; class B"
+    assert "- seed 1: class B" in (tmp_path / "o.md").read_text()
+    # Negative control: without machine.json, no `machines` and `cpu` is --cpu's.
+    plain = make_study(tmp_path / "T")
+    code, err = run_main(capsys, f"--workdir={plain}", f"--out={tmp_path / 'p'}", "--cpu=here")
+    assert code == 0, err
+    got = json.loads((tmp_path / "p.json").read_text())
+    assert "machines" not in got and got["cpu"] == "here"

@@ -67,6 +67,7 @@ from aqn_jax.spec import eval_spec, srdd_spec, warm_start_spec
 from aqn_jax.study import report as study_report
 from aqn_jax.study import stats
 from aqn_jax.study.config import check_compare
+from aqn_jax.study.outcome import MACHINE_FILE
 from aqn_jax.study.report import write_report
 from aqn_jax.warm_start import sft_seed, tokenizer_for, warm_start
 
@@ -275,9 +276,6 @@ def _diagnose(base, arms, workdir: str, model_cfg, params, timing: dict) -> dict
             f" target; check config.faults or drop them from config.compare.arms"
         )
     return diagnosis
-
-
-MACHINE_FILE = "machine.json"  # per run: the machine class it ran on, and `lscpu`
 
 
 def _run_machine(run_dir: str) -> str | None:

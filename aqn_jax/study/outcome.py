@@ -113,6 +113,9 @@ def _read_text(path: str, what: str) -> str:
         raise Refused(f"{path}: cannot read it ({e.strerror}; {what})") from None
 
 
+MACHINE_FILE = "machine.json"  # per run: the machine class it ran on, and `lscpu` (compare's)
+
+
 def _load(path: str, what: str = "a JSON object") -> dict:
     """A JSON object file, or a one-line refusal naming it."""
     text = _read_text(path, what)
@@ -469,6 +472,7 @@ def collect(workdir: str, study: Study) -> dict[str, Any]:
             " alike"
         )
     _check_pairing(workdir, study, detail)
+    machines(workdir, detail)
     return {
         "runs": runs,
         "srdd_layers": _srdd_layers(workdir),
@@ -514,6 +518,7 @@ def _run_entry(
         "records": _records(run_dir, ev, ev_path),
         "train_s": float(sum(r.get(k) or 0.0 for r in rows for k in TRAIN_TIMING)),
         "wall_s": ev.get("wall_time_s"),
+        "machine": _run_machine(run_dir),
         "per_step": {
             key_name: [
                 (r.get("step"), r[key])
@@ -524,6 +529,38 @@ def _run_entry(
         },
     }
     return run, detail
+
+
+def _run_machine(run_dir: str) -> str | None:
+    """The machine class a run ran on (its machine.json, written by the compare job), or None
+    for a run without one (a study from before the file)."""
+    path = os.path.join(run_dir, MACHINE_FILE)
+    if not os.path.lexists(path):
+        return None
+    cls = _load(path, "the run's machine record").get("machine_class")
+    if not isinstance(cls, str) or not cls:
+        raise Refused(f"{path}: no machine_class (the machine class the run ran on)")
+    return cls
+
+
+def machines(workdir: str, detail: Sequence[Mapping[str, Any]]) -> dict[str, str]:
+    """{seed: machine class} of the runs that record one; refused when a seed's runs ran on
+    different classes (XLA:CPU's results differ between classes: its arms would not pair)."""
+    out: dict[str, str] = {}
+    first: dict[str, str] = {}
+    for d in detail:
+        if d["machine"] is None:
+            continue
+        seed = str(d["seed"])
+        if seed in out and out[seed] != d["machine"]:
+            raise Refused(
+                f"{os.path.join(workdir, d['dir'])}: ran on {d['machine']!r}, but"
+                f" {os.path.join(workdir, first[seed])} of the same seed on {out[seed]!r}: a"
+                " seed's arms pair only on one machine class"
+            )
+        out.setdefault(seed, d["machine"])
+        first.setdefault(seed, d["dir"])
+    return dict(sorted(out.items(), key=lambda kv: int(kv[0])))
 
 
 def _srdd_layers(workdir: str) -> list | None:
@@ -939,6 +976,9 @@ def table(result: Mapping[str, Any]) -> str:
     if result.get("sequential"):
         seq = result["sequential"]
         lines += ["", f"Sequential stopping (sequential.json): {seq['reason']}."]
+    if result.get("machines"):
+        lines += ["", "Machine class per seed (each run's machine.json; a seed's arms on one):", ""]
+        lines += [f"- seed {seed}: {cls}" for seed, cls in result["machines"].items()]
     return "\n".join(lines) + "\n"
 
 
@@ -1068,12 +1108,17 @@ def run(workdir: str, out: str, config: str | None = None, cpu: str | None = Non
     study = study_config(workdir, config)
     got = collect(workdir, study)
     detail = got.pop("_detail")
+    by_seed = machines(workdir, detail["runs"])
+    classes = sorted(set(by_seed.values()))
     result = {
         **got,
         **outcome(got["runs"], study.comparisons),
         "commit": _commit(),
-        "cpu": cpu or _machine(),
+        # the machine classes the runs recorded (machine.json), else --cpu or this machine's
+        "cpu": cpu or "; ".join(classes) or _machine(),
     }
+    if by_seed:
+        result["machines"] = by_seed
     two = twolevel_outcome(study, detail)
     if two is not None:
         result["twolevel"] = two
