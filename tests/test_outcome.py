@@ -8,6 +8,7 @@ import math
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -563,3 +564,24 @@ def test_machine_class_per_seed_from_the_runs(tmp_path, capsys):
     assert code == 0, err
     got = json.loads((tmp_path / "p.json").read_text())
     assert "machines" not in got and got["cpu"] == "here"
+
+
+def test_seed_study_committed_outcome_reproduces_from_its_run_directories(
+    tmp_path, capsys, monkeypatch
+):
+    """docs/qwen05_seed_study.{json,md} from docs/qwen05_seed_study (its config.json, its runs'
+    machine.json), byte for byte but the commit: the committed reading is the runs' own."""
+    docs = os.path.join(ROOT, "docs")
+    with open(os.path.join(docs, "qwen05_seed_study.json")) as f:
+        want = f.read()
+    committed = json.loads(want)
+    monkeypatch.chdir(ROOT)  # the workdir as the committed outcome was written: relative
+    code, err = run_main(capsys, "--workdir=docs/qwen05_seed_study", f"--out={tmp_path / 's'}")
+    assert code == 0, err
+    got = (tmp_path / "s.json").read_text()
+    assert got.replace(json.loads(got)["commit"], committed["commit"]) == want
+    with open(os.path.join(docs, "qwen05_seed_study.md")) as f:
+        assert (tmp_path / "s.md").read_text() == f.read()
+    assert len(committed["runs"]) == sum(
+        1 for _ in Path(docs, "qwen05_seed_study", "runs").glob("*/seed*/evaluation.json")
+    )
