@@ -445,8 +445,8 @@ def _run_dirs(workdir: str, study: Study) -> list[tuple[str, int, str]]:
 def collect(workdir: str, study: Study) -> dict[str, Any]:
     """The finished runs of a compare workdir, with the step-0 evaluation and SRDD's layers,
     every file checked (module docstring). `_detail` (not written to the JSON): per run the
-    per-problem records, the timing and the per-step series; the unfinished runs;
-    sequential.json."""
+    per-problem records, the timing and the per-step series; the unfinished runs; the machine
+    class per seed (`machines`); sequential.json."""
     _check_workdir(workdir)
     base_path = os.path.join(workdir, "baseline", "evaluation.json")
     base_ev = _evaluation(base_path, "step 0's evaluation, config.compare.baseline")
@@ -472,13 +472,14 @@ def collect(workdir: str, study: Study) -> dict[str, Any]:
             " alike"
         )
     _check_pairing(workdir, study, detail)
-    machines(workdir, detail)
+    by_seed = machines(workdir, detail)
     return {
         "runs": runs,
         "srdd_layers": _srdd_layers(workdir),
         "_detail": {
             "runs": detail,
             "unfinished": unfinished,
+            "machines": by_seed,
             "sequential": _sequential(workdir),
             "baseline": {
                 "wall_s": base_ev.get("wall_time_s"),
@@ -1108,7 +1109,7 @@ def run(workdir: str, out: str, config: str | None = None, cpu: str | None = Non
     study = study_config(workdir, config)
     got = collect(workdir, study)
     detail = got.pop("_detail")
-    by_seed = machines(workdir, detail["runs"])
+    by_seed = detail["machines"]
     classes = sorted(set(by_seed.values()))
     result = {
         **got,
