@@ -98,6 +98,7 @@ class EvalSpec:
     reward_method: str
     share_prompt: bool = True  # config.rollout.share_prompt (mean@n: one prefill per prompt)
     share_prefix: bool = True  # config.rollout.share_prefix (the prompts' common prefix once)
+    retire_rows: bool = True  # config.rollout.retire_rows (greedy: finished rows retired)
     clean_size: int = 0  # config.evaluate.clean_size: the fault-off conditions' first examples
 
 
@@ -231,6 +232,7 @@ def _eval_sampling(spec: EvalSpec, tokenizer: Tokenizer) -> SamplingParams:
         vocab_size=tokenizer.vocab_size,
         share_prompt=spec.share_prompt,
         share_prefix=spec.share_prefix,
+        retire_rows=spec.retire_rows,
     )
 
 

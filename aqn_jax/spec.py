@@ -203,6 +203,7 @@ def loop_spec(config: Any) -> LoopSpec:
         top_p=float(ro.top_p),
         share_prompt=flag(ro, "config.rollout", "share_prompt"),
         share_prefix=flag(ro, "config.rollout", "share_prefix"),
+        retire_rows=flag(ro, "config.rollout", "retire_rows"),
         reward_method=str(config.data.reward_method),
         aqn=AqnSchedule.of(config.aqn),
     )
@@ -349,6 +350,7 @@ def eval_spec(config: Any) -> EvalSpec:
         temperature=float(config.rollout.temperature),
         share_prompt=flag(config.rollout, "config.rollout", "share_prompt"),
         share_prefix=flag(config.rollout, "config.rollout", "share_prefix"),
+        retire_rows=flag(config.rollout, "config.rollout", "retire_rows"),
         clean_size=int(ev.get("clean_size", 0)),
         buckets=tuple(int(b) for b in config.rollout.prompt_buckets),
         max_prompt_len=int(config.rollout.max_prompt_len),

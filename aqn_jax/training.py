@@ -110,7 +110,9 @@ class _Run:
         return v
 
 
-def _levers_off(static, plan, rollout_share: bool, prefix_share: bool = False) -> list[str]:
+def _levers_off(
+    static, plan, rollout_share: bool, prefix_share: bool = False, retire: bool = False
+) -> list[str]:
     """The step-cost levers asked for and off, one line each with the reason."""
     lines = list(static.levers_off)
     if rollout_share and static.h.n > 1:
@@ -120,6 +122,9 @@ def _levers_off(static, plan, rollout_share: bool, prefix_share: bool = False) -
         for phase in ("rollout", "eval"):
             why = plan.prefix_refusals(phase)
             lines += [f"config.rollout.share_prefix off ({phase}): {w}" for w in why]
+    if retire:  # the greedy decodes: the validation on the faulty device
+        why = plan.prefix_refusals("eval")
+        lines += [f"config.rollout.retire_rows off (eval): {w}" for w in why]
     return lines
 
 
@@ -207,7 +212,8 @@ def _programs(spec: RunSpec, plan: FaultPlan, params) -> tuple[rl_step.RLState, 
     batcher = prompt_batcher(spec.loop, spec.train_examples, spec.tokenizer)
     total = spec.trainer.steps(batcher.batches_per_epoch)
     static = rl_step.static_from(spec.step, spec.model, plan, spec.device, total)
-    for line in _levers_off(static, plan, spec.loop.share_prompt, spec.loop.share_prefix):
+    loop = spec.loop
+    for line in _levers_off(static, plan, loop.share_prompt, loop.share_prefix, loop.retire_rows):
         print(line)
     sh = rl_step.shardings(static, mesh)
     lora_key = jax.random.fold_in(jax.random.key(spec.seed), 0x10AA)

@@ -1,5 +1,7 @@
 """The study's final evaluation on the real Qwen2.5-Coder-0.5B with the prompts' shared prefix
-prefilled once (config.rollout.share_prefix) against each prompt prefilled whole.
+prefilled once (config.rollout.share_prefix), then with finished rows retired from the decode as
+well (config.rollout.retire_rows), against each prompt prefilled whole and every row decoded to
+its batch's end (the evaluation before both levers).
 
   python bench/evaluate_speed.py --hf-path=/models/qwen05 [--caps 64,32] [--reps 1] [--record]
       [--size 256]   # the faulty device's problems (the clean device: half as many)
@@ -10,11 +12,14 @@ bucket, batches of 32): the first 256 arith test problems on the faulty device (
 deadzone 0.07 at layer 15) and the first 128 on the clean one, 384 problems, of the imported
 snapshot (the warm start: its answers often run to the 64-token cap). `--caps`: the new-token
 caps timed; 32 stands in for a trained policy, whose answers end at ~30 tokens. Each (cap,
-setting) runs in its own process (its peak RSS its own), interleaved off, on, off, on; each
-compiles on one batch of each device first (not timed), then evaluates the 384 problems.
+setting) runs in its own process (its peak RSS its own), in the order off, on, retire (and the
+larger batches) per repetition; each compiles on one batch of each device first (timed apart),
+then evaluates the 384 problems.
 Prints each process's seconds, then per cap `BENCH evaluate_shared_prefix ratio=<off s / on s>`
 with the peak RSS of both, and whether both settings gave the same greedy answers (the share of
-problems whose response text is equal, per device). `--batches=32,128`: also the same evaluation
+problems whose response text is equal, per device); `BENCH evaluate_retire ratio=<on s / on and
+retiring s>` with `off_over_both` (the two levers against neither: the evaluation's cost before
+and after) and the answers against "off". `--batches=32,128`: also the same evaluation
 with sharing on at each further decode batch size, `BENCH evaluate_batch ratio=<on at the first
 / on at it>` (a decode step reads every weight once for the whole batch, so on a CPU a larger
 batch amortises it), with its answers against the first batch's. `--record` appends the table to
@@ -33,7 +38,14 @@ import sys
 import time
 
 
-def _config(hf_path: str, cap: int, share: bool, size: int = 256, batch: int | None = None):
+def _config(
+    hf_path: str,
+    cap: int,
+    share: bool,
+    size: int = 256,
+    batch: int | None = None,
+    retire: bool = False,
+):
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "configs"))
     import qwen2p5_coder_0p5b_gsm8k as preset
 
@@ -41,6 +53,7 @@ def _config(hf_path: str, cap: int, share: bool, size: int = 256, batch: int | N
     config.model.hf_path = hf_path
     config.rollout.max_new_tokens = cap
     config.rollout.share_prefix = share
+    config.rollout.retire_rows = retire
     config.evaluate.size, config.evaluate.clean_size = size, size // 2
     if batch is not None:
         config.evaluate.batch_size = batch
@@ -61,7 +74,8 @@ def child(args) -> None:
 
     cap, setting = int(args.cap), args.child
     batch = int(args.batch) if args.batch else None
-    config = _config(args.hf_path, cap, setting == "on", int(args.size), batch)
+    share, retire = setting in ("on", "retire"), setting == "retire"
+    config = _config(args.hf_path, cap, share, int(args.size), batch, retire)
     model_cfg = model_config(config.model)
     _, params = load_hf_checkpoint(args.hf_path, model_cfg.dtype)
     tok = tokenizer_for(config.tokenizer_path, config.model.hf_path, model_cfg.vocab_size)
@@ -136,7 +150,8 @@ def main() -> None:
         sys.exit(f"--batches={args.batches!r}; allowed: comma-separated positive ints")
     if not batches or min(batches) < 1 or len(set(batches)) != len(batches):
         sys.exit(f"--batches={args.batches!r}; allowed: distinct positive ints")
-    settings = [("off", batches[0]), ("on", batches[0])] + [("on", b) for b in batches[1:]]
+    settings = [("off", batches[0]), ("on", batches[0]), ("retire", batches[0])]
+    settings += [("on", b) for b in batches[1:]]
     if not caps or min(caps) < 1 or not os.path.isdir(args.hf_path):
         sys.exit(f"--caps={args.caps!r} (positive ints) or --hf-path={args.hf_path!r} not a dir")
     sys.path.insert(0, os.path.dirname(__file__))
@@ -162,6 +177,7 @@ def main() -> None:
                 res = json.loads(line[0][7:])
                 brief = {k: v for k, v in res.items() if k != "responses"}
                 name = setting if batch == batches[0] else f"on b{batch}"
+                name = "on+retire" if setting == "retire" else name
                 print(f"cap {cap} rep {rep} {name}: " + json.dumps(brief), flush=True)
                 runs.setdefault((cap, name), []).append(res)
     table = [
@@ -173,7 +189,7 @@ def main() -> None:
     benches = []
     for cap in caps:
         med = {}
-        names = ["off", "on"] + [f"on b{b}" for b in batches[1:]]
+        names = ["off", "on", "on+retire"] + [f"on b{b}" for b in batches[1:]]
         for setting in names:
             rs = sorted(runs[(cap, setting)], key=lambda r: r["eval_s"])
             r = rs[len(rs) // 2]
@@ -192,6 +208,15 @@ def main() -> None:
             f" rss_off_gib={off['peak_rss_gib']:.2f} rss_on_gib={on['peak_rss_gib']:.2f}"
             f" same_answers_fault={same['fault']:.4f} same_answers_clean={same['clean']:.4f}"
             f" problems={sum(off['n'].values())} reps={args.reps}"
+        )
+        both = med["on+retire"]
+        same = _same(off, both)
+        benches.append(
+            f"BENCH evaluate_retire ratio={on['eval_s'] / both['eval_s']:.2f} cap={cap}"
+            f" on_s={on['eval_s']:.1f} both_s={both['eval_s']:.1f}"
+            f" off_over_both={off['eval_s'] / both['eval_s']:.2f}"
+            f" rss_off_gib={off['peak_rss_gib']:.2f} rss_both_gib={both['peak_rss_gib']:.2f}"
+            f" same_answers_fault={same['fault']:.4f} same_answers_clean={same['clean']:.4f}"
         )
         for b in batches[1:]:
             big = med[f"on b{b}"]

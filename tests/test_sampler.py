@@ -302,6 +302,77 @@ def test_shared_prefix_is_off_where_it_would_change_the_values():
         assert s.prefix_calls == 0
 
 
+def test_retire_sizes_halve_down_to_the_floor():
+    assert sampler_mod.RETIRE_MIN_ROWS == 8
+    assert sampler_mod.retire_sizes(32) == (32, 16, 8)
+    assert sampler_mod.retire_sizes(40) == (40, 20, 10)  # 5 is below the floor
+    assert sampler_mod.retire_sizes(12) == (12,)  # 6 is below the floor
+    assert sampler_mod.retire_sizes(9) == (9,)  # odd: no half
+    assert sampler_mod.retire_sizes(64, divisor=2) == (64, 32, 16, 8)
+    assert sampler_mod.retire_sizes(48, divisor=16) == (48,)  # 24 does not split over 16
+
+
+def early_stops(rows=32, new=12):
+    """Prompts of `rows` lengths and stop ids that end most rows in the first steps: the ids
+    the first 20 rows emit at step 1 without any stop id (random weights rarely stop)."""
+    lengths = tuple(np.random.RandomState(3).randint(3, 15, rows))
+    ids, mask = prompts(lengths)
+    free = sampler(eos_id=-1, max_new_tokens=new)(WEIGHTS, ids, mask, jax.random.key(0))
+    return ids, mask, tuple(sorted({int(x) for x in free.tokens[:20, 1]}))
+
+
+@pytest.mark.parametrize("fault", [None, "token"])
+def test_retired_rows_give_the_greedy_tokens_of_the_full_batch(fault):
+    # 32 rows, most of which stop within a few steps: the decode goes on at 16 rows, then 8,
+    # and every row's tokens, end and mask are those of decoding all 32 to the end, with no
+    # fault and with a deterministic per-token deadzone.
+    plan = None
+    if fault:
+        dz = Deadzone(0.3, scope=fault)
+        plan = FaultPlan([Injection("dz", SiteSelector(("layer",), (1,)), dz, phases=("rollout",))])
+    new = 12
+    ids, mask, stops = early_stops(new=new)
+    kw = dict(eos_id=-1, stop_ids=stops, max_new_tokens=new, plan=plan)
+    on, off = sampler(**kw, retire_rows=True), sampler(**kw)
+    assert on._spec.retire and not on.retire_refused
+    assert off.retire_refused == ["config.rollout.retire_rows=False"]
+    a = on(WEIGHTS, ids, mask, jax.random.key(0))
+    b = off(WEIGHTS, ids, mask, jax.random.key(0))
+    np.testing.assert_array_equal(a.tokens, b.tokens)
+    np.testing.assert_array_equal(a.response_mask, b.response_mask)
+    np.testing.assert_array_equal(a.ended, b.ended)
+    assert 8 <= b.ended.sum() < 32  # rows stop early, and some run to the cap
+    # The same products for a row over batches of other sizes: f32 rounding along the path.
+    path = forward_path(CONFIG, BUCKETS[0] + new, log_softmax=True)
+    tol = bound(path, logit_bound(CONFIG, WEIGHTS))
+    np.testing.assert_allclose(a.logprobs, b.logprobs, atol=tol, rtol=0)
+    # Not vacuous: the full batch computed 32 rows at every step it ran, the retiring one 16
+    # from the first step that 16 or fewer rows ran, 8 from the first that 8 or fewer did.
+    live = b.response_mask.sum(0)  # rows live at each step
+    steps = int((live > 0).sum())
+    assert b.row_steps == 32 * steps
+    kept = np.where(live[:steps] > 16, 32, np.where(live[:steps] > 8, 16, 8))
+    assert a.row_steps == kept.sum() < b.row_steps
+
+
+def test_retiring_is_off_where_it_would_change_the_values():
+    # Sampled tokens are drawn over the whole batch; a call-wide statistic or a draw per call
+    # changes with the rows of a call: one line each, and every row decoded to the end.
+    sampled = sampler(retire_rows=True, temperature=1.0)
+    assert not sampled._spec.retire and "draws over the batch" in sampled.retire_refused[0]
+    for t, why in (
+        (Deadzone(0.3, scope="call"), "a statistic over the whole call"),
+        (Noise("relative_gaussian", Scale(0.1)), "draws its values per call"),
+    ):
+        plan = FaultPlan([Injection("f", SiteSelector(("layer",), (1,)), t, phases=("rollout",))])
+        s = sampler(plan=plan, retire_rows=True)
+        assert not s._spec.retire and len(s.retire_refused) == 1 and why in s.retire_refused[0]
+        ids, mask, stops = early_stops()
+        s = sampler(plan=plan, retire_rows=True, eos_id=-1, stop_ids=stops, max_new_tokens=12)
+        out = s(WEIGHTS, ids, mask, jax.random.key(0))
+        assert out.row_steps == 32 * int(out.response_mask.sum(0).astype(bool).sum())
+
+
 def test_norm_weight_noise_is_drawn_once_per_rollout():
     # AQN's norm-weight noise (QeRL's form) models the weights the rollout device holds: one
     # draw for the prefill and every decode step. The sampler's log-probs then equal one
@@ -400,6 +471,18 @@ MESH = textwrap.dedent(
         assert s.prefix_calls == int(share)
     np.testing.assert_array_equal(got[0].tokens, got[1].tokens)
     out["prefix"] = float(np.abs(got[0].logprobs - got[1].logprobs).max())
+    # Finished rows retired on the mesh: 32 rows over the two devices (levels 32, 16, 8, each
+    # split over both), the same greedy tokens and ends as decoding every row to the end.
+    from test_sampler import early_stops
+    ids, mask, stops = early_stops()
+    got = []
+    for retire in (True, False):
+        params = SamplingParams(**dict(sp, max_new_tokens=12), stop_ids=stops, retire_rows=retire)
+        s = Sampler(MODEL, params, tok, (16,), mesh=mesh)
+        got.append(s(WEIGHTS, ids, mask, jax.random.key(0)))
+    np.testing.assert_array_equal(got[0].tokens, got[1].tokens)
+    np.testing.assert_array_equal(got[0].ended, got[1].ended)
+    assert got[0].row_steps < got[1].row_steps, (got[0].row_steps, got[1].row_steps)
     # Silent groups' advantages exactly 0 on the mesh (rows split over both devices).
     for n in (3, 5, 7):
         scores = np.ones(4 * n, np.float32)

@@ -67,6 +67,10 @@ def rollout_config() -> ml_collections.ConfigDict:
     # example) prefilled once, in the rollout, validation and evaluation (off where a fault's
     # values would differ: `FaultPlan.prefix_refusals`).
     c.share_prefix = True
+    # Greedy decoding (validation, evaluation) retires its finished rows: once at most half of a
+    # batch still runs, the decode goes on with a batch half as large (off where a fault's
+    # values would differ: `FaultPlan.prefix_refusals`; sampled rollouts keep every row).
+    c.retire_rows = True
     return c
 
 

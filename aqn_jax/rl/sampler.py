@@ -44,6 +44,10 @@ NEG_INF = -1e30  # masks logits that may never be sampled (finite: no NaN in log
 # A shared prefix is a multiple of this many tokens (the rest of the common tokens go with each
 # row's own): one program per multiple, not per length.
 PREFIX_GRANULE = 16
+# A decode that retires its finished rows halves its batch down to this many rows and no
+# further: below it a CPU's decode step costs about the same (reading every weight once
+# dominates), and every level is one more copy of the step in the program.
+RETIRE_MIN_ROWS = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +77,11 @@ class SamplingParams:
     # worked example) once and broadcast its KV cache to every row (config.rollout.share_prefix);
     # off where the fault plan says the values would differ (`FaultPlan.prefix_refusals`).
     share_prefix: bool = True
+    # Greedy decoding retires its finished rows (config.rollout.retire_rows): once at most half
+    # of the rows still run, the live ones are gathered into a batch half as large, down to
+    # RETIRE_MIN_ROWS; off for sampled decoding (its draws are made over the whole batch) and
+    # where the fault plan says the values would differ (`FaultPlan.prefix_refusals`).
+    retire_rows: bool = False
 
     def __post_init__(self):
         _check_sampling(self, "")
@@ -148,6 +157,9 @@ class SampleOutput:
     response_mask: np.ndarray  # [B*n, max_new_tokens], 1 for generated tokens (EOS included)
     fault_stats: dict[str, Any]  # mean over prefill and decode steps, per stat
     ended: np.ndarray  # [B*n] bool: the row emitted a stop id (False: cut at max_new_tokens)
+    # Rows x decode steps the program computed (finished rows included until retired); with
+    # rows retired, fewer than rows x the steps run.
+    row_steps: int = 0
 
 
 class Sampler:
@@ -182,7 +194,18 @@ class Sampler:
         self.prefix_refused = self.plan.prefix_refusals(phase)
         if not sampling.share_prefix:
             self.prefix_refused = ["config.rollout.share_prefix=False"]
-        self._spec = _Program(model, sampling, self.plan, phase, mesh, share, on_trace=self._traced)
+        # Why finished rows are not retired from the decode ([] when they are).
+        self.retire_refused = retire_refusals(sampling, self.plan, phase)
+        self._spec = _Program(
+            model,
+            sampling,
+            self.plan,
+            phase,
+            mesh,
+            share,
+            on_trace=self._traced,
+            retire=not self.retire_refused,
+        )
         self._program = jax.jit(functools.partial(generate, self._spec), donate_argnums=(4,))
         self.prefix_calls = 0  # calls that prefilled a shared prefix (tests read it)
 
@@ -226,7 +249,7 @@ class Sampler:
         rows = B * self.sampling.n
         cache = self._take_cache(rows, bucket)
         fault_key = key if fault_key is None else fault_key
-        tokens, logprobs, mask, stats, ended, cache = self._program(
+        tokens, logprobs, mask, stats, ended, row_steps, cache = self._program(
             weights, dev_ids, dev_mask, (key, fault_key), cache, dict(values or {}), prefix
         )
         self._caches[(rows, bucket)] = cache
@@ -239,6 +262,7 @@ class Sampler:
             response_mask=parallel.to_host(mask),
             fault_stats=jax.tree_util.tree_map(parallel.to_host, stats),
             ended=parallel.to_host(ended).astype(bool),
+            row_steps=int(parallel.to_host(row_steps)),
         )
 
     def _inputs(self, input_ids: np.ndarray, attention_mask: np.ndarray):
@@ -326,6 +350,32 @@ class _Program:
     mesh: jax.sharding.Mesh | None
     share: bool  # one prefill per distinct prompt, broadcast to its n rows
     on_trace: Callable[[], None]
+    retire: bool = False  # finished rows retired from the decode (`retire_sizes`)
+
+
+def retire_refusals(sampling: SamplingParams, plan: FaultPlan, phase: str) -> list[str]:
+    """Why a decode with `sampling` under `plan` keeps every row to its end, one line each
+    (empty: finished rows may be retired). Retiring changes the rows of each decode call, as
+    prefilling a prefix in a call of its own does (`FaultPlan.prefix_refusals`), and a sampled
+    token is drawn over the whole batch (`jax.random.categorical` of one key): fewer rows, other
+    draws."""
+    if not sampling.retire_rows:
+        return ["config.rollout.retire_rows=False"]
+    if not sampling.greedy:
+        return [f"sampled decoding (temperature {sampling.temperature:g}) draws over the batch"]
+    return plan.prefix_refusals(phase)
+
+
+def retire_sizes(rows: int, divisor: int = 1) -> tuple[int, ...]:
+    """The decode's batch sizes when it retires finished rows: `rows`, then each half while the
+    half is whole, at least RETIRE_MIN_ROWS and splits over `divisor` devices."""
+    sizes = [rows]
+    while sizes[-1] % 2 == 0:
+        half = sizes[-1] // 2
+        if half < max(RETIRE_MIN_ROWS, divisor) or half % divisor:
+            break
+        sizes.append(half)
+    return tuple(sizes)
 
 
 def shared_prefix_len(input_ids: np.ndarray, attention_mask: np.ndarray) -> int:
@@ -422,20 +472,69 @@ def generate(p: _Program, weights, input_ids, attention_mask, keys, cache, value
         mask=jnp.zeros((rows, T), jnp.int32),
         done=jnp.zeros((rows,), bool),
         stats_sum=stats,
+        row_steps=jnp.zeros((), jnp.int32),
     )
 
     def cond(s):
         return (s["t"] < T) & ~jnp.all(s["done"])
 
     body = functools.partial(_decode_step, p, weights, key, fault_key, values)
-    s = jax.lax.while_loop(cond, body, state)
+    divisor = 1 if p.mesh is None else parallel.batch_divisor(p.mesh)
+    sizes = retire_sizes(rows, divisor) if p.retire else (rows,)
+    if len(sizes) == 1:
+        s = jax.lax.while_loop(cond, body, state)
+        ended = s["done"]
+    else:
+        s = _retiring_decode(p, state, sizes, cond, body)
+        ended = s["ended"].at[s["orig"]].set(s["done"])
+        # The pool's buffers keep the call's shape (the next call zeroes or replaces them).
+        s["cache"] = jax.tree_util.tree_map(jnp.zeros_like, cache)
     if p.mesh is not None:
         s["cache"] = jax.lax.with_sharding_constraint(
             s["cache"], _cache_sharding(p.mesh, s["cache"])
         )
     # Telemetry: the mean over the prefill and every decode step that ran.
     stats = jax.tree_util.tree_map(lambda v: v / (s["t"] + 1).astype(v.dtype), s["stats_sum"])
-    return s["tokens"], s["logprobs"], s["mask"], stats, s["done"], s["cache"]
+    return s["tokens"], s["logprobs"], s["mask"], stats, ended, s["row_steps"], s["cache"]
+
+
+def _retiring_decode(p: _Program, state: dict, sizes: tuple[int, ...], cond, body) -> dict:
+    """The decode loop in levels of `sizes` rows: each level runs while more rows are live than
+    the next level holds, then the live rows (in their order) and as many finished ones as fill
+    the next level are gathered into it. `orig` maps a level's rows to the call's, where every
+    token is written; `ended` holds the finished state of the rows left behind. Each row's
+    computation is the one it has in the full batch: its cache slots, positions and fault state
+    go with it, and no call-wide value is allowed here (`retire_refusals`)."""
+    rows = sizes[0]
+    s = dict(state, orig=jnp.arange(rows, dtype=jnp.int32), ended=jnp.zeros((rows,), bool))
+    for i, size in enumerate(sizes):
+        if i:
+            s = _retire(p, s, size)
+        below = sizes[i + 1] if i + 1 < len(sizes) else 0
+        s = jax.lax.while_loop(
+            lambda s, below=below: cond(s) & (jnp.sum(~s["done"]) > below), body, s
+        )
+    return s
+
+
+def _retire(p: _Program, s: dict, size: int) -> dict:
+    """The loop state `s` with its rows cut to `size`: the live ones first, in their order (at
+    most `size` of them live when the level before ended early)."""
+    ended = s["ended"].at[s["orig"]].set(s["done"])
+    keep = jnp.argsort(s["done"], stable=True)[:size]
+    rows = lambda tree: jax.tree_util.tree_map(lambda x: x[keep] if x.ndim else x, tree)  # noqa: E731
+    cache = rows(s["cache"])
+    if p.mesh is not None:
+        cache = jax.lax.with_sharding_constraint(cache, _cache_sharding(p.mesh, cache))
+    return dict(
+        s,
+        cache=cache,
+        fault_state=rows(s["fault_state"]),
+        logits=s["logits"][keep],
+        done=s["done"][keep],
+        orig=s["orig"][keep],
+        ended=ended,
+    )
 
 
 def _prefill(p: _Program, weights, input_ids, attention_mask, cache, prefill_key, values, prefix):
@@ -511,9 +610,11 @@ def _decode_step(p: _Program, weights, key, fault_key, values, s):
     logprob = jnp.take_along_axis(jax.nn.log_softmax(scaled), token[:, None], axis=-1)[:, 0]
     live = ~s["done"]
     token = jnp.where(live, token, sp.pad_id)
-    tokens = s["tokens"].at[:, t].set(token)
-    logprobs = s["logprobs"].at[:, t].set(jnp.where(live, logprob, 0.0))
-    mask = s["mask"].at[:, t].set(live.astype(jnp.int32))
+    # The call's rows this batch's rows are (`_retiring_decode`); all of them in order if none.
+    at = s["orig"] if "orig" in s else slice(None)
+    tokens = s["tokens"].at[at, t].set(token)
+    logprobs = s["logprobs"].at[at, t].set(jnp.where(live, logprob, 0.0))
+    mask = s["mask"].at[at, t].set(live.astype(jnp.int32))
     done = s["done"] | (token == sp.eos_id)
     for stop in sp.stop_ids:
         if stop != sp.eos_id:
@@ -530,6 +631,7 @@ def _decode_step(p: _Program, weights, key, fault_key, values, s):
         values,
     )
     return dict(
+        s,
         t=t + 1,
         cache=cache,
         fault_state=fault_state,
@@ -539,4 +641,5 @@ def _decode_step(p: _Program, weights, key, fault_key, values, s):
         mask=mask,
         done=done,
         stats_sum=jax.tree_util.tree_map(jnp.add, s["stats_sum"], stats),
+        row_steps=s["row_steps"] + token.shape[0],
     )

@@ -74,6 +74,7 @@ class LoopSpec:
     aqn: AqnSchedule
     share_prompt: bool = True  # config.rollout.share_prompt: one prefill per distinct prompt
     share_prefix: bool = True  # config.rollout.share_prefix: the prompts' common prefix once
+    retire_rows: bool = True  # config.rollout.retire_rows: greedy decodes retire finished rows
 
 
 def prompt_batcher(spec: LoopSpec, train_examples: Sequence[Example], tokenizer: Tokenizer):
@@ -135,6 +136,7 @@ class Trainer:
             vocab_size=tokenizer.vocab_size,
             share_prompt=spec.share_prompt,
             share_prefix=spec.share_prefix,
+            retire_rows=spec.retire_rows,
         )
         greedy = dataclasses.replace(sampling, temperature=0.0, top_k=0, top_p=1.0, n=1)
         # Generation has no backward pass: the samplers' model does not remat.
