@@ -483,8 +483,12 @@ def _seed_study(config, smoke: bool):
       seed's do: its rollout hooks and its training DeadzoneMatMul draw independently).
     - Noise proportional to |y| adds nothing to a value the deadzone already flushed to 0, and
       the second deadzone flushes any survivor the noise pushed below the threshold: in this
-      order the noise cannot revive a flushed value (the mechanism is measured in
-      docs/qwen05_seed_study.md).
+      order the noise cannot revive a flushed value. Measured (bench/aqn_mechanism.py, on 64
+      held-out problems teacher-forced; WORKSPACE.md, "The seed's mechanism"): layer 15's
+      flushed share 0.7782 at sigma 0 -> 0.7849 at sigma 0.05 on the warm start, 0 values
+      rescued; with the noise before the deadzone (order='before_fault') 0.1-0.7% come back
+      and as many others go under. Whatever the AQN arms do, they do through the noise's
+      effect on learning, not by reviving flushed signal.
 
     Seeds until the answer resolves (config.compare.target_mdd): 6 seeds, then one more seed's
     arms at a time until the minimum detectable difference of targeted_seed - global_seed and
@@ -492,6 +496,14 @@ def _seed_study(config, smoke: bool):
     evaluated at its end, greedy, on the first 512 held-out problems on the faulty device and
     the first 128 on the clean device, with per-problem records (samples.jsonl); step 0 once
     for the study (baseline/). The outcome: `python -m aqn_jax.study.outcome`.
+
+    The reading so far (22 runs, AMD EPYC model 17, 2026-12-05; docs/qwen05_seed_study.md):
+    on the faulty device faulty 0.647 (8 seeds), targeted_seed 0.627 (8), global_seed 0.603
+    (6). targeted_seed - global_seed +0.042, 95% [-0.038, 0.122], MDD 0.109, p (Holm) 0.46;
+    targeted_seed - faulty -0.019 [-0.106, 0.067], MDD 0.120, p (Holm) 0.62: both nulls that
+    cannot yet tell 0.05 from none. Of Var(D), 0.90-0.95 is the seeds' part: more seeds, not
+    more problems, buy the precision (the planner: 22-38 seeds for MDD 0.05, beyond
+    max_seeds 12).
     """
     config = _study(config, smoke)
     cmp = config.compare
